@@ -1,0 +1,49 @@
+# Tidal's two entry points for a fresh machine are `make demo` and `make test`; the other targets are their parts.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+ENV := source hack/env.sh &&
+
+.PHONY: help env binaries lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
+
+help:
+	@echo "make demo   - local control plane, helm install, an example tiny model, a request, kubectl get"
+	@echo "make test   - install what is missing, ruff, then every test tier (unit, kernels, worker, e2e)"
+
+env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
+	@bash hack/bootstrap-python.sh
+
+binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm from their Go modules, cached by version
+	@bash hack/build-binaries.sh
+
+lint: env
+	@$(ENV) ruff check . && ruff format --check .
+
+format: env
+	@$(ENV) ruff format . && ruff check --fix .
+
+test: env binaries lint
+	@$(ENV) python -m pytest
+
+test-unit: env
+	@$(ENV) python -m pytest tests/unit
+
+test-kernels: env
+	@$(ENV) python -m pytest tests/kernels
+
+test-worker: env
+	@$(ENV) python -m pytest tests/worker
+
+test-e2e: env binaries
+	@$(ENV) python -m pytest tests/e2e
+
+crds: env  ## rewrite crds/, the chart's CRD copy and docs/API.md from the pydantic spec
+	@$(ENV) python -m tidal.operator.crdgen
+
+demo: env binaries
+	@$(ENV) bash hack/demo.sh
+
+demo-down: env
+	@$(ENV) tidal-devcluster down --dir "$${TIDAL_DEMO_DIR:-$$TIDAL_CACHE/demo}"
+
+clean-cache:  ## forget the cached environment and binaries (the next run rebuilds them)
+	@$(ENV) rm -rf "$$TIDAL_CACHE"

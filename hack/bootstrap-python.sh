@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create (once) the Python environment outside the clone and install Tidal into it in editable mode with every
+# extra. Versions come from hack/constraints.txt, the set the test suite was run with; pyproject.toml holds
+# the lower bounds. Re-running is cheap: pip only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source hack/env.sh
+if [ ! -x "$TIDAL_VENV/bin/python" ]; then
+  echo "creating $TIDAL_VENV"
+  python3 -m venv "$TIDAL_VENV"
+fi
+"$TIDAL_VENV/bin/python" -m pip install -q --upgrade "pip>=24" "setuptools>=75"
+"$TIDAL_VENV/bin/python" -m pip install -q -c hack/constraints.txt -e ".[dev]"
+echo "python environment ready: $TIDAL_VENV"

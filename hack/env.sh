@@ -1,0 +1,8 @@
+# Sourced by the Makefile's recipes and .ci/run: where Tidal keeps what it builds and installs outside the clone.
+# Everything heavy is keyed by version so a second run on the same machine reuses it.
+export TIDAL_CACHE="${TIDAL_CACHE:-$HOME/.cache/tidal}"
+export KUBE_VERSION="v1.36.3"
+export HELM_VERSION="v3.19.0"
+export TIDAL_BIN="$TIDAL_CACHE/bin/kube-$KUBE_VERSION-helm-$HELM_VERSION"
+export TIDAL_VENV="$TIDAL_CACHE/venv-py$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+export PATH="$TIDAL_BIN:$TIDAL_VENV/bin:$PATH"
