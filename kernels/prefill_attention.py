@@ -1,0 +1,74 @@
+"""Causal prefill/extend attention over the paged KV cache (new tokens of several sequences packed, each possibly
+after a cached prefix): the torch reference, the Triton wrapper and the dispatching entry point."""
+
+import torch
+
+from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gather_context
+from tidal.kernels._validate import check_dtype, check_ndim
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    check_paged_kv(q, k_cache, v_cache, block_tables)
+    batch = block_tables.shape[0]
+    check_ndim("cu_seqlens_q", cu_seqlens_q, 1)
+    check_dtype("cu_seqlens_q", cu_seqlens_q, (torch.int32,))
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_q must have {batch + 1} entries for {batch} sequences, got {cu_seqlens_q.numel()}"
+        )
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q must be on {q.device}, got {cu_seqlens_q.device}")
+    check_seq_lens(seq_lens, batch, q.device)
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, num_heads, head_dim] -> [T, num_heads, head_dim]. The i-th new token of sequence b sits at position
+    seq_lens[b] - q_len_b + i and sees keys 0..that position."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    num_heads = q.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        if q_len <= 0:
+            continue
+        if seq_len < q_len:
+            raise ValueError(f"sequence {b}: seq_len {seq_len} is shorter than its {q_len} new tokens")
+        keys = gather_context(k_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        values = gather_context(v_cache, block_tables[b], seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [num_heads, q_len, seq_len]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+        key_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+    return out.to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton on CUDA, the torch reference elsewhere."""
+    return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
