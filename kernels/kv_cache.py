@@ -1,3 +1,4 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
 """Writing new K/V rows into the paged cache: the torch reference, the Triton kernel and the dispatching entry point.
 
 Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
@@ -5,11 +6,14 @@ block_id * block_size + offset; slot -1 marks a padding token that is not writte
 """
 
 import torch
+import triton
+import triton.language as tl
 
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_dtype,
+    check_last_dim_contiguous,
     check_ndim,
     check_same_device,
     check_same_dtype,
@@ -30,6 +34,8 @@ def _check_inputs(
     check_same_dtype("k, v, k_cache and v_cache", k, v, k_cache, v_cache)
     check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
     check_same_device("k, v, k_cache, v_cache and slot_mapping", k, v, k_cache, v_cache, slot_mapping)
+    check_last_dim_contiguous("k", k)
+    check_last_dim_contiguous("v", v)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
 
@@ -46,8 +52,72 @@ def store_kv_reference(
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = v[keep]
 
 
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    dest = slot * num_kv_heads * head_dim + heads * head_dim + dims  # cache rows are dense [heads, head_dim]
+    k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims, mask=mask)
+    v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=mask)
+    tl.store(k_cache_ptr + dest, k, mask=mask)
+    tl.store(v_cache_ptr + dest, v, mask=mask)
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The Triton kernel; same contract as `store_kv_reference`. Slots must lie inside the cache (not checked: that
+    would need a device sync)."""
+    _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    # About 4K elements per program: enough bytes in flight without spilling for wide heads.
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(4096 // block_d, 1))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _store_kv_kernel[grid](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Triton on CUDA, the torch reference elsewhere."""
-    store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+    if k.is_cuda:
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)

@@ -1,11 +1,21 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
 """Rotary position embedding: the cos/sin cache (default, linear and Llama-3 scaling), the torch reference rotation,
 the Triton kernel and the dispatching entry point. Both rotation styles: neox (rotate halves) and GPT-J (pairs)."""
 
 import math
 
 import torch
+import triton
+import triton.language as tl
 
-from tidal.kernels._validate import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_ndim, check_shape
+from tidal.kernels._validate import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_shape,
+)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -74,6 +84,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim % 2 != 0 or rotary_dim > q.shape[2]:
         raise ValueError(f"cos_sin_cache width {rotary_dim} must be even and <= head_dim {q.shape[2]}")
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        check_last_dim_contiguous(name, t)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
@@ -99,8 +111,97 @@ def apply_rotary_reference(
     return q, k
 
 
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    stride_t,
+    stride_h,
+    token,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """Rotates the first 2*HALF dims of every head of one token in place; cos/sin [1, HALF_P2] fp32."""
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+    mask = (heads < num_heads) & (pairs < HALF)
+    base = x_ptr + token * stride_t + heads * stride_h
+    if IS_NEOX:
+        first, second = base + pairs, base + HALF + pairs
+    else:
+        first, second = base + 2 * pairs, base + 2 * pairs + 1
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cache_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    cache_stride,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+    row = cache_ptr + position * cache_stride
+    cos = tl.load(row + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_stride_t, q_stride_h, token, num_heads, cos, sin, HALF, HALF_P2, BLOCK_HQ, IS_NEOX)
+    _rotate_heads(k_ptr, k_stride_t, k_stride_h, token, num_kv_heads, cos, sin, HALF, HALF_P2, BLOCK_HK, IS_NEOX)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel; same contract as `apply_rotary_reference` (in place, returns (q, k))."""
+    _check_inputs(q, k, positions, cos_sin_cache)
+    num_tokens, num_heads, _ = q.shape
+    if num_tokens > 0:
+        _rotary_kernel[(num_tokens,)](
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos_sin_cache.stride(0),
+            num_heads,
+            k.shape[1],
+            HALF=cos_sin_cache.shape[1] // 2,
+            HALF_P2=triton.next_power_of_2(cos_sin_cache.shape[1] // 2),
+            BLOCK_HQ=triton.next_power_of_2(num_heads),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            IS_NEOX=is_neox,
+            num_warps=4,
+        )
+    return q, k
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton on CUDA, the torch reference elsewhere. Rotates q and k in place and returns them."""
+    if q.is_cuda:
+        return apply_rotary_triton(q, k, positions, cos_sin_cache, is_neox)
     return apply_rotary_reference(q, k, positions, cos_sin_cache, is_neox)
