@@ -11,6 +11,7 @@ import (
 	"go.etcd.io/etcd/server/v3/etcdmain"
 	"k8s.io/component-base/cli"
 	kubectlcmd "k8s.io/kubectl/pkg/cmd"
+	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
@@ -33,7 +34,10 @@ func main() {
 	case "kube-scheduler":
 		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
 	case "kubectl":
-		os.Exit(cli.RunNoErrOutput(kubectlcmd.NewDefaultKubectlCommand()))
+		// kubectl prints its own errors (with the right exit code) through CheckErr, as its upstream main does.
+		if err := cli.RunNoErrOutput(kubectlcmd.NewDefaultKubectlCommand()); err != nil {
+			kubectlutil.CheckErr(err)
+		}
 	case "etcd":
 		etcdmain.Main(args)
 	default:
