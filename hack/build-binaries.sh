@@ -12,7 +12,15 @@ export CGO_ENABLED=0 GOFLAGS=-mod=mod
 if [ ! -x "$TIDAL_BIN/kube" ]; then
   echo "building kube $KUBE_VERSION (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd)..."
   start=$(date +%s)
-  (cd hack/kube && go build -trimpath -ldflags="-s -w" -o "$TIDAL_BIN/kube.tmp" .)
+  # Stamp the release into the binaries: kubectl, helm and the apiserver's /version report it, and version-skew
+  # checks and charts' kubeVersion constraints read it.
+  minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
+  stamp=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    stamp+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+    stamp+=" -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
+  (cd hack/kube && go build -trimpath -ldflags="-s -w $stamp" -o "$TIDAL_BIN/kube.tmp" .)
   mv "$TIDAL_BIN/kube.tmp" "$TIDAL_BIN/kube"
   echo "built kube in $(( $(date +%s) - start )) s"
 fi
@@ -22,7 +30,10 @@ done
 if [ ! -x "$TIDAL_BIN/helm" ]; then
   echo "building helm $HELM_VERSION..."
   start=$(date +%s)
-  GOBIN="$TIDAL_BIN" go install -trimpath -ldflags="-s -w" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  kube_minor=$(echo "$KUBE_VERSION" | cut -d. -f2)
+  GOBIN="$TIDAL_BIN" go install -trimpath -ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION \
+    -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$kube_minor" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
   echo "built helm in $(( $(date +%s) - start )) s"
 fi
 echo "control-plane binaries ready: $TIDAL_BIN"
