@@ -1,0 +1,186 @@
+"""Request and response models of the worker's control API: the contract between the operator and each worker.
+
+Both sides import these models (the worker validates requests with them, the operator's client builds requests and
+parses responses with them), so a field renamed here is renamed for both at once. This module must stay importable
+without torch: the operator image does not install it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CONTROL_API_VERSION = "v1"
+TOKEN_HEADER = "Authorization"  # "Bearer <token>"
+
+
+class _Model(BaseModel):
+    # Unknown fields are rejected so that a typo in a request is an error, not a silently ignored option.
+    model_config = ConfigDict(extra="forbid")
+
+
+class SleepState(StrEnum):
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+
+
+class ResidentTag(StrEnum):
+    """What `wake_up` can restore, and what `/state` reports as resident on the device."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+
+
+class DrainMode(StrEnum):
+    """What happens to running requests when the worker must stop serving for a moment (sleep, weight update)."""
+
+    DRAIN = "drain"  # hold new requests, let running ones finish (bounded by a timeout), then act
+    ABORT = "abort"  # end running requests with a clear error to their clients, then act
+
+
+SleepLevel = Literal[1, 2]
+Version = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")]
+
+
+class WorkerState(_Model):
+    """`GET /state`."""
+
+    sleep_state: SleepState
+    sleep_level: SleepLevel | None = Field(None, description="level of the current sleep; null while awake")
+    resident: list[ResidentTag] = Field(description="what currently occupies device memory")
+    weights_version: str | None = Field(description="version of the weights being served; null before the first load")
+    model_loaded: bool
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    group_epoch: int = Field(ge=0, description="membership epoch last applied by /group/reconfigure (0: never)")
+    leader_rank: int = Field(ge=0)
+    group_formed: bool
+    in_flight_requests: int = Field(ge=0, description="requests running or waiting in the engine")
+    seconds_since_last_request: float | None = Field(
+        None, ge=0, description="time since a request last arrived; null if none ever did (for idle sleep)"
+    )
+
+
+class SleepRequest(_Model):
+    """`POST /sleep`."""
+
+    level: SleepLevel = 1
+    mode: DrainMode = DrainMode.DRAIN
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class WakeUpRequest(_Model):
+    """`POST /wake_up`: restore what `tags` names, everything when omitted."""
+
+    tags: list[ResidentTag] | None = None
+
+
+class TransitionResult(_Model):
+    """Answer of sleep and wake_up: the state after the call, and what it cost."""
+
+    state: WorkerState
+    duration_s: float = Field(ge=0)
+    bytes_moved: int = Field(0, ge=0, description="bytes copied between host and device, or freed on the device")
+
+
+class WeightsUpdateRequest(_Model):
+    """`POST /weights/update`: load a checkpoint from a directory the pod can read, in place."""
+
+    source: str = Field(min_length=1, description="local directory holding *.safetensors (sharded or not)")
+    version: Version
+    mode: DrainMode = DrainMode.DRAIN
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    allow_extra_tensors: bool = Field(False, description="accept tensors the model does not use instead of refusing")
+
+
+class StreamStartRequest(_Model):
+    """`POST /weights/stream/start`: begin a streamed update; chunks of safetensors bytes follow."""
+
+    version: Version
+    allow_extra_tensors: bool = False
+
+
+class StreamStartResponse(_Model):
+    upload_id: str
+
+
+class StreamFinishRequest(_Model):
+    """`POST /weights/stream/{upload_id}/finish`: validate everything received, then swap it in."""
+
+    version: Version
+    mode: DrainMode = DrainMode.DRAIN
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+
+
+class TensorSpec(_Model):
+    name: str = Field(min_length=1)
+    shape: list[int]
+    dtype: Literal["float32", "float16", "bfloat16"]
+
+
+class CollectiveUpdateRequest(_Model):
+    """`POST /weights/collective`: join a process group with a trainer and receive a broadcast of named tensors."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1, description="this worker's rank in the trainer's group; the trainer is rank 0")
+    world_size: int = Field(ge=2)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    tensors: list[TensorSpec] = Field(min_length=1, description="what the trainer broadcasts, in order")
+    version: Version
+    mode: DrainMode = DrainMode.DRAIN
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    timeout_s: float = Field(300.0, gt=0, le=3600, description="limit for joining the group and receiving")
+
+    @model_validator(mode="after")
+    def _rank_inside_group(self) -> CollectiveUpdateRequest:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a group of world_size {self.world_size}")
+        return self
+
+
+class WeightsUpdateResult(_Model):
+    version: str
+    checksum: str = Field(description="overall digest of the weights now served")
+    duration_s: float = Field(ge=0)
+    bytes_loaded: int = Field(ge=0)
+
+
+class WeightsChecksum(_Model):
+    """`GET /weights/checksum`: equal digests across ranks mean they serve the same weights."""
+
+    version: str | None
+    algorithm: Literal["sha256"] = "sha256"
+    overall: str
+    tensors: dict[str, str]
+
+
+class GroupMember(_Model):
+    rank: int = Field(ge=0)
+    address: str = Field(min_length=1, description="host:port of the member's group endpoint")
+
+
+class GroupReconfigureRequest(_Model):
+    """`POST /group/reconfigure`: the membership of an expert-parallel group for one epoch."""
+
+    epoch: int = Field(ge=1)
+    members: list[GroupMember] = Field(min_length=1)
+    leader_rank: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _leader_is_member(self) -> GroupReconfigureRequest:
+        ranks = [m.rank for m in self.members]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"duplicate ranks in members: {sorted(ranks)}")
+        if self.leader_rank not in ranks:
+            raise ValueError(f"leader_rank {self.leader_rank} is not one of the members {sorted(ranks)}")
+        return self
+
+
+class ControlError(_Model):
+    """Body of every non-2xx answer of the control API."""
+
+    code: str = Field(description="stable machine-readable reason, e.g. bad_checkpoint, asleep, unauthorized")
+    message: str
