@@ -1,0 +1,154 @@
+"""Request validation and the probes, on the real app before any model is loaded (no engine involved).
+
+FastAPI validates a body before the handler runs, so every 400 below is the server's answer whatever the engine's
+state; /ready and the generation routes must say 503 while the model is loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.app import build_api_app
+from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from tidal.worker.server.runtime import Phase, WorkerRuntime
+
+
+def _never_loads():
+    raise AssertionError("these tests never load a model")
+
+
+@pytest.fixture
+def loading_app():
+    runtime = WorkerRuntime(_never_loads)
+    metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
+    with TestClient(build_api_app(runtime, metrics, stream_write_timeout_s=5.0)) as client:
+        yield client, runtime, metrics
+
+
+def _error(response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected_param", "expected_text"),
+    [
+        ("/v1/completions", {"model": "m"}, "prompt", "Field required"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": 2}, "n", "only n=1 is supported"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+        ("/v1/completions", {"model": "m", "prompt": []}, "prompt", "prompt must not be empty"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4 stop sequences"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, None, "stream"),
+        ("/v1/chat/completions", {"model": "m", "messages": []}, "messages", "at least 1 item"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "user"),
+        ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "greater than 0"),
+        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
+        ("/v1/chat/completions", {**CHAT, "presence_penalty": 1}, "presence_penalty", "not supported"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+            "only text content parts",
+        ),
+    ],
+)
+def test_invalid_requests_get_400_with_the_reason(loading_app, path, body, expected_param, expected_text):
+    client, _, _ = loading_app
+    response = client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == expected_param
+    assert expected_text in error["message"]
+
+
+def test_malformed_json_is_a_400(loading_app):
+    client, _, _ = loading_app
+    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in _error(response)["message"]
+
+
+def test_rejected_requests_are_counted(loading_app):
+    client, _, _ = loading_app
+    client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
+    client.post("/v1/chat/completions", json={"model": "m"})
+    text = client.get("/metrics").text
+    assert 'tidal_requests_total{endpoint="completions",outcome="rejected"} 1.0' in text
+    assert 'tidal_requests_total{endpoint="chat_completions",outcome="rejected"} 1.0' in text
+
+
+def test_probes_while_loading(loading_app):
+    client, runtime, _ = loading_app
+    assert runtime.phase is Phase.LOADING
+    assert client.get("/health").status_code == 200
+    ready = client.get("/ready")
+    assert ready.status_code == 503
+    assert ready.json()["phase"] == "loading"
+    for response in (client.get("/v1/models"), client.post("/v1/completions", json={"model": "m", "prompt": "x"})):
+        assert response.status_code == 503
+        assert "still loading" in _error(response)["message"]
+
+
+def test_metrics_without_engine_have_request_series_but_no_engine_gauges(loading_app):
+    client, _, _ = loading_app
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "tidal_time_to_first_token_seconds_bucket" in response.text
+    assert "tidal_requests_running" not in response.text
+
+
+def test_two_metric_sets_do_not_collide():
+    # Each server owns its registry: building two in one process must not raise "Duplicated timeseries".
+    first = WorkerMetrics(CollectorRegistry(), lambda: None)
+    second = WorkerMetrics(CollectorRegistry(), lambda: None)
+    first.record_finished("completions", "stop")
+    assert b'outcome="stop"} 1.0' in first.render()[0]
+    assert b'outcome="stop"} 0.0' in second.render()[0]
+
+
+def test_request_models_normalise_openai_forms():
+    assert CompletionRequest(model="m", prompt=["only"]).prompt == "only"
+    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompt == [1, 2, 3]
+    assert CompletionRequest(model="m", prompt="x", stop="END").stop_strings == ["END"]
+    chat = ChatCompletionRequest(
+        model="m",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_completion_tokens=7,
+    )
+    assert chat.messages[0].text == "ab"
+    assert chat.token_limit == 7
+    with pytest.raises(ValidationError, match="disagree"):
+        ChatCompletionRequest(model="m", messages=CHAT["messages"], max_tokens=3, max_completion_tokens=4)
+
+
+def test_runtime_failure_is_reported_by_ready():
+    def broken_loader():
+        raise FileNotFoundError("no weights in /nowhere")
+
+    runtime = WorkerRuntime(broken_loader)
+    metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(runtime.load())
+    assert runtime.phase is Phase.FAILED
+    with TestClient(build_api_app(runtime, metrics, stream_write_timeout_s=5.0)) as client:
+        ready = client.get("/ready")
+        assert ready.status_code == 503
+        assert "no weights" in ready.json()["reason"]
+        assert "failed to load" in _error(client.get("/v1/models"))["message"]

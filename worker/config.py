@@ -1,0 +1,64 @@
+"""The worker process's one typed configuration: the engine's settings plus the server's, from flags or environment.
+
+`WorkerConfig` is an `EngineConfig` (so every engine option is a worker option, with the engine's own validation)
+extended with what the HTTP layer needs. Each field is read from the environment as `TIDAL_<FIELD>` (e.g.
+`TIDAL_PORT`, `TIDAL_MAX_NUM_SEQS`); the model directory is `TIDAL_MODEL` (or `TIDAL_MODEL_PATH`). Command-line
+flags (see `tidal.worker.cli`) are passed in as init arguments and win over the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tidal.worker.engine.config import EngineConfig
+
+ENV_PREFIX = "TIDAL_"
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class WorkerConfig(BaseSettings, EngineConfig):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", frozen=True, validate_by_name=True, protected_namespaces=()
+    )
+
+    # Redeclared only to add the short environment name TIDAL_MODEL (an alias bypasses the prefix, so it is spelt out).
+    model_path: Path = Field(
+        validation_alias="TIDAL_MODEL",
+        description="Local Hugging Face model directory (config.json, *.safetensors, tokenizer).",
+    )
+    host: str = Field(default="0.0.0.0", min_length=1, description="Address the serving API listens on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port of the serving API (0: any free port).")
+    log_level: LogLevel = Field(default="info", description="Log level of the worker and its HTTP servers.")
+    stream_write_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="A streaming client that accepts no data for this long is dropped and its request aborted.",
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _model_dir_exists(self) -> Self:
+        # Checked here, at start, so a typo is a one-line error rather than a traceback from the loader.
+        if not self.model_path.is_dir():
+            raise ValueError(f"model directory {str(self.model_path)!r} does not exist")
+        if not (self.model_path / "config.json").is_file():
+            raise ValueError(f"model directory {str(self.model_path)!r} has no config.json")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's part, as the engine's own type."""
+        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that sets a field (the model directory's short name included)."""
+    return "TIDAL_MODEL" if field_name == "model_path" else f"{ENV_PREFIX}{field_name.upper()}"

@@ -1,0 +1,101 @@
+"""The worker's Prometheus metrics, registered on a registry the caller passes in.
+
+Nothing is registered at import time: each server (and each test) builds its own `WorkerMetrics` on its own
+`CollectorRegistry`, so two servers in one process never collide. Request counters and latency histograms are
+updated by the serving layer as requests progress; the engine's gauges (running, waiting, KV-cache usage) are read
+from the engine at scrape time, so they are never stale and cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+PREFIX = "tidal"
+
+# Outcomes of a request: the engine's finish reasons, plus what happens around them.
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineStatsLike(Protocol):
+    """What the scrape reads from the engine (tidal.worker.engine's EngineStats satisfies it)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's live numbers at scrape time; reports nothing while no engine is loaded."""
+
+    def __init__(self, read_stats: Callable[[], EngineStatsLike | None]) -> None:
+        self._read_stats = read_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests in the running batch", value=stats.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests queued for admission", value=stats.num_waiting)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)", value=stats.kv_cache_usage
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_preemptions", "Sequences preempted for lack of KV-cache blocks", value=stats.num_preemptions
+        )
+
+    def describe(self) -> list[Metric]:
+        # Empty: keeps the registry from calling collect() (and the engine) when the collector is registered.
+        return []
+
+
+class WorkerMetrics:
+    """All metrics of one worker process, on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry, read_stats: Callable[[], EngineStatsLike | None]) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"], registry=registry
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=registry)
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From request arrival to its first generated token",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "From request arrival to its last token",
+            buckets=_E2E_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_EngineCollector(read_stats))
+        # Pre-create each series so a dashboard sees zeros rather than gaps before the first request.
+        for endpoint in ("completions", "chat_completions"):
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint=endpoint, outcome=outcome)
+
+    def record_finished(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type, for `GET /metrics`."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

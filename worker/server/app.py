@@ -1,0 +1,142 @@
+"""App factories and the process's servers: one uvicorn server per listener, one event loop, one engine.
+
+The serving API is one listener; the control API (sleep/wake, weight updates) will be another on its own port, built
+by its own factory from the same `WorkerRuntime` and added to the list `WorkerServers` runs. The supervisor owns the
+signals (uvicorn's per-server handling would stop only one listener, then re-raise the signal and kill the process
+before the engine is shut down), binds every socket before starting anything (a busy port is a clear error, and a
+test can ask for port 0), loads the model while the probes already answer, and exits non-zero if loading fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.types import ASGIApp
+
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.errors import install_error_handlers
+from tidal.worker.server.routes_openai import openai_router
+from tidal.worker.server.routes_probes import probe_router
+from tidal.worker.server.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def build_api_app(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_timeout_s: float) -> FastAPI:
+    """The serving app: OpenAI routes, probes and metrics."""
+    app = FastAPI(title="Tidal worker", summary="OpenAI-compatible serving API of one Tidal worker")
+    install_error_handlers(app, metrics)
+    app.include_router(probe_router(runtime, metrics))
+    app.include_router(openai_router(runtime, metrics, stream_write_timeout_s))
+    return app
+
+
+@dataclass
+class Listener:
+    """One app on one address. `port=0` picks a free port; `bound_port` tells which after `bind()`."""
+
+    name: str
+    app: ASGIApp
+    host: str
+    port: int
+    sock: socket.socket | None = field(default=None, repr=False)
+
+    def bind(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"{self.name} API cannot listen on {self.host}:{self.port}: {exc.strerror}") from exc
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.sock = sock
+
+    @property
+    def bound_port(self) -> int:
+        if self.sock is None:
+            raise RuntimeError(f"listener {self.name} is not bound yet")
+        return int(self.sock.getsockname()[1])
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # WorkerServers owns the signals for every listener; see the module docstring.
+        yield
+
+
+class WorkerServers:
+    """Runs the listeners and the model load together until a signal, `request_stop()`, or a failed load."""
+
+    def __init__(self, runtime: WorkerRuntime, listeners: list[Listener], log_level: str = "info") -> None:
+        self.runtime = runtime
+        self.listeners = listeners
+        self._log_level = log_level.lower()
+        self._servers: list[_UvicornServer] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        for listener in self.listeners:
+            if listener.sock is None:
+                listener.bind()
+
+    def request_stop(self) -> None:
+        """Ask every listener to finish; callable from any thread and from signal handlers."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop_servers)
+
+    def _stop_servers(self) -> None:
+        for server in self._servers:
+            server.should_exit = True
+
+    async def run(self) -> int:
+        """Serve until stopped. Returns the process exit code: 0 after a stop, 1 if the model failed to load."""
+        self._loop = asyncio.get_running_loop()
+        self.bind()
+        for listener in self.listeners:
+            config = uvicorn.Config(
+                listener.app, log_level=self._log_level, lifespan="off", timeout_graceful_shutdown=5
+            )
+            self._servers.append(_UvicornServer(config))
+        self._install_signal_handlers()
+        serving = [
+            asyncio.create_task(server.serve(sockets=[lst.sock]), name=f"serve-{lst.name}")  # type: ignore[list-item]
+            for server, lst in zip(self._servers, self.listeners, strict=True)
+        ]
+        loading = asyncio.create_task(self.runtime.load(), name="load-model")
+        exit_code = 0
+        try:
+            done, _ = await asyncio.wait([*serving, loading], return_when=asyncio.FIRST_COMPLETED)
+            if loading in done and loading.exception() is not None:
+                exit_code = 1
+            elif loading in done:
+                await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._stop_servers()
+            await asyncio.gather(*serving, return_exceptions=True)
+            if not loading.done():
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
+            await self.runtime.shutdown()
+            for listener in self.listeners:
+                if listener.sock is not None:
+                    listener.sock.close()
+        return exit_code
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # Only the main thread may own signals; a server run from a test thread is stopped with request_stop().
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop_servers)

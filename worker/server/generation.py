@@ -1,0 +1,121 @@
+"""One request's run through the engine, timed for the metrics and always accounted for exactly once.
+
+The serving routes never talk to `engine.generate` directly: they make a `Generation`, pull its first output (which
+is where the engine refuses a prompt it cannot take, before anything is sent to the client), then either stream or
+collect the rest. `close()` is synchronous and idempotent so that it can run from any `finally`, including one reached
+by cancellation when a client disconnects; it aborts the engine's request if it has not finished, which returns its
+KV-cache blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from tidal.worker.engine.async_engine import AsyncEngine
+    from tidal.worker.engine.outputs import RequestOutput
+    from tidal.worker.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: WorkerMetrics,
+        endpoint: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self._engine = engine
+        self._metrics = metrics
+        self._endpoint = endpoint
+        self._arrival = time.perf_counter()
+        self._last_token_at: float | None = None
+        self._stream = engine.generate(request_id, prompt_token_ids, params)
+        self._first: RequestOutput | None = None
+        self._outcome: str | None = None
+        # True once the engine holds nothing for this request: finished, refused, or aborted by us.
+        self._engine_done = False
+
+    async def start(self) -> None:
+        """Wait for the engine's first output. A prompt the engine refuses becomes a 400 here."""
+        try:
+            self._first = await anext(self._stream)
+        except StopAsyncIteration:
+            self._account("error")
+            raise ApiError(500, "the engine ended the request without any output") from None
+        except ValueError as exc:
+            # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
+            self._engine_done = True
+            self._account("rejected")
+            raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from exc
+        except BaseException:
+            self.close()
+            raise
+        self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        self._observe(self._first)
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Every output, the first one included; the last carries the finish reason."""
+        if self._first is None:
+            raise RuntimeError("Generation.start() must be awaited before outputs()")
+        try:
+            yield self._first
+            while self.finish_reason is None:
+                output = await anext(self._stream)
+                self._observe(output)
+                yield output
+        except StopAsyncIteration:
+            self._account("error")
+            raise ApiError(500, "the engine ended the request without a finish reason") from None
+        except Exception:
+            log.exception("request %s failed in the engine", self.request_id)
+            self._account("error")
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the engine's request if it may still be running, and account for it. Safe to call repeatedly."""
+        if not self._engine_done:
+            self._engine_done = True
+            self._engine.abort(self.request_id)
+        self._account("abort")
+
+    def _observe(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        num_new = len(output.new_token_ids)
+        if num_new:
+            if self._last_token_at is None:
+                self._metrics.time_to_first_token.observe(now - self._arrival)
+            else:
+                # Several tokens in one delta share the gap evenly (e.g. a detokenizer that held text back).
+                gap = (now - self._last_token_at) / num_new
+                for _ in range(num_new):
+                    self._metrics.inter_token_latency.observe(gap)
+            self._last_token_at = now
+            self.num_output_tokens += num_new
+            self._metrics.generation_tokens.inc(num_new)
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            self._engine_done = True
+            self._metrics.e2e_latency.observe(now - self._arrival)
+            self._account(output.finish_reason)
+
+    def _account(self, outcome: str) -> None:
+        if self._outcome is None:
+            self._outcome = outcome
+            self._metrics.record_finished(self._endpoint, outcome)

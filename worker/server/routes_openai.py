@@ -1,0 +1,119 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Each handler reads like the request's life: check the engine can serve, build the prompt, start the generation (the
+engine may still refuse it: 400), then stream it or collect it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server import prompts
+from tidal.worker.server.errors import ApiError, ErrorResponse
+from tidal.worker.server.generation import Generation
+from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from tidal.worker.server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+)
+from tidal.worker.server.runtime import WorkerRuntime
+from tidal.worker.server.sampling import sampling_params
+from tidal.worker.server.streaming import SSEResponse, chat_events, completion_events
+
+if TYPE_CHECKING:
+    from tidal.worker.engine.async_engine import AsyncEngine
+
+_ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+def openai_router(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_timeout_s: float) -> APIRouter:
+    router = APIRouter(prefix="/v1", responses=_ERRORS)  # type: ignore[arg-type]
+
+    def engine_for(model: str) -> AsyncEngine:
+        engine = runtime.require_engine()
+        if model != runtime.served_model_name:
+            raise ApiError(
+                404, f"model {model!r} is not served here; this server serves {runtime.served_model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return engine
+
+    async def start(
+        engine: AsyncEngine, endpoint: str, request: CompletionRequest | ChatCompletionRequest, request_id: str
+    ) -> Generation:
+        try:
+            if isinstance(request, ChatCompletionRequest):
+                prompt_ids = prompts.chat_prompt_ids(
+                    engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs
+                )
+            else:
+                prompt_ids = prompts.completion_prompt_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
+            prompts.check_prompt_fits(len(prompt_ids), engine.max_model_len)
+        except ApiError:
+            metrics.record_finished(endpoint, "rejected")
+            raise
+        params = sampling_params(request, len(prompt_ids), engine.max_model_len)
+        generation = Generation(engine, metrics, endpoint, request_id, prompt_ids, params)
+        await generation.start()  # accounts for its own refusal
+        return generation
+
+    def stream(events: Callable[[], AsyncIterator[str]], generation: Generation) -> SSEResponse:
+        return SSEResponse(events(), on_close=generation.close, write_timeout_s=stream_write_timeout_s)
+
+    @router.get("/models")
+    async def list_models() -> ModelList:
+        engine = runtime.require_engine()
+        return ModelList(data=[ModelCard(id=runtime.served_model_name, max_model_len=engine.max_model_len)])
+
+    @router.post("/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, http_request: Request) -> Response | CompletionResponse:
+        response_id = new_id("cmpl")
+        generation = await start(engine_for(body.model), "completions", body, response_id)
+        if body.stream:
+            include_usage = body.include_usage_in_stream
+            return stream(lambda: completion_events(generation, response_id, body.model, include_usage), generation)
+        text = await _collect_text(generation, http_request)
+        choice = CompletionChoice(text=text, finish_reason=generation.finish_reason)  # type: ignore[arg-type]
+        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        return CompletionResponse(id=response_id, model=body.model, choices=[choice], usage=usage)
+
+    @router.post("/chat/completions", response_model=None)
+    async def create_chat_completion(
+        body: ChatCompletionRequest, http_request: Request
+    ) -> Response | ChatCompletionResponse:
+        response_id = new_id("chatcmpl")
+        generation = await start(engine_for(body.model), "chat_completions", body, response_id)
+        if body.stream:
+            include_usage = body.include_usage_in_stream
+            return stream(lambda: chat_events(generation, response_id, body.model, include_usage), generation)
+        text = await _collect_text(generation, http_request)
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)  # type: ignore[arg-type]
+        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        return ChatCompletionResponse(id=response_id, model=body.model, choices=[choice], usage=usage)
+
+    return router
+
+
+async def _collect_text(generation: Generation, http_request: Request) -> str:
+    """The whole text of a non-streamed request; a client that has gone away stops it early."""
+    parts: list[str] = []
+    try:
+        async for output in generation.outputs():
+            parts.append(output.new_text)
+            if output.finish_reason is None and await http_request.is_disconnected():
+                break
+    finally:
+        generation.close()
+    return "".join(parts)

@@ -1,0 +1,32 @@
+"""Probes and metrics: `/health` (the process answers), `/ready` (the model can serve), `/metrics` (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.runtime import WorkerRuntime
+
+
+def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> dict[str, str]:
+        # Liveness only: a pod that is still loading its weights is alive and must not be restarted.
+        return {"status": "ok", "phase": runtime.phase.value}
+
+    @router.get("/ready")
+    async def ready() -> JSONResponse:
+        body: dict[str, str | None] = {"phase": runtime.phase.value}
+        if runtime.failure is not None:
+            body["reason"] = runtime.failure
+        return JSONResponse(body, status_code=200 if runtime.is_ready else 503)
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+    return router

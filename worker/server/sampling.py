@@ -1,0 +1,38 @@
+"""From a validated request to the engine's SamplingParams."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.server.errors import ApiError, describe_validation_errors
+from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
+) -> SamplingParams:
+    """The request's sampling settings; the token budget is capped by what is left of the context.
+
+    Capping rather than refusing keeps a request whose limit was only a default (16 for completions) or an
+    over-generous guess working: it ends with finish_reason "length" where the context ends, as OpenAI's does.
+    """
+    room = max_model_len - num_prompt_tokens
+    requested = request.token_limit if isinstance(request, ChatCompletionRequest) else request.max_tokens
+    fields = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        # OpenAI has no top_k; the common extension spells "off" as -1 or 0, the engine as -1.
+        "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+        "seed": request.seed,
+        "max_tokens": room if requested is None else min(requested, room),
+        "stop": request.stop_strings,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+    }
+    try:
+        # Unset optional knobs keep the engine's defaults.
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:  # the engine's own limits, stricter than the request model's
+        message, param = describe_validation_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])
+        raise ApiError(400, message, param=param) from exc

@@ -1,0 +1,115 @@
+"""Server-sent events: the chunk sequences of both endpoints, and a response that frees the request on every exit.
+
+A streamed request ends in one of three ways and each must return the engine's sequence at once: the engine
+finishes it; the client disconnects (Starlette cancels the stream); or the client stops reading, which would
+otherwise leave the send blocked on a full socket for as long as the client likes. The response therefore bounds
+every write by `write_timeout_s` and calls the generation's synchronous `close()` in a `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
+
+from tidal.worker.server.errors import ApiError, ErrorBody, ErrorResponse
+from tidal.worker.server.generation import Generation
+from tidal.worker.server.responses import (
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+class SlowClientError(Exception):
+    """The client did not accept a chunk within the write timeout."""
+
+
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None], write_timeout_s: float) -> None:
+        # Proxies must not buffer or transform the stream, or tokens arrive in lumps.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, headers=headers)
+        self._on_close = on_close
+        self._write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._write_timeout_s)
+            except TimeoutError:
+                raise SlowClientError(f"client did not read a chunk within {self._write_timeout_s:g}s") from None
+
+        try:
+            await super().stream_response(bounded_send)
+        except SlowClientError as exc:
+            # Ending here leaves the response incomplete; the server then closes the connection, which is the
+            # only way left to tell a client that stopped reading.
+            log.warning("abandoning a stream: %s", exc)
+        finally:
+            self._on_close()
+
+
+def _error_event(exc: BaseException) -> str:
+    status, message = (exc.status, exc.message) if isinstance(exc, ApiError) else (500, "internal error in the engine")
+    body = ErrorBody(message=message, type="server_error" if status >= 500 else "invalid_request_error")
+    return sse_event(ErrorResponse(error=body))
+
+
+async def completion_events(
+    generation: Generation, response_id: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    """`text_completion` chunks: one per engine output with new text, the last with the finish reason."""
+    try:
+        async for output in generation.outputs():
+            if not output.new_text and output.finish_reason is None:
+                continue
+            choice = CompletionChoice(text=output.new_text, finish_reason=output.finish_reason)
+            yield sse_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
+    except Exception as exc:  # the stream has started (status 200), so the error can only travel as an event
+        yield _error_event(exc)
+        return
+    if include_usage:
+        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        yield sse_event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
+    yield DONE
+
+
+async def chat_events(generation: Generation, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """`chat.completion.chunk`s: the role first, then content deltas, then an empty delta with the finish reason."""
+
+    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
+        choice = ChatStreamChoice(delta=delta, finish_reason=finish_reason)  # type: ignore[arg-type]
+        return sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
+
+    yield chunk(ChatDelta(role="assistant", content=""))
+    try:
+        async for output in generation.outputs():
+            if output.new_text:
+                yield chunk(ChatDelta(content=output.new_text))
+            if output.finish_reason is not None:
+                yield chunk(ChatDelta(), output.finish_reason)
+    except Exception as exc:  # see completion_events
+        yield _error_event(exc)
+        return
+    if include_usage:
+        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        yield sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
+    yield DONE
