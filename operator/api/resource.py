@@ -1,0 +1,52 @@
+"""The whole `InferenceModel` object: apiVersion, kind, metadata, spec, status."""
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.operator.api import patterns
+from tidal.operator.api.base import ApiModel, CelRule
+from tidal.operator.api.constants import API_VERSION, KIND, MAX_NAME_LENGTH
+from tidal.operator.api.spec import InferenceModelSpec
+from tidal.operator.api.status import InferenceModelStatus
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata the operator reads. Everything else the API server keeps is ignored here."""
+
+    model_config = ConfigDict(extra="ignore", validate_by_name=True, validate_by_alias=True)
+
+    name: str = Field(min_length=1)
+    namespace: str = "default"
+    uid: str = ""
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceModel(ApiModel):
+    """An LLM served by Tidal: worker pods, a Service, sleep/wake and in-place weight updates."""
+
+    api_version: Literal["tidal.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["InferenceModel"] = KIND
+    metadata: ObjectMeta
+    spec: InferenceModelSpec
+    status: InferenceModelStatus | None = None
+
+    # Root rules may read metadata.name only. The name ends up in pod, Service and DNS names, which must be DNS
+    # labels of at most 63 characters, so it is bounded here where the user sees the reason.
+    cel_rules = (
+        CelRule(
+            rule=f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+            message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pod and Service names are built "
+            "from it",
+            holds=lambda m: len(m.metadata.name) <= MAX_NAME_LENGTH,
+        ),
+        CelRule(
+            rule=f"self.metadata.name.matches('{patterns.DNS_LABEL}')",
+            message="metadata.name must be a DNS label (lowercase letters, digits and '-', starting with a letter): "
+            "it names the model's Service",
+            holds=lambda m: re.search(patterns.DNS_LABEL, m.metadata.name) is not None,
+        ),
+    )

@@ -1,0 +1,284 @@
+"""`InferenceModel.spec`: what the user asks for; the CRD schema, docs table and validation all come from here."""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from tidal.operator.api import patterns
+from tidal.operator.api.base import ApiModel, CelRule
+from tidal.operator.api.constants import BASE_WEIGHTS_VERSION
+from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
+
+# Nested objects default to `{}` in the CRD so the API server fills in their own defaults; pydantic does the same
+# through default_factory. Only objects without required fields may use this.
+EMPTY_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+ShortString = Annotated[str, Field(max_length=253)]
+LabelValue = Annotated[str, Field(max_length=63)]
+
+
+def _no_parent_segment(path: str) -> bool:
+    return re.search(patterns.PARENT_SEGMENT, path) is None
+
+
+class PersistentVolumeClaimVolume(ApiModel):
+    """A PersistentVolumeClaim in the model's namespace that holds the model files."""
+
+    claim_name: str = Field(min_length=1, max_length=253, pattern=patterns.DNS_SUBDOMAIN)
+    """Name of the PersistentVolumeClaim."""
+
+
+class HostPathVolume(ApiModel):
+    """A directory on the node. On the local dev cluster pods run as host processes, so this is the host filesystem."""
+
+    path: str = Field(min_length=1, max_length=1024, pattern=patterns.ABSOLUTE_PATH)
+    """Absolute directory on the node."""
+
+
+class ModelVolume(ApiModel):
+    """The volume the worker pods mount read-only to find the model (exactly one source)."""
+
+    persistent_volume_claim: PersistentVolumeClaimVolume | None = None
+    """Mount this PersistentVolumeClaim."""
+    host_path: HostPathVolume | None = None
+    """Mount this node directory."""
+    mount_path: str | None = Field(None, min_length=1, max_length=1024, pattern=patterns.ABSOLUTE_PATH)
+    """Where the volume appears in the pod. Default: the hostPath's own path (so paths read the same on the node and
+    in the pod), or /models for a PersistentVolumeClaim."""
+
+    cel_rules = (
+        CelRule(
+            rule="has(self.persistentVolumeClaim) != has(self.hostPath)",
+            message="model.volume needs exactly one of persistentVolumeClaim or hostPath",
+            holds=lambda v: (v.persistent_volume_claim is None) != (v.host_path is None),
+        ),
+    )
+
+
+class ModelSource(ApiModel):
+    """Where the model is and how to load it."""
+
+    volume: ModelVolume
+    """The volume that holds the model."""
+    path: str = Field(min_length=1, max_length=1024, pattern=patterns.RELATIVE_PATH)
+    """Directory of the model (config.json, tokenizer, safetensors) relative to the volume, e.g. `qwen3-0.6b`."""
+    dtype: Dtype = "auto"
+    """Data type of the weights on the device; `auto` takes the checkpoint's."""
+    max_model_len: int | None = Field(None, ge=16, le=1048576)
+    """Longest sequence (prompt + output) in tokens. Default: the model's own limit."""
+    served_name: str | None = Field(None, min_length=1, max_length=253)
+    """Model name clients send in OpenAI requests. Default: the object's name."""
+
+    cel_rules = (
+        CelRule(
+            rule=f"!self.path.matches('{patterns.PARENT_SEGMENT}')",
+            message="model.path must stay inside the volume: '..' segments are not allowed",
+            holds=lambda m: _no_parent_segment(m.path),
+            field_path=".path",
+        ),
+    )
+
+
+class EnvVar(ApiModel):
+    """An extra environment variable for the worker container."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=patterns.ENV_NAME)
+    """Variable name."""
+    value: str = Field("", max_length=4096)
+    """Variable value."""
+
+
+class Toleration(ApiModel):
+    """A toleration for the worker pods (same meaning as in a Pod)."""
+
+    key: str | None = Field(None, min_length=1, max_length=316)
+    """Taint key; empty with operator Exists tolerates every taint."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """How the key and value are compared."""
+    value: str | None = Field(None, max_length=63)
+    """Taint value to match (operator Equal only)."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all effects."""
+    toleration_seconds: int | None = Field(None, ge=0, le=31536000)
+    """How long a NoExecute taint is tolerated before eviction."""
+
+    cel_rules = (
+        CelRule(
+            rule="self.operator == 'Exists' || has(self.key)",
+            message="a toleration without a key must use operator Exists",
+            holds=lambda t: t.operator == "Exists" or t.key is not None,
+        ),
+        CelRule(
+            rule="!(self.operator == 'Exists' && has(self.value))",
+            message="a toleration with operator Exists must not set value",
+            holds=lambda t: not (t.operator == "Exists" and t.value is not None),
+        ),
+        CelRule(
+            rule="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            message="tolerationSeconds only applies to effect NoExecute",
+            holds=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+        ),
+    )
+
+
+class WorkerResources(ApiModel):
+    """Compute for each rank's pod (requests equal limits, so pods get a predictable share)."""
+
+    gpus_per_rank: int = Field(0, ge=0, le=16)
+    """GPUs for each rank's pod; 0 runs on CPU."""
+    gpu_resource_name: str = Field("nvidia.com/gpu", max_length=253, pattern=patterns.RESOURCE_NAME)
+    """Extended resource that counts GPUs on the nodes."""
+    cpu: str | None = Field(None, max_length=32, pattern=patterns.QUANTITY)
+    """CPU for each rank's pod, e.g. `4` or `500m`."""
+    memory: str | None = Field(None, max_length=32, pattern=patterns.QUANTITY)
+    """Memory for each rank's pod, e.g. `32Gi`."""
+
+
+class PodTemplateMetadata(ApiModel):
+    """Extra labels and annotations for the worker pods."""
+
+    labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
+    """Labels added to each worker pod (Tidal's own labels win on conflict)."""
+    annotations: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
+    """Annotations added to each worker pod."""
+
+
+class PodTemplate(ApiModel):
+    """Escape hatch: merged into every worker pod. See docs/API.md, "Pod template merge", for the exact rule."""
+
+    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """Extra pod labels and annotations."""
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    """A partial PodSpec merged over the one Tidal builds (not validated here; the API server checks the pod)."""
+
+
+class WorkerSpec(ApiModel):
+    """The worker pods: one per rank, running `tidal-worker`."""
+
+    image: str = Field("ghcr.io/tidal-dev/tidal-worker:0.1.0", min_length=1, max_length=512)
+    """Worker container image. (The local dev cluster runs the command on the host and ignores it.)"""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """When the kubelet pulls the image."""
+    resources: WorkerResources = Field(default_factory=WorkerResources, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """GPUs, CPU and memory per rank."""
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+    """Node labels the worker pods require."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Taints the worker pods tolerate."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    """Extra environment for the worker (TIDAL_* tunables of the worker CLI, or anything else). The variables Tidal
+    derives from this spec are reserved."""
+    pod_template: PodTemplate | None = None
+    """Escape hatch merged into every worker pod."""
+
+    cel_rules = (
+        CelRule(
+            rule="self.env.all(e, !(e.name in " + repr(list(RESERVED_ENV_NAMES)) + "))",
+            message="worker.env must not set "
+            + ", ".join(RESERVED_ENV_NAMES)
+            + ": Tidal derives them from the spec (set the matching spec field instead)",
+            holds=lambda w: all(e.name not in RESERVED_ENV_NAMES for e in w.env),
+            field_path=".env",
+        ),
+        CelRule(
+            rule="self.env.all(e, self.env.exists_one(f, f.name == e.name))",
+            message="worker.env has the same variable name twice",
+            holds=lambda w: len({e.name for e in w.env}) == len(w.env),
+            field_path=".env",
+        ),
+    )
+
+
+class ServingSpec(ApiModel):
+    """Ports of each worker: the OpenAI-compatible API and the operator-only control API."""
+
+    port: int = Field(8000, ge=1024, le=65535)
+    """Port of the OpenAI-compatible API, /health and /ready (also the Service's port). Unprivileged (>= 1024)."""
+    control_port: int = Field(8001, ge=1024, le=65535)
+    """Port of the control API (sleep, wake, weights); a NetworkPolicy lets only the operator reach it."""
+
+    cel_rules = (
+        CelRule(
+            rule="self.port != self.controlPort",
+            message="serving.port and serving.controlPort must differ",
+            holds=lambda s: s.port != s.control_port,
+        ),
+    )
+
+
+class SleepSpec(ApiModel):
+    """Sleep frees the GPU without deleting pods; waking is much faster than a cold start."""
+
+    state: Literal["Awake", "Asleep"] = "Awake"
+    """Desired state of every rank."""
+    level: Literal[1, 2] = 1
+    """1: weights kept in host memory (fast wake); 2: weights dropped and reloaded from the volume on wake."""
+    idle_timeout_seconds: int | None = Field(None, ge=60, le=604800)
+    """While state is Awake, put the model to sleep after this long without requests; a request wakes it."""
+
+
+class WeightsSpec(ApiModel):
+    """Weights to serve. Changing them rolls the new weights into the running pods in place (no restart)."""
+
+    version: str = Field(min_length=1, max_length=63, pattern=patterns.WEIGHTS_VERSION)
+    """Label of these weights, shown in status; a new version triggers the roll."""
+    source: str = Field(min_length=1, max_length=1024, pattern=patterns.RELATIVE_PATH)
+    """Directory of the safetensors files relative to the model volume; they must fit the model's architecture."""
+
+    cel_rules = (
+        CelRule(
+            rule=f"self.version != '{BASE_WEIGHTS_VERSION}'",
+            message=f"weights.version '{BASE_WEIGHTS_VERSION}' is reserved for the weights in model.path",
+            holds=lambda w: w.version != BASE_WEIGHTS_VERSION,
+            field_path=".version",
+        ),
+        CelRule(
+            rule=f"!self.source.matches('{patterns.PARENT_SEGMENT}')",
+            message="weights.source must stay inside the volume: '..' segments are not allowed",
+            holds=lambda w: _no_parent_segment(w.source),
+            field_path=".source",
+        ),
+    )
+
+
+class UpdateStrategy(ApiModel):
+    """How weight rolls and pod replacements proceed."""
+
+    max_unavailable: int = Field(1, ge=1, le=64)
+    """Most replicas being updated or not ready at once during a roll."""
+
+
+class InferenceModelSpec(ApiModel):
+    """Desired state of an InferenceModel."""
+
+    model: ModelSource
+    """The model to serve."""
+    worker: WorkerSpec = Field(default_factory=WorkerSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """The worker pods."""
+    replicas: int = Field(1, ge=0, le=64)
+    """Independent copies of the model behind the Service; 0 keeps the object but runs no pods."""
+    expert_parallel: int = Field(1, ge=1, le=64)
+    """Ranks (pods) per replica that share the experts of a mixture-of-experts model."""
+    serving: ServingSpec = Field(default_factory=ServingSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """Ports."""
+    sleep: SleepSpec = Field(default_factory=SleepSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """Sleep and wake."""
+    weights: WeightsSpec | None = None
+    """Weights to serve instead of those in model.path (version `base`)."""
+    update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    """Pace of weight rolls."""
+
+    cel_rules = (
+        CelRule(
+            rule="self.expertParallel == 1",
+            message="expertParallel above 1 is not supported yet: the worker has no expert parallelism in this "
+            "release; set expertParallel: 1",
+            holds=lambda s: s.expert_parallel == 1,
+            field_path=".expertParallel",
+        ),
+    )

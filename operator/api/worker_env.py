@@ -1,0 +1,37 @@
+"""Environment variables the operator sets on every worker container (the worker CLI reads TIDAL_* variables as its
+options). They are derived from the spec, so `spec.worker.env` may not set them."""
+
+MODEL = "TIDAL_MODEL"  # also passed as --model
+PORT = "TIDAL_PORT"  # also passed as --port
+SERVED_MODEL_NAME = "TIDAL_SERVED_MODEL_NAME"
+DTYPE = "TIDAL_DTYPE"
+MAX_MODEL_LEN = "TIDAL_MAX_MODEL_LEN"
+CONTROL_PORT = "TIDAL_CONTROL_PORT"
+CONTROL_TOKEN = "TIDAL_CONTROL_TOKEN"
+WEIGHTS_PATH = "TIDAL_WEIGHTS_PATH"
+WEIGHTS_VERSION = "TIDAL_WEIGHTS_VERSION"
+REPLICA = "TIDAL_REPLICA"
+RANK = "TIDAL_RANK"
+WORLD_SIZE = "TIDAL_WORLD_SIZE"
+POD_NAME = "TIDAL_POD_NAME"
+GROUP_SERVICE = "TIDAL_GROUP_SERVICE"
+
+RESERVED_ENV_NAMES: tuple[str, ...] = (
+    MODEL,
+    PORT,
+    SERVED_MODEL_NAME,
+    DTYPE,
+    MAX_MODEL_LEN,
+    CONTROL_PORT,
+    CONTROL_TOKEN,
+    WEIGHTS_PATH,
+    WEIGHTS_VERSION,
+    REPLICA,
+    RANK,
+    WORLD_SIZE,
+    POD_NAME,
+    GROUP_SERVICE,
+)
+
+# Weights change in place (POST /weights/update), so these two do not make a pod outdated when they change.
+IN_PLACE_ENV_NAMES: frozenset[str] = frozenset({WEIGHTS_PATH, WEIGHTS_VERSION})

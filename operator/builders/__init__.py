@@ -1,0 +1,1 @@
+"""Pure builders: InferenceModel spec -> Kubernetes manifests (plain dicts), no API client."""

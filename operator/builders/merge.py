@@ -1,0 +1,82 @@
+"""The pod-template merge rule (documented in docs/API.md, "Pod template merge").
+
+1. Maps merge key by key, recursively; a `null` in the template removes the key.
+2. Lists whose items all carry a `name` (containers, volumes, env, ports, volumeMounts, ...) merge by name: a
+   template item with a known name merges into that item, a new name is appended. Other lists are replaced.
+3. Scalars from the template replace Tidal's.
+4. Afterwards Tidal re-asserts what it must own: the pod's name, namespace, ownerReferences and Tidal's labels, and in
+   the `worker` container its command, args, reserved TIDAL_* variables and the `serve` / `control` ports.
+"""
+
+import copy
+from typing import Any
+
+from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
+
+WORKER_CONTAINER = "worker"
+OWNED_PORT_NAMES = ("serve", "control")
+
+
+def _is_named_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in value)
+
+
+def merge_values(base: Any, overlay: Any) -> Any:
+    """Rules 1-3 above. Neither argument is modified."""
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        out = copy.deepcopy(base)
+        for key, value in overlay.items():
+            if value is None:
+                out.pop(key, None)
+            elif key in out:
+                out[key] = merge_values(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+    if _is_named_list(base) and _is_named_list(overlay):
+        out = copy.deepcopy(base)
+        position = {item["name"]: i for i, item in enumerate(out)}
+        for item in overlay:
+            if item["name"] in position:
+                out[position[item["name"]]] = merge_values(out[position[item["name"]]], item)
+            else:
+                position[item["name"]] = len(out)
+                out.append(copy.deepcopy(item))
+        return out
+    return copy.deepcopy(overlay)
+
+
+def _find_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in spec.get("containers", []) if c.get("name") == WORKER_CONTAINER), None)
+
+
+def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
+    mine, theirs = _find_worker(built), _find_worker(merged)
+    if mine is None or theirs is None:
+        raise ValueError("the built pod and the merged pod must both have the worker container")
+    for key in ("command", "args"):
+        if key in mine:
+            theirs[key] = copy.deepcopy(mine[key])
+        else:
+            theirs.pop(key, None)
+    reserved = [e for e in mine.get("env", []) if e["name"] in RESERVED_ENV_NAMES]
+    others = [e for e in theirs.get("env", []) if e["name"] not in RESERVED_ENV_NAMES]
+    theirs["env"] = copy.deepcopy(reserved) + others
+    owned = [p for p in mine.get("ports", []) if p.get("name") in OWNED_PORT_NAMES]
+    extra = [p for p in theirs.get("ports", []) if p.get("name") not in OWNED_PORT_NAMES]
+    theirs["ports"] = copy.deepcopy(owned) + extra
+
+
+def apply_pod_template(
+    pod: dict[str, Any], template_spec: dict[str, Any], labels: dict[str, str], annotations: dict[str, str]
+) -> dict[str, Any]:
+    """Merge a user's pod template into a pod Tidal built; returns a new pod."""
+    merged = copy.deepcopy(pod)
+    merged["spec"] = merge_values(pod["spec"], template_spec)
+    _reassert_worker(merged["spec"], pod["spec"])
+    meta = merged["metadata"]
+    meta["labels"] = {**labels, **pod["metadata"].get("labels", {})}
+    meta["annotations"] = {**annotations, **pod["metadata"].get("annotations", {})}
+    if not meta["annotations"]:
+        del meta["annotations"]
+    return merged

@@ -1,0 +1,57 @@
+"""Names and labels of the objects an InferenceModel owns: one place, so the planner and builders agree."""
+
+from tidal.operator.api import constants as c
+
+
+def pod_name(model: str, replica: int, rank: int) -> str:
+    return f"{model}-r{replica}-{rank}"
+
+
+def group_service_name(model: str) -> str:
+    """Headless Service that gives each rank a stable DNS name (`<pod>.<model>-group`)."""
+    return f"{model}-group"
+
+
+def serving_service_name(model: str) -> str:
+    """The Service clients call: it selects each replica's leader."""
+    return model
+
+
+def token_secret_name(model: str) -> str:
+    return f"{model}-control-token"
+
+
+def network_policy_name(model: str) -> str:
+    return f"{model}-control"
+
+
+TOKEN_SECRET_KEY = "token"
+
+
+def model_labels(model: str) -> dict[str, str]:
+    """Labels shared by every child of the model (and the selector for all its pods)."""
+    return {
+        c.LABEL_NAME: c.APP_NAME,
+        c.LABEL_INSTANCE: model,
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+        c.LABEL_PART_OF: c.PART_OF,
+        c.LABEL_MODEL: model,
+    }
+
+
+def model_selector(model: str) -> dict[str, str]:
+    return {c.LABEL_MODEL: model}
+
+
+def leader_selector(model: str) -> dict[str, str]:
+    return {c.LABEL_MODEL: model, c.LABEL_LEADER: "true"}
+
+
+def pod_labels(model: str, replica: int, rank: int, leader: bool) -> dict[str, str]:
+    return {
+        **model_labels(model),
+        c.LABEL_COMPONENT: "worker",
+        c.LABEL_REPLICA: str(replica),
+        c.LABEL_RANK: str(rank),
+        c.LABEL_LEADER: "true" if leader else "false",
+    }

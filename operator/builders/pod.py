@@ -1,0 +1,162 @@
+"""One worker pod per rank: `<model>-r<replica>-<rank>`, running `tidal-worker --model ... --port ...`."""
+
+import posixpath
+from typing import Any
+
+from tidal.operator.api import worker_env as env
+from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, LABEL_LEADER
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.api.spec import InferenceModelSpec, ModelVolume
+from tidal.operator.builders import names
+from tidal.operator.builders.merge import WORKER_CONTAINER, apply_pod_template
+from tidal.operator.builders.owner import object_meta, stamp_hash
+
+MODEL_VOLUME = "model"
+DEFAULT_PVC_MOUNT = "/models"
+
+
+def mount_path(volume: ModelVolume) -> str:
+    """A hostPath is mounted at its own path, so the same path works on the node and in the pod (on the dev
+    cluster pods are host processes and the mount does not happen at all)."""
+    if volume.mount_path is not None:
+        return volume.mount_path
+    if volume.host_path is not None:
+        return volume.host_path.path
+    return DEFAULT_PVC_MOUNT
+
+
+def model_dir(spec: InferenceModelSpec) -> str:
+    return posixpath.join(mount_path(spec.model.volume), spec.model.path)
+
+
+def desired_weights(spec: InferenceModelSpec) -> tuple[str, str]:
+    """(path in the pod, version) of the weights the spec asks for; without spec.weights, model.path's as `base`."""
+    if spec.weights is None:
+        return model_dir(spec), BASE_WEIGHTS_VERSION
+    return posixpath.join(mount_path(spec.model.volume), spec.weights.source), spec.weights.version
+
+
+def _value(name: str, value: str | int) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str, Any]]:
+    spec = model.spec
+    name = model.metadata.name
+    weights_path, weights_version = desired_weights(spec)
+    out = [
+        _value(env.MODEL, model_dir(spec)),
+        _value(env.PORT, spec.serving.port),
+        _value(env.SERVED_MODEL_NAME, spec.model.served_name or name),
+        _value(env.DTYPE, spec.model.dtype),
+        _value(env.CONTROL_PORT, spec.serving.control_port),
+        {
+            "name": env.CONTROL_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": names.token_secret_name(name), "key": names.TOKEN_SECRET_KEY}},
+        },
+        _value(env.WEIGHTS_PATH, weights_path),
+        _value(env.WEIGHTS_VERSION, weights_version),
+        _value(env.REPLICA, replica),
+        _value(env.RANK, rank),
+        _value(env.WORLD_SIZE, spec.expert_parallel),
+        {"name": env.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        _value(env.GROUP_SERVICE, names.group_service_name(name)),
+    ]
+    if spec.model.max_model_len is not None:
+        out.insert(4, _value(env.MAX_MODEL_LEN, spec.model.max_model_len))
+    return out + [{"name": e.name, "value": e.value} for e in spec.worker.env]
+
+
+def _resources(spec: InferenceModelSpec) -> dict[str, Any]:
+    res = spec.worker.resources
+    amounts: dict[str, str] = {}
+    if res.cpu is not None:
+        amounts["cpu"] = res.cpu
+    if res.memory is not None:
+        amounts["memory"] = res.memory
+    if res.gpus_per_rank > 0:
+        amounts[res.gpu_resource_name] = str(res.gpus_per_rank)
+    # Requests equal limits: GPUs must anyway, and equal CPU/memory keeps a rank from being squeezed mid-batch.
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _volume(volume: ModelVolume) -> dict[str, Any]:
+    if volume.host_path is not None:
+        return {"name": MODEL_VOLUME, "hostPath": {"path": volume.host_path.path, "type": "Directory"}}
+    if volume.persistent_volume_claim is None:
+        raise ValueError("model.volume needs exactly one of persistentVolumeClaim or hostPath")
+    claim = volume.persistent_volume_claim.claim_name
+    return {"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "serve"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
+    spec = model.spec
+    return {
+        "name": WORKER_CONTAINER,
+        "image": spec.worker.image,
+        "imagePullPolicy": spec.worker.image_pull_policy,
+        "command": ["tidal-worker", "--model", model_dir(spec), "--port", str(spec.serving.port)],
+        "env": worker_env(model, replica, rank),
+        "ports": [
+            {"name": "serve", "containerPort": spec.serving.port, "protocol": "TCP"},
+            {"name": "control", "containerPort": spec.serving.control_port, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec),
+        "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": mount_path(spec.model.volume), "readOnly": True}],
+        # Loading a large model can take many minutes; liveness only starts once /health answered.
+        "startupProbe": _probe("/health", period=10, failures=180),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+        "readinessProbe": _probe("/ready", period=5, failures=3),
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+
+
+def _identity(pod: dict[str, Any]) -> dict[str, Any]:
+    """What makes a pod outdated when it changes: everything except in-place weights and the leader label."""
+    spec = pod["spec"]
+    containers = []
+    for c in spec["containers"]:
+        kept = [e for e in c.get("env", []) if e["name"] not in env.IN_PLACE_ENV_NAMES]
+        containers.append({**c, "env": kept})
+    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k != LABEL_LEADER}
+    annotations = pod["metadata"].get("annotations", {})
+    return {"spec": {**spec, "containers": containers}, "labels": labels, "annotations": annotations}
+
+
+def build_pod(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
+    name = model.metadata.name
+    pod_name = names.pod_name(name, replica, rank)
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": object_meta(model, pod_name, names.pod_labels(name, replica, rank, leader=rank == 0)),
+        "spec": {
+            "hostname": pod_name,
+            "subdomain": names.group_service_name(name),
+            "restartPolicy": "Always",
+            # Workers never call the Kubernetes API; they get no credentials for it.
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 30,
+            "containers": [_container(model, replica, rank)],
+            "volumes": [_volume(model.spec.model.volume)],
+        },
+    }
+    worker = model.spec.worker
+    if worker.node_selector:
+        pod["spec"]["nodeSelector"] = dict(worker.node_selector)
+    if worker.tolerations:
+        pod["spec"]["tolerations"] = [t.model_dump(exclude_none=True) for t in worker.tolerations]
+    if worker.pod_template is not None:
+        meta = worker.pod_template.metadata
+        pod = apply_pod_template(pod, worker.pod_template.spec, meta.labels, meta.annotations)
+    return stamp_hash(pod, _identity(pod))
