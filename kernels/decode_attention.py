@@ -1,9 +1,18 @@
 """Paged decode attention (one new query token per sequence) over the block-table KV cache: the torch reference,
 the Triton wrapper (kernels in `_decode_attention_kernels`) and the dispatching entry point."""
 
+import math
+
 import torch
+import triton
 
 from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gather_context
+from tidal.kernels._decode_attention_kernels import LOG2E, decode_merge_kernel, decode_split_kernel
+from tidal.kernels._device import multiprocessor_count
+
+# A split shorter than this spends more on the merge than it wins in parallelism.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 32
 
 
 def _check_inputs(
@@ -40,6 +49,91 @@ def paged_decode_attention_reference(
     return out.to(q.dtype)
 
 
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Enough (sequence, KV head, split) programs to give every multiprocessor about four, without splits so short
+    that merging them costs more than it saves. Depends only on shapes, so it never syncs with the device."""
+    programs = max(batch * num_kv_heads, 1)
+    wanted = math.ceil(4 * num_sms / programs)
+    longest_useful = max(max_context // MIN_SPLIT_TOKENS, 1)
+    return max(1, min(wanted, longest_useful, MAX_SPLITS))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
+    into that many pieces (split-K) merged by a second kernel; by default it is chosen from the shapes."""
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [B, num_heads, head_dim], dense
+    if batch == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, multiprocessor_count(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
+    if block_n is None:
+        block_n = 64 if head_dim_p2 <= 128 else 32
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        partial, lse = out, out  # the kernel writes the final output directly
+    decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale * LOG2E,
+        split_len,
+        head_dim,
+        GROUP=group,
+        GROUP_P2=max(triton.next_power_of_2(group), 16),
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        IS_FP32=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        decode_merge_kernel[(batch * num_heads,)](
+            partial,
+            lse,
+            out,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM_P2=head_dim_p2,
+            num_warps=4,
+        )
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -49,4 +143,6 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """Triton on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)

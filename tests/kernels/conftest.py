@@ -13,10 +13,27 @@ import sys
 import pytest
 import torch
 
+
+def _let_interpreter_scalars_bound_loops() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int with `int(array)`, which NumPy >= 2.3 refuses for
+    its 1-element arrays; the kernels' `range(start, end)` over run-time bounds then fails only under the
+    interpreter. Converting through `.item()` keeps the same value."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for name in [m for m in sys.modules if m.startswith("tidal.kernels.")]:
         importlib.reload(sys.modules[name])
+    _let_interpreter_scalars_bound_loops()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,118 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Triton kernels for paged decode attention: one program per (sequence, KV head, context split) computes all query
+heads of that KV head's group at once, so each K/V tile is read from memory once for the whole group. With more than
+one split, a second kernel merges the splits' partial results by their log-sum-exp."""
+
+import triton
+import triton.language as tl
+
+from tidal.kernels._triton_utils import exact_dot
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,  # [B, H, D] when NUM_SPLITS == 1, else partial outputs [B, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [B, H, NUM_SPLITS] fp32 (log2 domain); unused when NUM_SPLITS == 1
+    q_stride_b,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    tables_stride,
+    scale_log2,
+    split_len,
+    head_dim,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+
+    rows = tl.arange(0, GROUP_P2)  # query heads of this KV head's group (padded for the dot)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    row_ok = rows < GROUP
+    dim_ok = dims < head_dim
+    heads = kv_head * GROUP + rows  # [GROUP_P2]
+    q = tl.load(
+        q_ptr + seq * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # [GROUP_P2, HEAD_DIM_P2]
+
+    m = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
+    table = block_tables_ptr + seq * tables_stride
+    head_offset = kv_head * cache_stride_head + dims[None, :]
+    for tile in range(start, end, BLOCK_N):
+        tokens = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        tok_ok = tokens < end
+        page = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        row = page * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_offset  # [BLOCK_N]
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
+        scores = exact_dot(q, tl.trans(k), IS_FP32)  # [GROUP_P2, BLOCK_N] fp32
+        scores = tl.where(tok_ok[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
+        m = m_new
+
+    safe_l = tl.where(denom > 0, denom, 1.0)
+    result = acc / safe_l[:, None]  # zeros where the split saw no token
+    if NUM_SPLITS == 1:
+        out_rows = out_ptr + (seq * num_heads + heads[:, None]) * head_dim + dims[None, :]
+        tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_P2]
+        tl.store(out_ptr + part[:, None] * head_dim + dims[None, :], result, mask=row_ok[:, None] & dim_ok[None, :])
+        lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def decode_merge_kernel(
+    part_ptr,  # [B, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [B, H, NUM_SPLITS] fp32
+    out_ptr,  # [B, H, D]
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # flattened (sequence, head)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))  # [SPLITS_P2]
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # a sequence with no tokens: every weight becomes 0
+    weights = tl.exp2(lse - top)
+    total = tl.sum(weights, axis=0)
+    parts = tl.load(
+        part_ptr + (row * NUM_SPLITS + splits[:, None]) * head_dim + dims[None, :],
+        mask=split_ok[:, None] & (dims[None, :] < head_dim),
+        other=0.0,
+    )  # [SPLITS_P2, HEAD_DIM_P2]
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * head_dim + dims, merged.to(out_ptr.dtype.element_ty), mask=dims < head_dim)

@@ -1,0 +1,65 @@
+"""Paged decode attention: Triton (single pass and split-K) vs the torch reference."""
+
+import pytest
+import torch
+from paged_kv import make_paged_kv
+from tolerances import DOT_DTYPES, assert_close
+
+from tidal.kernels.decode_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
+
+CASES = [
+    # seq_lens, block_size, num_heads, num_kv_heads, head_dim
+    ([1], 16, 4, 4, 64),
+    ([0, 5, 1, 40], 16, 8, 2, 64),  # empty and length-1 sequences, GQA 4
+    ([37, 3, 70], 8, 6, 1, 128),  # MQA, group 6 (not a power of two)
+    ([65, 17], 32, 4, 2, 256),
+    ([9, 33, 1], 5, 3, 3, 80),  # odd block size and head dim
+]
+
+
+@pytest.mark.parametrize(("seq_lens", "block_size", "num_heads", "num_kv_heads", "head_dim"), CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits, dtype):
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device)
+    scale = head_dim**-0.5
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
+    assert_close(got, paged_decode_attention_reference(*args))
+    assert torch.all(got[torch.tensor(seq_lens) == 0] == 0)
+
+
+def test_decode_fp16_strided_query(device):
+    kv = make_paged_kv([20, 7], 4, 2, 64, torch.float16, device)
+    q = torch.randn(2, 12, 64, dtype=torch.float16, device=device)[:, ::3]  # [2, 4, 64], head stride 192
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    assert_close(
+        paged_decode_attention_triton(*args, num_splits=2, block_n=16), paged_decode_attention_reference(*args)
+    )
+
+
+def test_dispatch_uses_reference_on_cpu():
+    kv = make_paged_kv([6], 4, 1, 16, torch.float32, "cpu")
+    q = torch.randn(1, 2, 16)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25)
+    assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
+
+
+def test_rejects_bad_group_and_dtypes():
+    kv = make_paged_kv([6], 4, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention(torch.randn(1, 3, 16), kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(torch.randn(1, 2, 16), kv.k_cache, kv.v_cache, kv.block_tables.long(), kv.seq_lens, 1.0)
+
+
+def test_split_choice_fills_the_device_and_respects_short_contexts():
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132) > 8
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
+    assert choose_num_splits(batch=256, num_kv_heads=8, max_context=4096, num_sms=132) == 1
