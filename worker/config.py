@@ -9,9 +9,9 @@ flags (see `tidal.worker.cli`) are passed in as init arguments and win over the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidal.worker.engine.config import EngineConfig
@@ -45,14 +45,15 @@ class WorkerConfig(BaseSettings, EngineConfig):
     def _lower_log_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _model_dir_exists(self) -> Self:
+    @field_validator("model_path")
+    @classmethod
+    def _model_dir_exists(cls, path: Path) -> Path:
         # Checked here, at start, so a typo is a one-line error rather than a traceback from the loader.
-        if not self.model_path.is_dir():
-            raise ValueError(f"model directory {str(self.model_path)!r} does not exist")
-        if not (self.model_path / "config.json").is_file():
-            raise ValueError(f"model directory {str(self.model_path)!r} has no config.json")
-        return self
+        if not path.is_dir():
+            raise ValueError(f"model directory {str(path)!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        return path
 
     def engine_config(self) -> EngineConfig:
         """The engine's part, as the engine's own type."""

@@ -1,0 +1,103 @@
+"""The command line: flags over environment over defaults, and exit code 2 with reasons for bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tidal.worker.cli import build_parser, load_config
+from tidal.worker.config import WorkerConfig, env_name
+from tidal.worker.engine.config import EngineConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    # Configuration checks only look for the folder and its config.json; nothing is loaded here.
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in WorkerConfig.model_fields:
+        monkeypatch.delenv(env_name(name), raising=False)
+        monkeypatch.delenv(f"TIDAL_{name.upper()}", raising=False)
+
+
+def test_flags_set_every_field(model_dir):
+    config = load_config(
+        ["--model", str(model_dir), "--port", "9001", "--host", "127.0.0.1", "--max-num-seqs", "8",
+         "--no-enable-prefix-caching", "--log-level", "DEBUG", "--served-model-name", "tiny"]
+    )  # fmt: skip
+    assert config.model_path == model_dir
+    assert (config.port, config.host, config.max_num_seqs) == (9001, "127.0.0.1", 8)
+    assert config.enable_prefix_caching is False
+    assert config.log_level == "debug"
+    engine = config.engine_config()
+    assert type(engine) is EngineConfig
+    assert (engine.max_num_seqs, engine.model_name) == (8, "tiny")
+
+
+def test_environment_sets_options_and_flags_win(model_dir, monkeypatch):
+    monkeypatch.setenv("TIDAL_MODEL", str(model_dir))
+    monkeypatch.setenv("TIDAL_PORT", "9100")
+    monkeypatch.setenv("TIDAL_MAX_MODEL_LEN", "128")
+    monkeypatch.setenv("TIDAL_STREAM_WRITE_TIMEOUT_S", "2.5")
+    config = load_config(["--port", "9200"])
+    assert config.model_path == model_dir
+    assert config.port == 9200  # the flag beats TIDAL_PORT
+    assert config.max_model_len == 128
+    assert config.stream_write_timeout_s == 2.5
+
+
+def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):
+    monkeypatch.setenv("TIDAL_MODEL_PATH", str(model_dir))
+    assert load_config([]).model_path == model_dir
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, "--model / TIDAL_MODEL: Field required"),
+        (["--model", "/nonexistent/model"], {}, "model directory '/nonexistent/model' does not exist"),
+        (["--port", "70000"], {}, "--port / TIDAL_PORT: Input should be less than or equal to 65535 (got '70000')"),
+        ([], {"TIDAL_PORT": "eighty"}, "--port / TIDAL_PORT: Input should be a valid integer"),
+        (["--block-size", "24"], {}, "block_size must be a power of two"),
+        (["--log-level", "loud"], {}, "--log-level / TIDAL_LOG_LEVEL: Input should be"),
+        ([], {"TIDAL_DEVICE": "tpu"}, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    ],
+)
+def test_bad_values_exit_2_with_a_clear_message(model_dir, monkeypatch, capsys, argv, env, expected):
+    if "--model" not in argv and expected != "--model / TIDAL_MODEL: Field required":
+        argv = ["--model", str(model_dir), *argv]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exited:
+        load_config(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err
+    assert expected in err
+
+
+def test_help_names_the_environment_variables():
+    text = build_parser().format_help()
+    for flag, env in [("--model", "TIDAL_MODEL"), ("--port", "TIDAL_PORT"), ("--max-num-seqs", "TIDAL_MAX_NUM_SEQS")]:
+        assert flag in text
+        assert env in text
+
+
+def test_module_entry_point_rejects_bad_config_with_exit_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tidal.worker", "--model", str(tmp_path), "--port", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "has no config.json" in result.stderr
+    assert "--port / TIDAL_PORT" in result.stderr
+    assert "Traceback" not in result.stderr
