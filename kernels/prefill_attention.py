@@ -1,10 +1,32 @@
 """Causal prefill/extend attention over the paged KV cache (new tokens of several sequences packed, each possibly
 after a cached prefix): the torch reference, the Triton wrapper and the dispatching entry point."""
 
+from dataclasses import dataclass
+
 import torch
+import triton
 
 from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gather_context
+from tidal.kernels._decode_attention_kernels import LOG2E
+from tidal.kernels._prefill_attention_kernels import prefill_kernel
 from tidal.kernels._validate import check_dtype, check_ndim
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int) -> PrefillConfig:
+    """Tile shapes by head size: the query tile and one K/V tile per pipeline stage must fit shared memory."""
+    if head_dim <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 
 
 def _check_inputs(
@@ -61,6 +83,56 @@ def paged_prefill_attention_reference(
     return out.to(q.dtype)
 
 
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel; same contract as `paged_prefill_attention_reference` (seq_lens[b] >= q_len_b is assumed,
+    not checked: checking would need a device sync)."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    num_tokens, num_heads, head_dim = q.shape
+    batch = block_tables.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, num_heads, head_dim], dense
+    if num_tokens == 0 or batch == 0:
+        return out
+    config = config or default_config(head_dim)
+    grid = (triton.cdiv(num_tokens, config.block_m) + batch, num_heads)
+    prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale * LOG2E,
+        batch,
+        head_dim,
+        GROUP=num_heads // k_cache.shape[2],
+        HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16),
+        BATCH_P2=triton.next_power_of_2(batch),
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        IS_FP32=q.dtype == torch.float32,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -71,4 +143,6 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """Triton on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)

@@ -1,0 +1,141 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Triton kernel for causal prefill/extend attention over the paged KV cache (flash-attention style online softmax).
+
+Grid: (tile slots, query heads). The packed new tokens of B sequences are cut into BLOCK_M query tiles per sequence;
+a slot count of cdiv(T, BLOCK_M) + B always suffices, and each program finds its sequence from cu_seqlens_q on the
+device, so launching never needs the lengths on the host. Within a sequence the tiles run last-first: the last tile
+sees the longest context, and starting the heaviest work first shortens the tail of the launch.
+"""
+
+import triton
+import triton.language as tl
+
+from tidal.kernels._triton_utils import exact_dot
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m,
+    denom,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    head_offset,
+    dim_ok,
+    positions,
+    seq_len,
+    kv_start,
+    kv_end,
+    cache_stride_block,
+    cache_stride_offset,
+    scale_log2,
+    CAUSAL_MASK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    """Online-softmax accumulation over keys [kv_start, kv_end); CAUSAL_MASK only for tiles crossing the diagonal."""
+    for tile in range(kv_start, kv_end, BLOCK_N):
+        keys = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        key_ok = keys < kv_end
+        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        row = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
+        scores = exact_dot(q, tl.trans(k), IS_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if CAUSAL_MASK:
+            visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < seq_len)
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
+        m = m_new
+    return acc, m, denom
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_ptr,
+    seq_lens_ptr,
+    out_ptr,  # [T, H, D] dense
+    q_stride_t,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    tables_stride,
+    scale_log2,
+    batch,
+    head_dim,
+    GROUP: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BATCH_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+
+    # Which sequence and which of its tiles this slot is: count the tiles of the sequences before it.
+    seqs = tl.arange(0, BATCH_P2)
+    starts = tl.load(cu_seqlens_ptr + seqs, mask=seqs < batch, other=0)
+    ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=seqs < batch, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M  # [BATCH_P2]
+    tiles_end = tl.cumsum(tiles, axis=0)
+    seq = tl.sum((tiles_end <= slot).to(tl.int32), axis=0)
+    if seq >= batch:
+        return
+    is_seq = seqs == seq
+    q_start = tl.sum(tl.where(is_seq, starts, 0), axis=0)
+    q_len = tl.sum(tl.where(is_seq, ends - starts, 0), axis=0)
+    seq_tiles = tl.sum(tl.where(is_seq, tiles, 0), axis=0)
+    first_tile_slot = tl.sum(tl.where(is_seq, tiles_end - tiles, 0), axis=0)
+    tile = seq_tiles - 1 - (slot - first_tile_slot)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence's new tokens
+    row_ok = rows < q_len
+    positions = seq_len - q_len + rows  # [BLOCK_M]
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_ok = dims < head_dim
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_P2]
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * tables_stride
+    head_offset = (head // GROUP) * cache_stride_head + dims[None, :]
+    first_pos = seq_len - q_len + tile * BLOCK_M
+    last_visible = tl.minimum(first_pos + BLOCK_M, seq_len)  # keys past this are masked for every row
+    # Keys every row of the tile may see need no mask; only the tiles crossing the diagonal do.
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    acc, m, denom = _attend_tile(
+        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, head_offset, dim_ok, positions, seq_len,
+        0, unmasked_end, cache_stride_block, cache_stride_offset, scale_log2,
+        False, BLOCK_SIZE, BLOCK_N, IS_FP32,
+    )  # fmt: skip
+    acc, m, denom = _attend_tile(
+        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, head_offset, dim_ok, positions, seq_len,
+        unmasked_end, last_visible, cache_stride_block, cache_stride_offset, scale_log2,
+        True, BLOCK_SIZE, BLOCK_N, IS_FP32,
+    )  # fmt: skip
+    result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    out_rows = out_ptr + (tokens[:, None] * num_heads + head) * head_dim + dims[None, :]
+    tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

@@ -1,0 +1,68 @@
+"""Causal prefill/extend attention over the paged cache: Triton vs the torch reference."""
+
+import pytest
+import torch
+from paged_kv import make_paged_kv
+from tolerances import DOT_DTYPES, assert_close
+
+from tidal.kernels.prefill_attention import (
+    PrefillConfig,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    paged_prefill_attention_triton,
+)
+
+CASES = [
+    # (q_len, cached prefix) per sequence, block_size, num_heads, num_kv_heads, head_dim
+    ([(5, 0)], 16, 2, 2, 64),
+    ([(1, 0), (0, 7), (19, 0), (3, 30)], 4, 4, 2, 64),  # length-1, no new tokens, prefix + extend
+    ([(40, 9), (17, 0)], 16, 6, 1, 128),  # MQA with group 6, tiles crossing the diagonal
+    ([(23, 5)], 32, 4, 2, 256),
+    ([(13, 2), (6, 0)], 5, 3, 3, 80),  # odd block size and head dim
+]
+
+
+@pytest.mark.parametrize(("lens", "block_size", "num_heads", "num_kv_heads", "head_dim"), CASES)
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_prefill_matches_reference(device, lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    q_lens = [n for n, _ in lens]
+    seq_lens = [n + prefix for n, prefix in lens]
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, head_dim**-0.5)
+    config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
+
+
+def test_prefill_without_prefix_equals_dense_causal_attention():
+    kv = make_paged_kv([9], 4, 2, 16, torch.float32, "cpu")
+    k = kv.k_cache[kv.block_tables[0, :3].long()].reshape(-1, 2, 16)[:9]  # [9, 2, 16]
+    v = kv.v_cache[kv.block_tables[0, :3].long()].reshape(-1, 2, 16)[:9]
+    q = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    got = paged_prefill_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.25
+    ).transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_mismatched_cu_seqlens():
+    kv = make_paged_kv([4, 4], 4, 1, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill_attention(
+            torch.randn(8, 1, 16), kv.k_cache, kv.v_cache, kv.block_tables,
+            torch.tensor([0, 8], dtype=torch.int32), kv.seq_lens, 1.0,
+        )  # fmt: skip
+
+
+def test_prefill_default_tiles(device):
+    """The tile shapes used on the GPU, on a batch mixing a long extend with short prompts."""
+    q_lens, prefixes = [70, 1, 3], [140, 0, 9]
+    seq_lens = [n + p for n, p in zip(q_lens, prefixes, strict=True)]
+    kv = make_paged_kv(seq_lens, 16, 2, 128, torch.float16, device)
+    q = torch.randn(sum(q_lens), 4, 128, dtype=torch.float16, device=device)
+    cu = torch.tensor([0, 70, 71, 74], dtype=torch.int32, device=device)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 128**-0.5)
+    assert_close(paged_prefill_attention_triton(*args), paged_prefill_attention_reference(*args))
