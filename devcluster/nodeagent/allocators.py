@@ -1,0 +1,73 @@
+"""Per-pod resources the node hands out: loopback addresses and GPU indices (thread-safe, no I/O).
+
+Linux routes all of 127.0.0.0/8 to the loopback device, so 127.0.<subnet>.<n> needs no setup: a server bound to
+its pod's address is reachable at that address from every local process, and two pods can both use port 8000.
+"""
+
+import threading
+
+
+class AddressPool:
+    def __init__(self, subnet: int) -> None:
+        self._prefix = f"127.0.{subnet}."
+        self._lock = threading.Lock()
+        self._by_uid: dict[str, str] = {}
+        self._next = 1
+
+    def owns(self, ip: str) -> bool:
+        return ip.startswith(self._prefix)
+
+    def assign(self, uid: str, wanted: str | None = None) -> str:
+        """The pod's address; `wanted` (from the pod's status, after an agent restart) is kept when still free."""
+        with self._lock:
+            if uid in self._by_uid:
+                return self._by_uid[uid]
+            used = set(self._by_uid.values())
+            if wanted and self.owns(wanted) and wanted not in used:
+                self._by_uid[uid] = wanted
+                return wanted
+            # Round robin, so an address just released (its port maybe in TIME_WAIT) is reused last.
+            for step in range(254):
+                host = (self._next - 1 + step) % 254 + 1
+                ip = f"{self._prefix}{host}"
+                if ip not in used:
+                    self._next = host % 254 + 1
+                    self._by_uid[uid] = ip
+                    return ip
+        raise RuntimeError(f"no free pod address left in {self._prefix}0/24")
+
+    def release(self, uid: str) -> None:
+        with self._lock:
+            self._by_uid.pop(uid, None)
+
+
+class GpuPool:
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._lock = threading.Lock()
+        self._by_uid: dict[str, list[int]] = {}
+
+    def assign(self, uid: str, wanted: int) -> list[int]:
+        with self._lock:
+            if uid in self._by_uid:
+                return self._by_uid[uid]
+            taken = {i for ids in self._by_uid.values() for i in ids}
+            free = [i for i in range(self._count) if i not in taken]
+            if len(free) < wanted:
+                raise RuntimeError(f"pod wants {wanted} nvidia.com/gpu, only {len(free)} of {self._count} are free")
+            self._by_uid[uid] = free[:wanted]
+            return self._by_uid[uid]
+
+    def release(self, uid: str) -> None:
+        with self._lock:
+            self._by_uid.pop(uid, None)
+
+
+def gpu_request(pod: dict) -> int:
+    """nvidia.com/gpu wanted by the pod's containers (extended resources: the limit is the request)."""
+    total = 0
+    for container in pod.get("spec", {}).get("containers", []):
+        resources = container.get("resources", {})
+        value = resources.get("limits", {}).get("nvidia.com/gpu") or resources.get("requests", {}).get("nvidia.com/gpu")
+        total += int(value or 0)
+    return total

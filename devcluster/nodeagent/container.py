@@ -1,0 +1,186 @@
+"""One container of a pod across its runs: start, notice exits, restart with back-off, probe, kill.
+
+`ContainerSlot.step` is level-based: given "now" it moves the container toward what its spec and the pod's
+restartPolicy want, and reports when it next needs attention.
+"""
+
+import logging
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tidal.devcluster.nodeagent.lifecycle import (
+    ContainerRecord,
+    backoff_delay,
+    now_iso,
+    should_restart,
+    terminated_state,
+)
+from tidal.devcluster.nodeagent.probes import ProbeSpec, ProbeTracker, run_probe
+from tidal.devcluster.nodeagent.runtime import ContainerProcess
+
+log = logging.getLogger(__name__)
+
+NEVER = float("inf")
+PROBE_KINDS = ("startup", "liveness", "readiness")
+
+
+@dataclass
+class LaunchPlan:
+    """How to run the container now (resolved by the pod worker: env lookups, identity, addresses)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+
+
+@dataclass
+class ContainerSlot:
+    spec: dict
+    record: ContainerRecord
+    log_path: Path
+    previous_log_path: Path
+    pidfile: Path
+    pod_ip: str
+    restart_policy: str
+    kill_grace_s: float
+    on_exit: Callable[[], None]
+    backoff: tuple[float, float, float]  # initial, max, reset-after (seconds)
+    process: ContainerProcess | None = None
+    started_mono: float = 0.0
+    next_start: float = 0.0  # monotonic time of the next (re)start; NEVER once the container is done
+    crash_streak: int = 0
+    kill_deadline: float | None = None
+    killed_by_probe: bool = False
+    retry_at: float = 0.0
+    probes: dict[str, ProbeTracker] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+    @property
+    def has_run(self) -> bool:
+        return self.process is not None or "terminated" in self.record.state or bool(self.record.last_state)
+
+    def wants_start(self, now: float) -> bool:
+        return self.process is None and now >= self.next_start and now >= self.retry_at
+
+    # -- starting ----------------------------------------------------------------------------------------------
+    def hold(self, reason: str, message: str, retry_in_s: float, now: float) -> None:
+        """Not startable yet (missing Secret, no token yet, ...): say why in the status and retry later."""
+        self.record.state = {"waiting": {"reason": reason, "message": message}}
+        self.retry_at = now + retry_in_s
+
+    def start(self, plan: LaunchPlan, now: float) -> None:
+        is_restart = self.has_run
+        if is_restart and self.log_path.exists():
+            shutil.move(self.log_path, self.previous_log_path)
+        try:
+            if not plan.cwd.is_dir():
+                raise FileNotFoundError(f"workingDir {plan.cwd} does not exist on this host")
+            self.process = ContainerProcess(plan.argv, plan.env, plan.cwd, self.log_path, self.pidfile, self.on_exit)
+        except OSError as exc:
+            # What a runtime reports when the entrypoint cannot be executed; restartPolicy then applies as usual.
+            stamp = now_iso()
+            self._finish_run(terminated_state(128, stamp, stamp, f"{exc}", "StartError"), now, now)
+            return
+        if is_restart:
+            self.record.restart_count += 1
+        self.env = plan.env
+        self.started_mono = now
+        self.record.state = {"running": {"startedAt": now_iso()}}
+        self.record.container_id = f"tidal://{self.process.pid}"
+        self.kill_deadline, self.killed_by_probe = None, False
+        self.probes = {}
+        for kind in PROBE_KINDS:
+            spec = ProbeSpec.from_container(self.spec, kind)
+            if spec is not None:
+                self.probes[kind] = ProbeTracker(spec, now)
+        self.record.started = "startup" not in self.probes
+        self.record.ready = "readiness" not in self.probes and self.record.started
+        log.info("started %s (pid %d): %s", self.name, self.process.pid, plan.argv)
+
+    # -- running -----------------------------------------------------------------------------------------------
+    def step(self, now: float) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        if proc.exited:
+            started = self.record.state.get("running", {}).get("startedAt", now_iso())
+            code = int(proc.exit_code or 0)
+            self.process = None
+            self._finish_run(terminated_state(code, started, now_iso()), now, self.started_mono)
+            return
+        if self.kill_deadline is not None:
+            if now >= self.kill_deadline:
+                proc.signal(signal.SIGKILL)
+            return
+        self._probe(now)
+
+    def _probe(self, now: float) -> None:
+        startup = self.probes.get("startup")
+        if startup is not None and not self.record.started:
+            if startup.due(now):
+                startup.record(*run_probe(startup.spec, self.spec, self.pod_ip, self.env), time.monotonic())
+                if startup.succeeded:
+                    self.record.started = True
+                elif startup.failed:
+                    self.kill(f"startup probe failed: {startup.last_message}", now)
+            return
+        liveness = self.probes.get("liveness")
+        if liveness is not None and liveness.due(now):
+            liveness.record(*run_probe(liveness.spec, self.spec, self.pod_ip, self.env), time.monotonic())
+            if liveness.failed:
+                self.kill(f"liveness probe failed: {liveness.last_message}", now)
+                return
+        readiness = self.probes.get("readiness")
+        if readiness is not None:
+            if readiness.due(now):
+                readiness.record(*run_probe(readiness.spec, self.spec, self.pod_ip, self.env), time.monotonic())
+            self.record.ready = readiness.succeeded
+        else:
+            self.record.ready = True
+
+    def kill(self, why: str, now: float) -> None:
+        """SIGTERM now, SIGKILL at the grace deadline (non-blocking; `step` finishes it)."""
+        if self.process is None or self.kill_deadline is not None:
+            return
+        log.info("killing %s: %s", self.name, why)
+        self.killed_by_probe = True
+        self.record.ready = False
+        self.process.terminate()
+        self.kill_deadline = now + self.kill_grace_s
+
+    def _finish_run(self, terminated: dict, now: float, started_mono: float) -> None:
+        self.record.ready = False
+        self.record.started = False
+        self.probes = {}
+        exit_code = int(terminated["terminated"]["exitCode"])
+        # A container killed for failing its probe is restarted even if it exited 0 on SIGTERM (unless Never).
+        restart = should_restart(self.restart_policy, exit_code) or (
+            self.killed_by_probe and self.restart_policy != "Never"
+        )
+        if not restart:
+            self.record.state = terminated
+            self.next_start = NEVER
+            return
+        initial, maximum, reset_after = self.backoff
+        self.crash_streak = 1 if now - started_mono >= reset_after else self.crash_streak + 1
+        delay = backoff_delay(self.crash_streak, initial, maximum)
+        self.record.last_state = terminated
+        self.record.state = {
+            "waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s restarting failed container"}
+        }
+        self.next_start = now + delay
+
+    def next_wake(self) -> float:
+        if self.process is None:
+            return max(self.next_start, self.retry_at)
+        if self.kill_deadline is not None:
+            return self.kill_deadline
+        return min((p.next_due for p in self.probes.values()), default=NEVER)

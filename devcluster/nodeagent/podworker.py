@@ -1,0 +1,296 @@
+"""One thread per pod bound to the node: level-based reconcile of the pod's processes and its status.
+
+It wakes when the watch delivers a newer pod, when a container process exits, and when a timer it asked for
+(probe period, back-off, grace deadline, retry) comes due; never on a fixed poll.
+"""
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request
+from tidal.devcluster.nodeagent.config import AgentConfig
+from tidal.devcluster.nodeagent.container import NEVER, ContainerSlot, LaunchPlan
+from tidal.devcluster.nodeagent.envresolve import EnvContext, EnvError, container_argv, container_env
+from tidal.devcluster.nodeagent.faults import FAULT_ANNOTATION, SIGNALS, parse_fault
+from tidal.devcluster.nodeagent.identity import PodIdentity, wants_token
+from tidal.devcluster.nodeagent.kubeapi import NodeApi
+from tidal.devcluster.nodeagent.layout import PodDirs
+from tidal.devcluster.nodeagent.lifecycle import (
+    TERMINAL_PHASES,
+    ContainerRecord,
+    now_iso,
+    pod_conditions,
+    pod_phase,
+)
+from tidal.devcluster.nodeagent.node import HOST_IP
+from tidal.devcluster.nodeagent.runtime import kill_orphan
+
+log = logging.getLogger(__name__)
+API_ERRORS = (ApiException, HTTPError, OSError)
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What every pod worker shares: the API, the config, the node's pools and the cluster CA."""
+
+    api: NodeApi
+    cfg: AgentConfig
+    addresses: AddressPool
+    gpus: GpuPool
+    ca_pem: bytes
+    allocatable: dict[str, str]
+
+
+def base_env() -> dict[str, str]:
+    # A host process inherits the agent's environment (PATH, the venv, caches) minus the agent's own API access.
+    return {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "CUDA_VISIBLE_DEVICES"))}
+
+
+class PodWorker(threading.Thread):
+    def __init__(self, ctx: NodeContext, pod: dict) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
+        self.ctx = ctx
+        self.uid: str = meta["uid"]
+        self.key = f"{meta['namespace']}/{meta['name']}"
+        self._pod = pod
+        self._gone = False  # deleted from the API by someone else (force delete) or the agent is stopping
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.dirs = PodDirs.of(ctx.cfg.state_dir, meta["namespace"], meta["name"], self.uid)
+        self._slots: list[ContainerSlot] = []
+        self._pod_ip = ""
+        self._gpu_ids: list[int] = []
+        self._identity = PodIdentity(ctx.api, ctx.ca_pem, self.dirs.kubeconfig, ctx.cfg.token_seconds)
+        self._terminal = pod.get("status", {}).get("phase") in TERMINAL_PHASES
+        self._kill_at: float | None = None
+        self._last_status: dict | None = None
+        self._start_time = pod.get("status", {}).get("startTime") or now_iso()
+        self._applied_faults: set[str] = set()
+
+    # -- inputs from other threads -----------------------------------------------------------------------------
+    def update(self, pod: dict) -> None:
+        with self._lock:
+            self._pod = pod
+        self._wake.set()
+
+    def gone(self) -> None:
+        with self._lock:
+            self._gone = True
+        self._wake.set()
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._setup()
+            while not self.done.is_set():
+                self._wake.clear()
+                try:
+                    wake_at = self._reconcile(time.monotonic())
+                except API_ERRORS as exc:
+                    log.warning("%s: API call failed, retrying: %s", self.key, exc)
+                    wake_at = time.monotonic() + 1.0
+                if not self.done.is_set():
+                    self._wake.wait(timeout=max(0.0, min(wake_at - time.monotonic(), 30.0)))
+        except Exception:
+            log.exception("%s: pod worker crashed", self.key)
+            self._kill_everything()
+            self.done.set()
+
+    def _setup(self) -> None:
+        self.dirs.root.mkdir(parents=True, exist_ok=True)
+        self.dirs.workdir.mkdir(exist_ok=True)
+        for pidfile in self.dirs.root.glob("*.pid"):
+            if kill_orphan(pidfile):
+                log.info("%s: killed a process left by an earlier node agent (%s)", self.key, pidfile.name)
+        if self.dirs.applied_faults.exists():
+            self._applied_faults = set(self.dirs.applied_faults.read_text().split())
+        pod = self._pod
+        previous = {s["name"]: s for s in pod.get("status", {}).get("containerStatuses", [])}
+        for container in pod["spec"]["containers"]:
+            record = ContainerRecord(container["name"], container.get("image", ""))
+            if container["name"] in previous:  # the agent restarted: carry the count over
+                record.restart_count = int(previous[container["name"]].get("restartCount", 0))
+            self._slots.append(
+                ContainerSlot(
+                    spec=container, record=record, log_path=self.dirs.log(container["name"]),
+                    previous_log_path=self.dirs.previous_log(container["name"]),
+                    pidfile=self.dirs.pidfile(container["name"]), pod_ip="",
+                    restart_policy=pod["spec"].get("restartPolicy", "Always"),
+                    kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)), on_exit=self._poke,
+                    backoff=(self.ctx.cfg.backoff_initial_s, self.ctx.cfg.backoff_max_s, self.ctx.cfg.backoff_reset_s),
+                )
+            )
+            if container["name"] in previous and previous[container["name"]].get("state", {}).get("running"):
+                # It ran under an earlier agent whose process is gone now: that run ended.
+                self._slots[-1].record.last_state = {
+                    "terminated": {"exitCode": 137, "reason": "Error", "message": "the node agent restarted",
+                                   "startedAt": self._start_time, "finishedAt": now_iso()}
+                }
+
+    def _reconcile(self, now: float) -> float:
+        with self._lock:
+            pod, gone = self._pod, self._gone
+        if gone or pod["metadata"].get("deletionTimestamp"):
+            return self._terminate(pod, now, delete_from_api=not gone)
+        if self._terminal:
+            return NEVER
+        if not self._pod_ip:
+            self._assign_resources(pod)
+        self._apply_fault(pod)
+        for slot in self._slots:
+            slot.step(now)
+            if slot.wants_start(now):
+                self._start(slot, pod, now)
+        self._report(pod)
+        return min([slot.next_wake() for slot in self._slots] + [self._identity.refresh_at or NEVER])
+
+    def _assign_resources(self, pod: dict) -> None:
+        wanted_ip = pod.get("status", {}).get("podIP")
+        self._pod_ip = self.ctx.addresses.assign(self.uid, wanted_ip)
+        for slot in self._slots:
+            slot.pod_ip = self._pod_ip
+        self._gpu_ids = self.ctx.gpus.assign(self.uid, gpu_request(pod))
+
+    def _start(self, slot: ContainerSlot, pod: dict, now: float) -> None:
+        env = base_env()
+        env["HOSTNAME"] = pod["metadata"]["name"]
+        wants_gpu = int(slot.spec.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) or 0) > 0
+        # A container without a GPU request sees no GPU, as with the device plugin on a real node.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self._gpu_ids)) if wants_gpu else ""
+        if wants_token(pod):
+            try:
+                self._identity.ensure(pod, now)
+            except API_ERRORS as exc:
+                slot.hold("CreateContainerConfigError", f"no ServiceAccount token yet: {exc}", 1.0, now)
+                return
+            env["KUBECONFIG"] = str(self.dirs.kubeconfig)
+        ctx = EnvContext(self.ctx.api.secret_data, self.ctx.api.config_map_data, self._pod_ip, HOST_IP,
+                         self.ctx.allocatable)
+        try:
+            env.update(container_env(pod, slot.spec, ctx))
+        except (EnvError, ApiException) as exc:
+            message = str(exc) if isinstance(exc, EnvError) else f"API error {exc.status}: {exc.reason}"
+            slot.hold("CreateContainerConfigError", message, 2.0, now)
+            return
+        argv = container_argv(slot.spec, env)
+        if not argv:
+            slot.hold("CreateContainerConfigError",
+                      "the tidal node agent runs commands, not images: set the container's `command`", 30.0, now)
+            return
+        cwd = slot.spec.get("workingDir") or str(self.dirs.workdir)
+        slot.start(LaunchPlan(argv, env, Path(cwd)), now)
+
+    def _apply_fault(self, pod: dict) -> None:
+        value = pod["metadata"].get("annotations", {}).get(FAULT_ANNOTATION)
+        if not value or value in self._applied_faults:
+            return
+        self._applied_faults.add(value)
+        self.dirs.applied_faults.write_text("\n".join(sorted(self._applied_faults)) + "\n")
+        try:
+            sig = SIGNALS[parse_fault(value)]
+        except ValueError as exc:
+            log.warning("%s: ignoring fault annotation: %s", self.key, exc)
+            return
+        for slot in self._slots:
+            if slot.process is not None:
+                log.info("%s: injecting fault %s into %s", self.key, value, slot.name)
+                slot.process.signal(sig)
+
+    def _report(self, pod: dict) -> None:
+        records = [slot.record for slot in self._slots]
+        phase = pod_phase(records, pod["spec"].get("restartPolicy", "Always"))
+        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
+        previous = pod.get("status", {}).get("conditions", [])
+        status = {
+            "phase": phase,
+            "conditions": pod_conditions(records, phase, gates, previous, now_iso()),
+            "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}],
+            "podIP": self._pod_ip,
+            "podIPs": [{"ip": self._pod_ip}],
+            "startTime": self._start_time,
+            "containerStatuses": [r.to_status() for r in records],
+        }
+        if self._same_as_last(status):
+            return
+        self.ctx.api.patch_pod_status(pod["metadata"]["namespace"], pod["metadata"]["name"], status)
+        self._last_status = status
+        if phase in TERMINAL_PHASES:
+            log.info("%s: %s", self.key, phase)
+            self._terminal = True
+            self._release()
+
+    def _same_as_last(self, status: dict) -> bool:
+        if self._last_status is None:
+            return False
+
+        def strip(s: dict) -> list:
+            # Transition times come from the previous pod object, which may lag our own last patch.
+            return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s["conditions"]]
+
+        same_rest = {k: v for k, v in status.items() if k != "conditions"} == {
+            k: v for k, v in self._last_status.items() if k != "conditions"
+        }
+        return same_rest and strip(status) == strip(self._last_status)
+
+    # -- stopping ----------------------------------------------------------------------------------------------
+    def _terminate(self, pod: dict, now: float, delete_from_api: bool) -> float:
+        running = [s for s in self._slots if s.process is not None and not s.process.exited]
+        if self._kill_at is None:
+            grace = pod["metadata"].get("deletionGracePeriodSeconds")
+            if grace is None:
+                grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+            if not delete_from_api:
+                grace = min(float(grace), 5.0)
+            self._kill_at = now + float(grace)
+            for slot in self._slots:
+                slot.next_start = NEVER
+            for slot in running:
+                slot.process.terminate()  # type: ignore[union-attr]
+        if running:
+            if now >= self._kill_at:
+                for slot in running:
+                    slot.process.signal(signal.SIGKILL)  # type: ignore[union-attr]
+                return now + 0.1
+            return self._kill_at
+        self._release()
+        if delete_from_api:
+            meta = pod["metadata"]
+            self.ctx.api.delete_pod_now(meta["namespace"], meta["name"], self.uid)
+            log.info("%s: stopped and deleted", self.key)
+        self.done.set()
+        return NEVER
+
+    def _release(self) -> None:
+        self.ctx.addresses.release(self.uid)
+        self.ctx.gpus.release(self.uid)
+
+    def _kill_everything(self) -> None:
+        for slot in self._slots:
+            if slot.process is not None:
+                slot.process.signal(signal.SIGKILL)
+
+    def stop_for_shutdown(self, grace_s: float) -> None:
+        """The agent is exiting: stop this pod's processes (SIGTERM, SIGKILL after grace_s) without API calls."""
+        procs = [s.process for s in self._slots if s.process is not None and not s.process.exited]
+        for proc in procs:
+            proc.terminate()
+        deadline = time.monotonic() + grace_s
+        while any(not p.exited for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._kill_everything()
+        self.done.set()
+        self._wake.set()
