@@ -85,18 +85,25 @@ class WorkerServers:
         self._log_level = log_level.lower()
         self._servers: list[_UvicornServer] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Remembered so that a stop asked for before the servers exist is not lost.
+        self._stopping = False
 
     def bind(self) -> None:
         for listener in self.listeners:
             if listener.sock is None:
                 listener.bind()
 
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Name the loop `run()` will run on, so that `request_stop()` works even before `run()` starts."""
+        self._loop = loop
+
     def request_stop(self) -> None:
-        """Ask every listener to finish; callable from any thread and from signal handlers."""
+        """Ask every listener to finish; callable from any thread."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._stop_servers)
 
     def _stop_servers(self) -> None:
+        self._stopping = True
         for server in self._servers:
             server.should_exit = True
 
@@ -109,6 +116,8 @@ class WorkerServers:
                 listener.app, log_level=self._log_level, lifespan="off", timeout_graceful_shutdown=5
             )
             self._servers.append(_UvicornServer(config))
+        if self._stopping:
+            self._stop_servers()
         self._install_signal_handlers()
         serving = [
             asyncio.create_task(server.serve(sockets=[lst.sock]), name=f"serve-{lst.name}")  # type: ignore[list-item]
