@@ -1,0 +1,150 @@
+"""Paged KV cache bookkeeping: which block holds which tokens, with prefix caching (pure, no torch).
+
+A block that nobody references goes back to the free list but keeps its prefix hash, so a later prompt with
+the same prefix can take it back until the block is handed out for something else (oldest freed first).
+Hashes are registered only for blocks that are full *and* computed, so a hit never reads K/V that a chunked
+prefill has not written yet.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tidal.worker.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    prefix_hash: int | None = None
+    # The tokens the hash was computed from, compared on a hit so a hash collision can never mix sequences.
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks in the order they were freed; values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self.num_prefix_hit_tokens = 0  # since start
+
+    # ----- queries -----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether blocks for all of `seq`'s tokens (prefix hits included) can be had now."""
+        hits = self._prefix_hits(seq)
+        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
+        return num_new + num_revived <= len(self._free)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the cache can grow to hold `num_new_tokens` more computed tokens of a running `seq`."""
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= len(self._free)
+
+    # ----- changes -----
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting `seq` blocks for all its tokens; prefix hits become already-computed tokens."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self._prefix_hits(seq)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        seq.block_hashes = [self.blocks[b].prefix_hash for b in hits]  # type: ignore[misc]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_prefix_hit_tokens += seq.num_computed_tokens
+        for _ in range(self.num_blocks_for(seq.num_tokens) - len(hits)):
+            seq.block_table.append(self._take_fresh())
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow a running `seq`'s blocks to hold `num_new_tokens` more computed tokens."""
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            seq.block_table.append(self._take_fresh())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the prefix hashes of `seq`'s blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h in self._cached:
+                continue  # another block already holds these tokens; keep the first
+            block.prefix_hash = h
+            block.token_ids = tokens
+            self._cached[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; the tail goes on the free list first so it is evicted before the prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    # ----- internals -----
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks equal to `seq`'s leading full blocks. The last token is never a hit: its logits are
+        needed, so at least one token must be computed."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        if not self._free:
+            raise RuntimeError("out of KV cache blocks (the scheduler should have checked)")
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.prefix_hash is not None and self._cached.get(block.prefix_hash) == block_id:
+            del self._cached[block.prefix_hash]
+        block.prefix_hash = None
+        block.token_ids = ()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,49 @@
+"""The engine's one typed configuration, validated when it is built (the server's WorkerConfig embeds it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to load a model and size its KV cache.
+
+    KV cache size: on CUDA it is `gpu_memory_fraction` of the memory still free after the weights are loaded
+    and a worst-case forward has been profiled; on CPU it is `num_kv_blocks` or `kv_cache_bytes` (default
+    512 MiB). `num_kv_blocks`, when set, wins on every device (tests use it to force preemption).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model_path: Path = Field(description="Local Hugging Face model directory (config.json, *.safetensors, tokenizer).")
+    served_model_name: str | None = Field(default=None, description="Name reported to clients; default: folder name.")
+    dtype: DType = Field(default="auto", description="Weight/activation dtype; 'auto' takes the checkpoint's dtype.")
+    device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV cache block (a power of two).")
+    num_kv_blocks: int | None = Field(default=None, ge=1, description="Fixed number of KV cache blocks.")
+    kv_cache_bytes: int | None = Field(default=None, ge=1, description="KV cache size in bytes (CPU).")
+    gpu_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0, description="Share of free GPU memory for KV.")
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step (prefill chunks).")
+    max_model_len: int | None = Field(default=None, ge=2, description="Longest sequence; default from the model.")
+    seed: int = Field(default=0, description="Seed of the sampler for requests that carry no seed of their own.")
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("set at most one of num_kv_blocks and kv_cache_bytes")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path.name

@@ -1,0 +1,69 @@
+"""Deciding the engine's device, context length and KV cache size from its config and the loaded model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, gpu_kv_cache_bytes, num_blocks_for_bytes
+from tidal.worker.engine.model_runner import ModelRunner
+from tidal.worker.loader.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+class EngineConfigError(ValueError):
+    """The engine config does not fit this model or this machine."""
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineConfigError(f"device {requested!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
+    if config.max_model_len is None:
+        return model_limit
+    if config.max_model_len > model_limit:
+        raise EngineConfigError(
+            f"max_model_len {config.max_model_len} exceeds what the model supports ({model_limit} tokens)"
+        )
+    return config.max_model_len
+
+
+def decide_num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_len: int) -> int:
+    """A fixed count if configured; on CUDA a share of the memory left after a profiled worst-case forward;
+    on CPU from kv_cache_bytes (default 512 MiB)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if runner.device.type == "cuda":
+        runner.profile(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        num_bytes = gpu_kv_cache_bytes(runner.device, config.gpu_memory_fraction)
+    else:
+        num_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = num_blocks_for_bytes(num_bytes, runner.bytes_per_block)
+    if num_blocks < 1:
+        raise ModelLoadError(
+            f"no room for a single KV cache block ({runner.bytes_per_block} bytes) in {num_bytes} bytes"
+        )
+    return num_blocks
+
+
+def fit_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """A sequence must always fit the cache on its own (else preemption could never make room for it)."""
+    capacity = num_blocks * config.block_size
+    if capacity >= max_model_len:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise EngineConfigError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), less than "
+            f"max_model_len {config.max_model_len}: give the cache more memory or lower max_model_len"
+        )
+    log.warning("max_model_len lowered from %d to %d tokens to fit the KV cache", max_model_len, capacity)
+    return capacity

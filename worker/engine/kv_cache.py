@@ -1,0 +1,45 @@
+"""Sizing and allocating the paged KV cache (per layer, K and V of [num_blocks, block_size, kv_heads, head_dim])."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidal.worker.models.base import KVCacheSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def allocate_kv_caches(
+    spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> KVCaches:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    # Zeroed, so a read of a never-written slot (padding) can't bring NaNs into a masked softmax.
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+
+
+def num_blocks_for_bytes(num_bytes: int, bytes_per_block: int) -> int:
+    return num_bytes // bytes_per_block
+
+
+def gpu_kv_cache_bytes(device: torch.device, memory_fraction: float) -> int:
+    """The share of the device's free memory the KV cache may take, measured after the weights were loaded and a
+    worst-case forward was profiled (its activations stay in torch's cache and are reused, so they are not free)."""
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(free * memory_fraction)
+    log.info(
+        "GPU memory: %.2f GiB free of %.2f GiB; KV cache gets %.0f%% of the free part: %.2f GiB",
+        free / 2**30,
+        total / 2**30,
+        memory_fraction * 100,
+        budget / 2**30,
+    )
+    return budget

@@ -1,0 +1,98 @@
+"""All device work of a step: turn a StepPlan into tensors, run the model's forward, return logits to sample.
+
+A follower rank of a group (later) runs `execute` on the plan it receives and ignores the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidal.worker.engine.kv_cache import KVCaches, allocate_kv_caches
+from tidal.worker.engine.step_plan import StepPlan
+from tidal.worker.layers.attention import AttentionBatch
+from tidal.worker.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches: KVCaches = []
+        self.num_kv_blocks = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.model.kv_cache_spec.bytes_per_block(self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(
+            self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device
+        )
+        self.num_kv_blocks = num_blocks
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.bytes_per_block / 2**20,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """-> logits [S, V] fp32 of the plan's sampled rows, or None when no sequence samples this step."""
+        if not self.kv_caches:
+            raise RuntimeError("the KV cache is not allocated")
+        return self._forward(plan, self.kv_caches)
+
+    @torch.inference_mode()
+    def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """Run a worst-case step (the most tokens, spread over the most sequences) on a throwaway cache so the
+        allocator reserves its activations before the KV cache is sized."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        per_seq = min(max_model_len, -(-num_tokens // num_seqs))
+        num_blocks = -(-per_seq // self.block_size)
+        caches = allocate_kv_caches(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
+        lens = [per_seq] * num_seqs
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        plan = StepPlan(
+            seq_ids=list(range(num_seqs)),
+            input_ids=[0] * cu[-1],
+            positions=[p for n in lens for p in range(n)],
+            slot_mapping=[-1] * cu[-1],  # write nothing: every sequence shares the throwaway blocks
+            cu_seqlens_q=cu,
+            seq_lens=lens,
+            block_tables=[list(range(num_blocks))] * num_seqs,
+            sample_indices=[c - 1 for c in cu[1:]],
+            sample_seq_ids=list(range(num_seqs)),
+        )
+        self._forward(plan, caches)
+        del caches
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
+        dev = self.device
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)  # [T]
+        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # [T]
+        width = max(len(t) for t in plan.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]  # padding entries are never read
+        batch = AttentionBatch(
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),  # [B, max_blocks]
+            cu_seqlens_q=torch.tensor(plan.cu_seqlens_q, dtype=torch.int32, device=dev),  # [B + 1]
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=dev),  # [B]
+            is_decode_only=plan.is_decode_only,
+            kv_caches=kv_caches,
+        )
+        hidden = self.model(input_ids, positions, batch)  # [T, H]
+        if not plan.sample_indices:
+            return None
+        rows = torch.tensor(plan.sample_indices, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[rows])  # [S, V]

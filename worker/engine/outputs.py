@@ -1,0 +1,51 @@
+"""What the engine hands back: per-step deltas, whole results for batch use, and load statistics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class RequestOutput(BaseModel):
+    """The new part of one request's output since the previous RequestOutput for it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GenerationResult(BaseModel):
+    """A finished request as a whole (LLMEngine.generate)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class EngineStats(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # share of KV blocks in use, 0..1
+    num_kv_blocks: int
+    num_preemptions: int  # since start
+    num_prompt_tokens: int  # since start, prompt tokens of admitted requests
+    num_generated_tokens: int  # since start
+    num_prefix_cache_hit_tokens: int  # since start

@@ -1,0 +1,135 @@
+"""Continuous batching: decide which sequences run in the next step and how many tokens each computes.
+
+Each step first serves running sequences in arrival order (decodes and unfinished prefill chunks), then admits
+waiting ones while the token budget, the sequence limit and the free blocks allow; so prefills and decodes
+share a step. Long prompts are prefilled in chunks that fit the budget. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed (its full blocks usually come back through the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tidal.worker.engine.block_manager import BlockManager
+from tidal.worker.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step: token_ids[num_computed : num_computed + num_new_tokens]
+
+    @property
+    def will_sample(self) -> bool:
+        """Only the chunk that reaches the last token produces logits worth sampling."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+        self.limits = limits
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        # Running sequences first, oldest first; the newest are the preemption victims.
+        queue = list(self.running)
+        self.running = []
+        while queue and budget > 0 and len(out.scheduled) < self.limits.max_num_seqs:
+            seq = queue.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_append(seq, num_new):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append(seq, num_new)
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+        self.running.extend(queue)  # left over by the budget or the sequence limit; they keep their blocks
+        if out.preempted:
+            return out  # don't admit new work into a cache that just ran out
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return out
+
+    def on_step_done(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Advance the scheduled sequences; `sampled` maps seq_id to the token sampled for it this step."""
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit(seq)
+            token = sampled.get(seq.seq_id)
+            if token is not None:
+                seq.append_token(token)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        seq.finish(reason)  # type: ignore[arg-type]
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

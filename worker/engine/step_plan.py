@@ -1,0 +1,78 @@
+"""A step's batch as plain data: what the leader decides and any rank can execute (pure, no torch).
+
+Keeping the plan free of tensors and of Sequence objects is what lets a follower rank of a group receive the
+same plan over the wire later and run the same forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.worker.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seq_ids: list[int]  # [B] the scheduled sequences, in batch order
+    input_ids: list[int]  # [T] new tokens of all sequences, packed
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T] cache slot (block_id * block_size + offset) each new token's K/V goes to
+    cu_seqlens_q: list[int]  # [B + 1] where each sequence's new tokens start in the packed batch
+    seq_lens: list[int]  # [B] context length after this step (cached + new)
+    block_tables: list[list[int]]  # [B][*] blocks of each sequence
+    sample_indices: list[int]  # [S] rows of the packed batch whose logits are sampled
+    sample_seq_ids: list[int]  # [S] the sequence each sampled row belongs to
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.seq_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens, default=0)
+
+
+def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
+    seq_ids: list[int] = []
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    cu_seqlens_q = [0]
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    sample_indices: list[int] = []
+    sample_seq_ids: list[int] = []
+    for item in out.scheduled:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        seq_ids.append(seq.seq_id)
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        cu_seqlens_q.append(len(input_ids))
+        seq_lens.append(end)
+        block_tables.append(list(table))
+        if item.will_sample:
+            sample_indices.append(len(input_ids) - 1)
+            sample_seq_ids.append(seq.seq_id)
+    return StepPlan(
+        seq_ids=seq_ids,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sample_indices=sample_indices,
+        sample_seq_ids=sample_seq_ids,
+    )

@@ -1,0 +1,50 @@
+"""One request's streamed text: detokenized deltas with stop strings applied.
+
+Text that might be the start of a stop string is held back until it is clear, so a client never receives
+part of a stop string it should not see.
+"""
+
+from __future__ import annotations
+
+from tidal.worker.engine.detokenizer import IncrementalDetokenizer
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.stop_checker import find_stop_string, partial_stop_len
+
+
+class TextStream:
+    def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams) -> None:
+        self._detokenizer = detokenizer
+        self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self.text = ""  # all text decoded so far (may run past a stop string)
+        self._emitted = 0  # characters of `text` already handed out
+        self.stopped = False
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """-> the new text to hand out; sets `stopped` when a stop string appeared."""
+        before = len(self.text)
+        self.text += self._detokenizer.push(new_token_ids)
+        release_to = len(self.text)
+        if self._stops:
+            hit = find_stop_string(self.text, self._stops, before)
+            if hit is not None:
+                index, stop = hit
+                self.stopped = True
+                release_to = index + (len(stop) if self._include_stop else 0)
+            else:
+                release_to -= partial_stop_len(self.text, self._stops)
+        return self._release(release_to)
+
+    def flush(self) -> str:
+        """-> text held back, to hand out when the request ends for a reason other than a stop string."""
+        return "" if self.stopped else self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._emitted)
+        delta = self.text[self._emitted : upto]
+        self._emitted = upto
+        return delta
+
+    @property
+    def output_text(self) -> str:
+        return self.text[: self._emitted]

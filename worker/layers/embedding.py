@@ -1,0 +1,45 @@
+"""Token embedding and the LM head (which may share the embedding's weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.worker.layers.checkpoint import new_weight
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = new_weight((vocab_size, hidden_size), dtype, device)  # [V, H]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(input_ids, self.weight)
+
+    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        return {f"{path}.weight": self.weight.data}
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits. Tied: it reads the embedding's tensor and owns no
+    checkpoint tensor of its own (a checkpoint's redundant lm_head.weight is then ignored by the loader)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tied_to: VocabEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.tied = tied_to is not None
+        # Tied: the very same Parameter object, so an in-place update of the embedding updates the head.
+        self.weight = tied_to.weight if tied_to is not None else new_weight((vocab_size, hidden_size), dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] in fp32 for the sampler
+        return F.linear(hidden, self.weight).float()
+
+    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        return {} if self.tied else {f"{path}.weight": self.weight.data}

@@ -1,0 +1,32 @@
+"""Rotary position embedding with its cos/sin cache built once (tidal.kernels.rotary)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidal.kernels.rotary import apply_rotary, build_cos_sin_cache
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None,
+        is_neox: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.is_neox = is_neox
+        # A buffer, not a checkpoint tensor: derived from the config, never loaded.
+        cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling, dtype, device)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_position, rotary_dim]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], rotated in place."""
+        return apply_rotary(q, k, positions, self.cos_sin_cache, self.is_neox)

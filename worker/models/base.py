@@ -1,0 +1,60 @@
+"""What every model implementation offers the engine (forward, logits, KV shape, checkpoint names)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tidal.worker.layers.attention import AttentionBatch
+from tidal.worker.layers.checkpoint import collect_checkpoint_tensors
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one KV cache block costs: per layer, K and V of [block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only model assembled from tidal.worker.layers."""
+
+    @classmethod
+    @abstractmethod
+    def from_hf_config(cls, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Self:
+        """Allocate (uninitialised) weights for `hf_config`; the loader fills them."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, H]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] -> logits [S, V] fp32."""
+
+    @property
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        """Checkpoint tensors that may be present but are not weights of this implementation."""
+        return name.endswith("rotary_emb.inv_freq")
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime."""
+        return collect_checkpoint_tensors(self)

@@ -1,0 +1,37 @@
+"""Architecture name (config.json's `architectures`) -> model implementation; the only place that maps them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from tidal.worker.models.base import CausalLM
+from tidal.worker.models.llama import LlamaForCausalLM
+from tidal.worker.models.mistral import MistralForCausalLM
+from tidal.worker.models.qwen2 import Qwen2ForCausalLM
+from tidal.worker.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
+    {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": MistralForCausalLM,
+        "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    }
+)
+
+
+class UnsupportedArchitectureError(ValueError):
+    def __init__(self, architectures: list[str]) -> None:
+        super().__init__(
+            f"no implementation for architecture(s) {architectures or '(none listed in config.json)'}; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+        self.architectures = architectures
+
+
+def resolve_model_class(architectures: list[str] | None) -> type[CausalLM]:
+    for name in architectures or []:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise UnsupportedArchitectureError(list(architectures or []))
