@@ -178,7 +178,7 @@ class WorkerSpec(ApiModel):
 
     cel_rules = (
         CelRule(
-            rule="self.env.all(e, !(e.name in " + repr(list(RESERVED_ENV_NAMES)) + "))",
+            rule="!has(self.env) || self.env.all(e, !(e.name in " + repr(list(RESERVED_ENV_NAMES)) + "))",
             message="worker.env must not set "
             + ", ".join(RESERVED_ENV_NAMES)
             + ": Tidal derives them from the spec (set the matching spec field instead)",
@@ -186,7 +186,7 @@ class WorkerSpec(ApiModel):
             field_path=".env",
         ),
         CelRule(
-            rule="self.env.all(e, self.env.exists_one(f, f.name == e.name))",
+            rule="!has(self.env) || self.env.all(e, self.env.exists_one(f, f.name == e.name))",
             message="worker.env has the same variable name twice",
             holds=lambda w: len({e.name for e in w.env}) == len(w.env),
             field_path=".env",

@@ -1,0 +1,41 @@
+"""Services, token Secret and NetworkPolicy: create what is missing, patch what drifted from its spec hash."""
+
+from pydantic import SecretStr
+
+from tidal.operator.api import constants as c
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.builders.networkpolicy import OperatorIdentity, build_network_policy
+from tidal.operator.builders.secret import build_token_secret
+from tidal.operator.builders.services import build_group_service, build_serving_service
+from tidal.operator.planner.actions import (
+    Action,
+    CreateNetworkPolicy,
+    CreateSecret,
+    CreateService,
+    PatchNetworkPolicy,
+    PatchService,
+)
+from tidal.operator.planner.observed import ObservedChildren, child_key
+
+
+def plan_children(
+    model: InferenceModel, children: ObservedChildren, operator: OperatorIdentity, fresh_token: SecretStr
+) -> list[Action]:
+    actions: list[Action] = []
+    secret = build_token_secret(model, fresh_token)
+    # The Secret first: pods read the token from it, and it is never patched (the workers hold the token).
+    if child_key(secret) not in children.existing:
+        actions.append(CreateSecret(manifest=secret))
+    for manifest in (build_group_service(model), build_serving_service(model)):
+        key = child_key(manifest)
+        if key not in children.existing:
+            actions.append(CreateService(manifest=manifest))
+        elif children.existing[key] != manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]:
+            actions.append(PatchService(manifest=manifest))
+    policy = build_network_policy(model, operator)
+    key = child_key(policy)
+    if key not in children.existing:
+        actions.append(CreateNetworkPolicy(manifest=policy))
+    elif children.existing[key] != policy["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]:
+        actions.append(PatchNetworkPolicy(manifest=policy))
+    return actions

@@ -1,0 +1,92 @@
+"""Facts derived once per pass from the spec and the observations, shared by every part of the planner."""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.builders import names
+from tidal.operator.builders.networkpolicy import OperatorIdentity
+from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation
+from tidal.worker.control.schema import SleepState, WorkerState
+
+
+class PlanInput(BaseModel):
+    """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model: InferenceModel
+    pods: list[ObservedPod]
+    ranks: dict[str, RankObservation]
+    children: ObservedChildren
+    operator: OperatorIdentity
+    now: datetime
+    fresh_token: SecretStr
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """A (replica, rank) the spec asks for, with what exists for it."""
+
+    replica: int
+    rank: int
+    name: str
+    pod: ObservedPod | None
+    observation: RankObservation
+
+    @property
+    def state(self) -> WorkerState | None:
+        return self.observation.state
+
+    @property
+    def loaded(self) -> bool:
+        return self.usable and self.state is not None and self.state.model_loaded
+
+    @property
+    def usable(self) -> bool:
+        """A pod that is there and running (the control API of anything else is not worth calling)."""
+        return self.pod is not None and not self.pod.terminating and self.pod.phase == "Running"
+
+    @property
+    def ready(self) -> bool:
+        return self.usable and self.pod is not None and self.pod.ready
+
+    @property
+    def asleep(self) -> bool:
+        return self.state is not None and self.state.sleep_state == SleepState.ASLEEP
+
+
+@dataclass(frozen=True)
+class Facts:
+    model: InferenceModel
+    slots: list[RankSlot]
+    extra_pods: list[ObservedPod]
+    replicas: int
+    ranks_per_replica: int
+    _by_replica: dict[int, list[RankSlot]] = field(default_factory=dict)
+
+    def replica_slots(self, replica: int) -> list[RankSlot]:
+        return self._by_replica.get(replica, [])
+
+    def replica_available(self, replica: int) -> bool:
+        return all(slot.ready for slot in self.replica_slots(replica))
+
+    def unavailable_replicas(self) -> list[int]:
+        return [r for r in range(self.replicas) if not self.replica_available(r)]
+
+
+def gather(inp: PlanInput) -> Facts:
+    spec, name = inp.model.spec, inp.model.metadata.name
+    by_name = {p.name: p for p in inp.pods}
+    slots, by_replica = [], {}
+    for replica in range(spec.replicas):
+        for rank in range(spec.expert_parallel):
+            pod_name = names.pod_name(name, replica, rank)
+            slot = RankSlot(replica, rank, pod_name, by_name.get(pod_name), inp.ranks.get(pod_name, RankObservation()))
+            slots.append(slot)
+            by_replica.setdefault(replica, []).append(slot)
+    wanted = {s.name for s in slots}
+    extra = [p for p in inp.pods if p.name not in wanted]
+    return Facts(inp.model, slots, extra, spec.replicas, spec.expert_parallel, by_replica)

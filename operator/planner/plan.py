@@ -1,0 +1,81 @@
+"""The planner's entry point: one level-based pass from (spec, observations) to actions and the next status."""
+
+from dataclasses import dataclass
+
+from tidal.operator.api.conditions import flipped
+from tidal.operator.api.status import InferenceModelStatus
+from tidal.operator.planner.actions import (
+    Action,
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    PatchStatus,
+    SleepRank,
+    UpdateWeights,
+    WakeRank,
+)
+from tidal.operator.planner.children import plan_children
+from tidal.operator.planner.facts import Facts, PlanInput, gather
+from tidal.operator.planner.pods import plan_pods
+from tidal.operator.planner.rollout import RolloutPlan, plan_rollout
+from tidal.operator.planner.sleep import decide_sleep, plan_sleep
+from tidal.operator.planner.status import Progress, compute_status
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Actions in the order to run them, and the status they lead to (also inside PatchStatus when it changed)."""
+
+    actions: list[Action]
+    status: InferenceModelStatus
+
+
+def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bool) -> Progress:
+    kinds = {type(a) for a in work}
+    if CreatePod in kinds:
+        return Progress("CreatingPods", "creating worker pods")
+    if DeletePod in kinds:
+        return Progress("ReplacingPods", "replacing or removing worker pods")
+    if any(s.pod is not None and s.usable and not s.loaded for s in facts.slots):
+        return Progress("LoadingModel", "waiting for ranks to load the model")
+    if SleepRank in kinds:
+        return Progress("FallingAsleep", "putting ranks to sleep")
+    if WakeRank in kinds:
+        return Progress("WakingUp", "waking ranks")
+    if UpdateWeights in kinds or rollout.sync == "RollingOut":
+        return Progress("RollingWeights", f"rolling weights {rollout.desired_version}")
+    if any(s.pod is None or (not s.ready and not asleep and not s.pod.crash_looping) for s in facts.slots):
+        return Progress("WaitingForPods", "waiting for pods to become ready")
+    return Progress(None, "")
+
+
+def _events(before: InferenceModelStatus | None, after: InferenceModelStatus) -> list[Action]:
+    old = before.conditions if before is not None else []
+    events: list[Action] = []
+    for cond in flipped(old, after.conditions):
+        # A condition appearing as False for the first time is noise; its later flips are news.
+        if cond.status != "True" and all(c.type != cond.type for c in old):
+            continue
+        if cond.type == "Progressing":
+            continue  # the other conditions tell the story; Progressing flips on every step
+        warning = cond.type == "Degraded" and cond.status == "True"
+        message = f"{cond.type} is {cond.status}" + (f": {cond.message}" if cond.message else "")
+        events.append(EmitEvent(type="Warning" if warning else "Normal", reason=cond.reason, message=message))
+    return events
+
+
+def plan(inp: PlanInput) -> Plan:
+    facts = gather(inp)
+    previous = inp.model.status
+    actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
+    pods = plan_pods(facts)
+    sleep = decide_sleep(facts)
+    sleep_actions = plan_sleep(facts, sleep)
+    rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
+    work = pods.actions + sleep_actions + rollout.actions
+    actions += work
+    status = compute_status(facts, previous, sleep, rollout, _progress(facts, work, rollout, sleep.asleep), inp.now)
+    if status != previous:
+        actions.append(PatchStatus(status=status))
+    actions += _events(previous, status)
+    return Plan(actions, status)

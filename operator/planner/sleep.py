@@ -1,0 +1,56 @@
+"""Sleep and wake: every rank that is off the desired state gets its call in the same pass (they run in parallel)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tidal.operator.planner.actions import Action, SleepRank, WakeRank
+from tidal.operator.planner.facts import Facts
+from tidal.worker.control.schema import SleepState
+
+SleepReason = Literal["Requested", "IdleTimeout"]
+
+
+@dataclass(frozen=True)
+class SleepDecision:
+    asleep: bool
+    reason: SleepReason
+
+
+def decide_sleep(facts: Facts) -> SleepDecision:
+    """Asleep when the spec says so, or when idleTimeoutSeconds passed on every rank with nothing in flight.
+
+    Level-based: the worker counts requests that arrive while it sleeps (it answers them 503), so a request resets
+    `seconds_since_last_request` and the next pass wakes the model. A rank that never saw a request reports None
+    and is never counted as idle.
+    """
+    sleep = facts.model.spec.sleep
+    if sleep.state == "Asleep":
+        return SleepDecision(True, "Requested")
+    timeout = sleep.idle_timeout_seconds
+    states = [s.state for s in facts.slots]
+    if timeout is None or not states or any(st is None for st in states):
+        return SleepDecision(False, "Requested")
+    idle = all(
+        st is not None
+        and st.in_flight_requests == 0
+        and st.seconds_since_last_request is not None
+        and st.seconds_since_last_request >= timeout
+        for st in states
+    )
+    return SleepDecision(idle, "IdleTimeout" if idle else "Requested")
+
+
+def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:
+    level = facts.model.spec.sleep.level
+    actions: list[Action] = []
+    for slot in facts.slots:
+        if not slot.loaded or slot.state is None:
+            continue
+        state = slot.state
+        if decision.asleep:
+            # Deeper is fine to go to; a rank asleep at level 2 already satisfies a level-1 request.
+            if state.sleep_state == SleepState.AWAKE or (state.sleep_level or 0) < level:
+                actions.append(SleepRank(pod=slot.name, level=level))
+        elif state.sleep_state == SleepState.ASLEEP:
+            actions.append(WakeRank(pod=slot.name))
+    return actions

@@ -1,0 +1,165 @@
+"""The next status: per-rank table, counts, phase and the five conditions, from this pass's facts and decisions."""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from tidal.operator.api.conditions import set_condition
+from tidal.operator.api.status import (
+    Condition,
+    ConditionType,
+    InferenceModelStatus,
+    Phase,
+    RankState,
+    RankStatus,
+    SleepState,
+)
+from tidal.operator.builders.services import endpoint
+from tidal.operator.planner.facts import Facts, RankSlot
+from tidal.operator.planner.rollout import RolloutPlan
+from tidal.operator.planner.sleep import SleepDecision
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What this pass is doing, as a reason word for Progressing (None: nothing to do)."""
+
+    reason: str | None
+    message: str
+
+
+def rank_state(slot: RankSlot, rollout: RolloutPlan) -> RankState:
+    pod = slot.pod
+    if pod is None:
+        return "Pending"
+    if pod.terminating:
+        return "Terminating"
+    if pod.finished or pod.crash_looping:
+        return "Failed"
+    if pod.phase != "Running":
+        return "Pending"
+    if slot.state is None or not slot.state.model_loaded:
+        return "Loading"
+    if slot.asleep:
+        return "Asleep"
+    if rollout.sync == "RollingOut" and slot.state.weights_version != rollout.desired_version:
+        return "Updating"
+    return "Ready" if pod.ready else "Loading"
+
+
+def _sleep_state(slots: list[RankSlot]) -> SleepState:
+    known = [s for s in slots if s.state is not None]
+    if not known:
+        return "None"
+    asleep = sum(1 for s in known if s.asleep)
+    return "Asleep" if asleep == len(known) else "Awake" if asleep == 0 else "Mixed"
+
+
+def _degraded(facts: Facts, rollout: RolloutPlan) -> tuple[str, str] | None:
+    looping = [s.pod for s in facts.slots if s.pod is not None and s.pod.crash_looping]
+    if looping:
+        worst = max(looping, key=lambda p: p.restart_count)
+        detail = f": {worst.last_exit_message}" if worst.last_exit_message else ""
+        names = ", ".join(p.name for p in looping)
+        return "CrashLoop", f"{names} keep crashing ({worst.name} restarted {worst.restart_count} times{detail})"
+    if rollout.sync == "UpdateFailed" and rollout.failure is not None:
+        served = rollout.served_version or "the previous weights"
+        return "WeightsUpdateFailed", (
+            f"updating weights to {rollout.failure.failed_version} failed ({rollout.failure.message}); the roll is "
+            f"stopped and ranks keep serving {served}. Point spec.weights at a fixed checkpoint with a new version."
+        )
+    if rollout.sync == "ChecksumMismatch":
+        return "ChecksumMismatch", "ranks report the same weights version with different checksums"
+    return None
+
+
+def _phase(facts: Facts, states: list[RankState], degraded: bool, sleep: SleepDecision, rollout: RolloutPlan) -> Phase:
+    if facts.replicas == 0:
+        return "Stopped"
+    if degraded:
+        return "Degraded"
+    if sleep.asleep:
+        return "Sleeping"
+    if any(s == "Pending" for s in states):
+        return "Pending"
+    if rollout.sync == "RollingOut":
+        return "Updating"
+    if all(s == "Ready" for s in states):
+        return "Ready"
+    return "Loading"
+
+
+def compute_status(
+    facts: Facts,
+    previous: InferenceModelStatus | None,
+    sleep: SleepDecision,
+    rollout: RolloutPlan,
+    progress: Progress,
+    now: datetime,
+) -> InferenceModelStatus:
+    model = facts.model
+    generation = model.metadata.generation
+    states = [rank_state(s, rollout) for s in facts.slots]
+    ready_ranks = sum(1 for s in facts.slots if s.ready)
+    total = len(facts.slots)
+    degraded = _degraded(facts, rollout)
+    sleep_state = _sleep_state(facts.slots)
+    all_asleep = total > 0 and all(st == "Asleep" for st in states)
+    serving = total > 0 and ready_ranks == total and not any(s.asleep for s in facts.slots)
+
+    conds: list[Condition] = list(previous.conditions) if previous is not None else []
+
+    def put(type_: ConditionType, ok: bool, reason: str, message: str) -> None:
+        nonlocal conds
+        conds = set_condition(conds, type_, "True" if ok else "False", reason, message, now, generation)
+
+    if total == 0:
+        put("Ready", False, "ScaledToZero", "spec.replicas is 0")
+    elif serving:
+        put("Ready", True, "AllRanksReady", f"{ready_ranks}/{total} ranks ready")
+    elif all_asleep:
+        put("Ready", False, "Asleep", "every rank is asleep")
+    else:
+        put("Ready", False, "RanksNotReady", f"{ready_ranks}/{total} ranks ready")
+    put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
+    if degraded is None:
+        put("Degraded", False, "AsExpected", "")
+    else:
+        put("Degraded", True, *degraded)
+    if all_asleep:
+        put("Sleeping", True, sleep.reason, "every rank is asleep")
+    elif sleep.asleep:
+        put("Sleeping", False, "FallingAsleep", f"{states.count('Asleep')}/{total} ranks asleep")
+    else:
+        put("Sleeping", False, "Awake", "")
+    sync_messages = {
+        "Synced": f"every rank serves {rollout.desired_version}",
+        "RollingOut": f"rolling {rollout.desired_version} into the ranks",
+        "PausedWhileAsleep": f"{rollout.desired_version} will be rolled in after the model wakes",
+        "UpdateFailed": f"the update to {rollout.desired_version} failed",
+        "ChecksumMismatch": "ranks disagree on the weights' checksum",
+        "NoRanks": "no ranks",
+    }
+    put("WeightsSynced", rollout.sync == "Synced", rollout.sync, sync_messages[rollout.sync])
+
+    return InferenceModelStatus(
+        observed_generation=generation,
+        phase=_phase(facts, states, degraded is not None, sleep, rollout),
+        ready_ranks=ready_ranks,
+        total_ranks=total,
+        ready=f"{ready_ranks}/{total}",
+        ranks=[
+            RankStatus(
+                pod=s.name,
+                replica=s.replica,
+                rank=s.rank,
+                state=state,
+                weights_version=s.state.weights_version if s.state is not None else None,
+            )
+            for s, state in zip(facts.slots, states, strict=True)
+        ],
+        weights_version=rollout.served_version,
+        weights_rollout=rollout.failure if rollout.sync == "UpdateFailed" else None,
+        sleep_state=sleep_state,
+        endpoint=endpoint(model),
+        conditions=conds,
+    )

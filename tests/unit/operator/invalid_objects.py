@@ -1,0 +1,250 @@
+"""Table of InferenceModel objects that must be refused, shared by the unit tests (pydantic model and the generated
+schema) and the e2e tests (the real API server). Each case changes a valid object at dotted paths.
+
+`pydantic_error` is a substring of str(ValidationError); `apiserver_error` a substring of the API server's answer
+(`kubectl apply` prints it); `field` is the path the API server names.
+"""
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+DELETE = object()  # marks a path to remove
+
+VALID: dict[str, Any] = {
+    "apiVersion": "tidal.dev/v1alpha1",
+    "kind": "InferenceModel",
+    "metadata": {"name": "tiny", "namespace": "default"},
+    "spec": {"model": {"volume": {"hostPath": {"path": "/srv/models"}}, "path": "tiny-llama"}},
+}
+
+
+@dataclass(frozen=True)
+class InvalidCase:
+    id: str
+    why: str
+    changes: dict[str, Any]
+    pydantic_error: str
+    apiserver_error: str
+    field: str
+
+    def build(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
+        obj = copy.deepcopy(base if base is not None else VALID)
+        for path, value in self.changes.items():
+            *parents, last = path.split(".")
+            node = obj
+            for key in parents:
+                node = node.setdefault(key, {})
+            if value is DELETE:
+                node.pop(last, None)
+            else:
+                node[last] = copy.deepcopy(value)
+        return obj
+
+
+def _env(*names: str) -> list[dict[str, str]]:
+    return [{"name": n, "value": "1"} for n in names]
+
+
+CASES: list[InvalidCase] = [
+    InvalidCase(
+        "bad-dtype",
+        "dtype is an enum",
+        {"spec.model.dtype": "fp8"},
+        "Input should be 'auto', 'float16', 'bfloat16' or 'float32'",
+        'Unsupported value: "fp8"',
+        "spec.model.dtype",
+    ),
+    InvalidCase(
+        "negative-replicas",
+        "replicas cannot be negative",
+        {"spec.replicas": -1},
+        "greater than or equal to 0",
+        "greater than or equal to 0",
+        "spec.replicas",
+    ),
+    InvalidCase(
+        "replicas-as-string",
+        "numbers are numbers, not strings",
+        {"spec.replicas": "2"},
+        "Input should be a valid integer",
+        "must be of type integer",
+        "spec.replicas",
+    ),
+    InvalidCase(
+        "missing-model",
+        "the model source is required",
+        {"spec.model": DELETE},
+        "Field required",
+        "Required value",
+        "spec.model",
+    ),
+    InvalidCase(
+        "volume-without-source",
+        "a volume needs a PVC or a hostPath",
+        {"spec.model.volume": {}},
+        "model.volume needs exactly one of persistentVolumeClaim or hostPath",
+        "model.volume needs exactly one of persistentVolumeClaim or hostPath",
+        "spec.model.volume",
+    ),
+    InvalidCase(
+        "volume-with-two-sources",
+        "PVC and hostPath conflict",
+        {"spec.model.volume": {"hostPath": {"path": "/srv/models"}, "persistentVolumeClaim": {"claimName": "models"}}},
+        "model.volume needs exactly one of persistentVolumeClaim or hostPath",
+        "model.volume needs exactly one of persistentVolumeClaim or hostPath",
+        "spec.model.volume",
+    ),
+    InvalidCase(
+        "expert-parallel-above-one",
+        "expert parallelism does not exist in the worker yet",
+        {"spec.expertParallel": 2},
+        "expertParallel above 1 is not supported yet",
+        "expertParallel above 1 is not supported yet",
+        "spec.expertParallel",
+    ),
+    InvalidCase(
+        "expert-parallel-zero",
+        "a replica has at least one rank",
+        {"spec.expertParallel": 0},
+        "greater than or equal to 1",
+        "greater than or equal to 1",
+        "spec.expertParallel",
+    ),
+    InvalidCase(
+        "same-ports",
+        "serving and control ports conflict",
+        {"spec.serving": {"port": 9000, "controlPort": 9000}},
+        "serving.port and serving.controlPort must differ",
+        "serving.port and serving.controlPort must differ",
+        "spec.serving",
+    ),
+    InvalidCase(
+        "privileged-port",
+        "workers run unprivileged",
+        {"spec.serving": {"port": 80}},
+        "greater than or equal to 1024",
+        "greater than or equal to 1024",
+        "spec.serving.port",
+    ),
+    InvalidCase(
+        "bad-sleep-state",
+        "sleep.state is an enum",
+        {"spec.sleep": {"state": "Sleepy"}},
+        "Input should be 'Awake' or 'Asleep'",
+        'Unsupported value: "Sleepy"',
+        "spec.sleep.state",
+    ),
+    InvalidCase(
+        "sleep-level-three",
+        "only levels 1 and 2 exist",
+        {"spec.sleep": {"level": 3}},
+        "Input should be 1 or 2",
+        "Unsupported value: 3",
+        "spec.sleep.level",
+    ),
+    InvalidCase(
+        "idle-timeout-too-short",
+        "sleeping after seconds would thrash",
+        {"spec.sleep": {"idleTimeoutSeconds": 10}},
+        "greater than or equal to 60",
+        "greater than or equal to 60",
+        "spec.sleep.idleTimeoutSeconds",
+    ),
+    InvalidCase(
+        "reserved-env",
+        "TIDAL_RANK is derived from the spec",
+        {"spec.worker": {"env": _env("TIDAL_RANK")}},
+        "worker.env must not set",
+        "worker.env must not set",
+        "spec.worker.env",
+    ),
+    InvalidCase(
+        "duplicate-env",
+        "one name, one value",
+        {"spec.worker": {"env": _env("HF_HOME", "HF_HOME")}},
+        "worker.env has the same variable name twice",
+        "worker.env has the same variable name twice",
+        "spec.worker.env",
+    ),
+    InvalidCase(
+        "weights-version-base",
+        "'base' names the weights in model.path",
+        {"spec.weights": {"version": "base", "source": "ckpt"}},
+        "weights.version 'base' is reserved",
+        "weights.version 'base' is reserved",
+        "spec.weights.version",
+    ),
+    InvalidCase(
+        "weights-without-source",
+        "a version needs weights to load",
+        {"spec.weights": {"version": "v2"}},
+        "Field required",
+        "Required value",
+        "spec.weights.source",
+    ),
+    InvalidCase(
+        "model-path-escapes-volume",
+        "'..' would leave the volume",
+        {"spec.model.path": "models/../../etc"},
+        "model.path must stay inside the volume",
+        "model.path must stay inside the volume",
+        "spec.model.path",
+    ),
+    InvalidCase(
+        "absolute-model-path",
+        "model.path is relative to the volume",
+        {"spec.model.path": "/srv/models/tiny"},
+        "String should match pattern",
+        "should match",
+        "spec.model.path",
+    ),
+    InvalidCase(
+        "max-unavailable-zero",
+        "a roll must be able to take a replica out",
+        {"spec.updateStrategy": {"maxUnavailable": 0}},
+        "greater than or equal to 1",
+        "greater than or equal to 1",
+        "spec.updateStrategy.maxUnavailable",
+    ),
+    InvalidCase(
+        "toleration-exists-with-value",
+        "Exists matches any value",
+        {"spec.worker": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]}},
+        "a toleration with operator Exists must not set value",
+        "a toleration with operator Exists must not set value",
+        "spec.worker.tolerations[0]",
+    ),
+    InvalidCase(
+        "bad-cpu-quantity",
+        "resources are Kubernetes quantities",
+        {"spec.worker": {"resources": {"cpu": "lots"}}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.resources.cpu",
+    ),
+    InvalidCase(
+        "unknown-field",
+        "a typo must not be dropped silently",
+        {"spec.replica": 2},
+        "Extra inputs are not permitted",
+        'unknown field "spec.replica"',
+        "spec",
+    ),
+    InvalidCase(
+        "name-too-long",
+        "pod and Service names are built from it",
+        {"metadata.name": "m" * 51},
+        "metadata.name must be at most 50 characters",
+        "metadata.name must be at most 50 characters",
+        "",
+    ),
+    InvalidCase(
+        "name-with-dot",
+        "the name becomes a Service name (DNS label)",
+        {"metadata.name": "tiny.v1"},
+        "metadata.name must be a DNS label",
+        "metadata.name must be a DNS label",
+        "",
+    ),
+]

@@ -1,0 +1,37 @@
+"""Every invalid object is refused by the pydantic model and by the generated CRD schema, with the same reason."""
+
+import pytest
+from crd_schema_check import check_object
+from invalid_objects import CASES, VALID
+from pydantic import ValidationError
+
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.schema.crd import openapi_schema
+
+SCHEMA = openapi_schema()
+
+
+def test_the_table_is_large_enough_and_ids_are_unique():
+    assert len(CASES) >= 10
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+def test_base_object_is_valid_for_both():
+    InferenceModel.model_validate(VALID)
+    assert check_object(SCHEMA, VALID) == []
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pydantic_refuses(case):
+    with pytest.raises(ValidationError) as err:
+        InferenceModel.model_validate(case.build())
+    assert case.pydantic_error in str(err.value)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_generated_schema_refuses(case):
+    errors = check_object(SCHEMA, case.build())
+    assert errors, f"schema accepted {case.id}"
+    joined = "\n".join(errors)
+    assert case.apiserver_error in joined
+    assert any(e.startswith(f".{case.field}") or (case.field == "" and e.startswith(":")) for e in errors), errors
