@@ -81,10 +81,9 @@ class LLMEngine:
         return self.config.model_name
 
     # ----- requests -----
-    def validate_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Raise a RequestRejectedError (a ValueError) for a request that must not be queued."""
-        if request_id in self._requests:
-            raise DuplicateRequestError(request_id)
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise a RequestRejectedError (a ValueError) for a prompt that must not be queued. Reads only
+        immutable engine facts, so any thread may call it."""
         if not prompt_token_ids:
             raise EmptyPromptError()
         if len(prompt_token_ids) >= self.max_model_len:
@@ -94,7 +93,9 @@ class LLMEngine:
                 raise InvalidTokenError(token, self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.validate_request(request_id, prompt_token_ids)
+        if request_id in self._requests:
+            raise DuplicateRequestError(request_id)
+        self.validate_prompt(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         self._requests[request_id] = _Request(seq, TextStream(detokenizer, params))
@@ -107,6 +108,11 @@ class LLMEngine:
         if request is None:
             return None
         return self._finish(request, "abort", new_token_ids=[], new_text="")
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Drop every request (shutdown, or recovery after a failed step)."""
+        outputs = (self.abort_request(request_id) for request_id in list(self._requests))
+        return [out for out in outputs if out is not None]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

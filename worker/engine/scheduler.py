@@ -119,9 +119,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
-        if seq.status is SequenceStatus.WAITING:
+        # Membership, not status: after a step that failed half-way the two may disagree.
+        if seq in self.waiting:
             self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.RUNNING:
+        if seq in self.running:
             self.running.remove(seq)
         seq.finish(reason)  # type: ignore[arg-type]
         self.block_manager.free(seq)

@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal tokens are still two sequences
 class Sequence:
     """Token ids are prompt + output. `num_computed_tokens` of them have their K/V in the cache; the step that
     computes the rest (one chunk of a prefill, or the last token in decode) samples the next token."""

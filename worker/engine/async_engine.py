@@ -1,0 +1,174 @@
+"""The engine for an asyncio server: LLMEngine's step loop on a background thread, outputs as async streams.
+
+Only the loop thread touches the LLMEngine. Other threads hand it new requests and aborts through an inbox
+under a lock, and the loop hands outputs back to each request's asyncio queue on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Self
+
+from transformers import PreTrainedTokenizerBase
+
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.errors import DuplicateRequestError
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.outputs import EngineStats, RequestOutput
+from tidal.worker.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class EngineNotRunningError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Inbox:
+    new: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox = _Inbox()
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # request id -> its output queue
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Self:
+        """Load the model and tokenizer and allocate the KV cache (slow: call it off the event loop)."""
+        return cls(LLMEngine.from_config(config))
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine was already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tidal-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the loop; requests still running end with finish_reason "abort"."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas. A prompt the engine refuses raises a ValueError at the first `anext`,
+        before anything is queued. Closing the stream early (client gone) aborts the request and frees it."""
+        return self._stream(request_id, list(prompt_token_ids), params)
+
+    async def _stream(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        self._engine.validate_prompt(prompt_token_ids)
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        with self._wake:
+            if not self.is_running or self._stopping:
+                raise EngineNotRunningError("the engine is not running")
+            if request_id in self._streams:
+                raise DuplicateRequestError(request_id)
+            self._streams[request_id] = queue
+            self._inbox.new.append((request_id, prompt_token_ids, params))
+            self._wake.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache blocks (no-op for an unknown or finished request). Thread-safe."""
+        with self._wake:
+            self._inbox.aborts.append(request_id)
+            self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            num_queued = len(self._inbox.new)
+        return self._stats.model_copy(update={"num_waiting": self._stats.num_waiting + num_queued})
+
+    # ----- the loop thread -----
+    def _run(self) -> None:
+        engine = self._engine
+        while True:
+            with self._wake:
+                while not (self._stopping or self._inbox.new or self._inbox.aborts or engine.has_unfinished_requests()):
+                    self._wake.wait()
+                inbox, self._inbox = self._inbox, _Inbox()
+                stopping = self._stopping
+            if stopping:
+                self._deliver_all(engine.abort_all())
+                self._stats = engine.stats()
+                return
+            for request_id, prompt, params in inbox.new:
+                try:
+                    engine.add_request(request_id, prompt, params)
+                except ValueError as err:
+                    self._deliver(request_id, err)
+            for request_id in inbox.aborts:
+                output = engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver(request_id, output)
+            try:
+                self._deliver_all(engine.step())
+            except Exception as err:  # a failed step must not leave clients waiting forever
+                log.exception("engine step failed; failing the requests in flight")
+                for output in engine.abort_all():
+                    self._deliver(output.request_id, err)
+            self._stats = engine.stats()
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: _Item) -> None:
+        with self._lock:
+            queue = self._streams.get(request_id)
+        if queue is None or self._loop is None:
+            return  # the client already left
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(queue.put_nowait, item)
