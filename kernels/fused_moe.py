@@ -6,9 +6,14 @@ Weights: w13 [E, 2*I, H] (gate rows, then up rows), w2 [E, H, I]. out [T, H] = s
 
 import torch
 import torch.nn.functional as F
+import triton
 
+from tidal.kernels._moe_config import MoeConfig, default_moe_config
+from tidal.kernels._moe_gemm_kernels import combine_kernel, grouped_gemm_kernel
+from tidal.kernels._moe_routing_kernels import align_by_expert_kernel, topk_softmax_kernel
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
+    check_contiguous,
     check_dtype,
     check_ndim,
     check_same_device,
@@ -17,17 +22,54 @@ from tidal.kernels._validate import (
 )
 
 
-def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32): softmax then top-k."""
+def _check_routing(router_logits: torch.Tensor, top_k: int) -> None:
     check_ndim("router_logits", router_logits, 2)
+    check_dtype("router_logits", router_logits, FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+
+
+def topk_route_reference(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32): softmax then top-k."""
+    _check_routing(router_logits, top_k)
     probs = router_logits.float().softmax(dim=-1)  # [T, E]
     weights, ids = probs.topk(top_k, dim=-1)  # [T, top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
+
+
+def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel; same contract as `topk_route_reference`."""
+    _check_routing(router_logits, top_k)
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens > 0:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        topk_softmax_kernel[(num_tokens,)](
+            logits,
+            weights,
+            ids,
+            logits.stride(0),
+            num_experts,
+            TOP_K=top_k,
+            TOP_K_P2=triton.next_power_of_2(top_k),
+            EXPERTS_P2=triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize,
+            num_warps=1 if num_experts <= 256 else 4,
+        )
+    return weights, ids
+
+
+def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA, the torch reference elsewhere."""
+    if router_logits.is_cuda:
+        return topk_route_triton(router_logits, top_k, renormalize)
+    return topk_route_reference(router_logits, top_k, renormalize)
 
 
 def _check_inputs(
@@ -77,8 +119,115 @@ def fused_moe_reference(
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; fp32 arithmetic, result in hidden's dtype."""
     _check_inputs(hidden, w13, w2, router_logits, top_k)
-    weights, ids = topk_route(router_logits, top_k, renormalize)
+    weights, ids = topk_route_reference(router_logits, top_k, renormalize)
     return fused_moe_experts_reference(hidden, w13, w2, weights, ids)
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """The Triton path; same contract as `fused_moe_reference`."""
+    _check_inputs(hidden, w13, w2, router_logits, top_k)
+    weights, ids = topk_route_triton(router_logits, top_k, renormalize)
+    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config)
+
+
+def fused_moe_experts_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """The expert computation for given routing (weights [T, k] fp32, ids [T, k] int32) -> [T, H] in hidden's dtype."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    check_shape("topk_ids", topk_ids, (num_tokens, None))
+    check_shape("topk_weights", topk_weights, (num_tokens, top_k))
+    check_dtype("topk_ids", topk_ids, (torch.int32,))
+    check_dtype("topk_weights", topk_weights, (torch.float32,))
+    for name, t in (
+        ("hidden", hidden),
+        ("w13", w13),
+        ("w2", w2),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+    ):
+        check_contiguous(name, t)
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    config = config or default_moe_config(num_tokens, top_k, num_experts)
+    num_pairs = num_tokens * top_k
+    block_m = config.block_m
+    # Each expert's segment is padded up to a multiple of block_m: at most num_experts * (block_m - 1) extra rows.
+    max_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    max_rows = max_blocks * block_m
+    device = hidden.device
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    align_by_expert_kernel[(1,)](
+        topk_ids,
+        sorted_pairs,
+        block_expert,
+        pair_row,
+        num_pairs,
+        num_experts,
+        max_blocks,
+        BLOCK_M=block_m,
+        EXPERTS_P2=experts_p2,
+        CHUNK=max(4096 // experts_p2, 16),
+        num_warps=4,
+    )
+    intermediate = torch.empty(max_rows, inter, dtype=hidden.dtype, device=device)  # silu(gate) * up, sorted rows
+    expert_out = torch.empty(max_rows, hidden_size, dtype=torch.float32, device=device)
+    passes = (
+        (hidden, w13, intermediate, inter, hidden_size, config.gate_up, True),
+        (intermediate, w2, expert_out, hidden_size, inter, config.down, False),
+    )
+    for a, w, c, n, k, tiles, gate_up in passes:
+        grid = (max_blocks * triton.cdiv(n, tiles.block_n),)
+        grouped_gemm_kernel[grid](
+            a,
+            w,
+            c,
+            sorted_pairs,
+            block_expert,
+            topk_weights,
+            num_pairs,
+            max_blocks,
+            n,
+            k,
+            a.stride(0),
+            w.stride(0),
+            w.stride(1),
+            c.stride(0),
+            TOP_K=top_k,
+            GATE_UP=gate_up,
+            BLOCK_M=block_m,
+            BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k,
+            GROUP_M=config.group_m,
+            IS_FP32=hidden.dtype == torch.float32,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+    block = min(triton.next_power_of_2(hidden_size), 1024)
+    combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
+        expert_out, pair_row, out, hidden_size, TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out
 
 
 def fused_moe(
@@ -90,4 +239,6 @@ def fused_moe(
     renormalize: bool,
 ) -> torch.Tensor:
     """Triton on CUDA, the torch reference elsewhere."""
+    if hidden.is_cuda:
+        return fused_moe_triton(hidden, w13, w2, router_logits, top_k, renormalize)
     return fused_moe_reference(hidden, w13, w2, router_logits, top_k, renormalize)

@@ -1,0 +1,104 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Triton kernels for the MoE expert computation over rows sorted by expert (see `_moe_routing_kernels`).
+
+`grouped_gemm_kernel` multiplies each BLOCK_M block of sorted rows by its expert's weight matrix. Pass 1
+(GATE_UP=True) gathers the tokens' hidden rows and produces silu(gate) * up directly, so the [rows, 2I] product never
+reaches memory; pass 2 multiplies by W2 and scales each row by its routing weight. `combine_kernel` then sums each
+token's top_k rows in a fixed order (deterministic, no atomics).
+"""
+
+import triton
+import triton.language as tl
+
+from tidal.kernels._triton_utils import exact_dot
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr,  # pass 1: hidden [T, K]; pass 2: intermediate [max_rows, K] in sorted order
+    w_ptr,  # pass 1: w13 [E, 2N, K]; pass 2: w2 [E, N, K]
+    c_ptr,  # pass 1: intermediate [max_rows, N]; pass 2: expert outputs [max_rows, N] fp32
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    routing_weights_ptr,  # [num_pairs] fp32 (pass 2)
+    num_pairs,
+    max_blocks,
+    N,
+    K,
+    a_stride,
+    w_stride_e,
+    w_stride_n,
+    c_stride,
+    TOP_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M consecutive M-blocks sweep the N tiles together, so weight tiles are reused from L2.
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_tiles
+    group_first = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - group_first, GROUP_M)
+    m_block = group_first + (pid % per_group) % group_size
+    n_tile = (pid % per_group) // group_size
+    expert = tl.load(block_expert_ptr + m_block)
+    if expert < 0:
+        return
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # sorted rows
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_ok = pairs < num_pairs  # padding rows carry the sentinel num_pairs
+    # Pass 1 reads each pair's token row of hidden; pass 2 reads the sorted rows themselves.
+    a_rows = (pairs // TOP_K).to(tl.int64) if GATE_UP else rows.to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * a_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_base = w_ptr + expert.to(tl.int64) * w_stride_e
+    w_ptrs = w_base + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N], W^T tile
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATE_UP:
+        up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = k + ks < K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += exact_dot(a, w, IS_FP32)
+        if GATE_UP:
+            w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up += exact_dot(a, w_up, IS_FP32)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * c_stride + cols[None, :]
+    if GATE_UP:
+        act = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up; padding rows stay 0
+        tl.store(c_ptrs, act.to(c_ptr.dtype.element_ty), mask=col_ok[None, :])
+    else:
+        weight = tl.load(routing_weights_ptr + pairs, mask=row_ok, other=0.0)  # [BLOCK_M]
+        tl.store(c_ptrs, (acc * weight[:, None]).to(c_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    expert_out_ptr,  # [max_rows, H] fp32, already scaled by routing weights
+    pair_row_ptr,  # [T * TOP_K] int32
+    out_ptr,  # [T, H]
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < hidden
+    total = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pair_row_ptr + token * TOP_K + j).to(tl.int64)
+        total += tl.load(expert_out_ptr + row * hidden + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=ok)

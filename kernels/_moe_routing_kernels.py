@@ -1,0 +1,91 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Triton kernels that prepare the MoE grouped GEMMs: top-k softmax routing, and sorting the (token, k) pairs by
+expert into BLOCK_M-aligned segments so that every M-block of the GEMMs belongs to exactly one expert."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,  # [T, TOP_K] fp32
+    ids_ptr,  # [T, TOP_K] int32
+    logits_stride,
+    num_experts,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, EXPERTS_P2)
+    logits = tl.load(logits_ptr + token * logits_stride + experts, mask=experts < num_experts, other=float("-inf"))
+    logits = logits.to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
+    slots = tl.arange(0, TOP_K_P2)
+    chosen_w = tl.zeros([TOP_K_P2], tl.float32)
+    chosen_id = tl.zeros([TOP_K_P2], tl.int32)
+    remaining = tl.where(experts < num_experts, probs, -1.0)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        # Lowest index among equal maxima, like torch.topk on ties.
+        best_id = tl.min(tl.where(remaining == best, experts, EXPERTS_P2), axis=0)
+        chosen_w = tl.where(slots == j, best, chosen_w)
+        chosen_id = tl.where(slots == j, best_id, chosen_id)
+        remaining = tl.where(experts == best_id, -1.0, remaining)
+    if RENORMALIZE:
+        chosen_w = chosen_w / tl.sum(tl.where(slots < TOP_K, chosen_w, 0.0), axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
+
+
+@triton.jit
+def align_by_expert_kernel(
+    ids_ptr,  # [N] int32 expert of each (token, k) pair, N = T * top_k
+    sorted_pairs_ptr,  # [max_rows] int32 out: pair index of each sorted row, N for padding rows
+    block_expert_ptr,  # [max_blocks] int32 out: expert of each M-block, -1 past the last used block
+    pair_row_ptr,  # [N] int32 out: sorted row of each pair
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: counts pairs per expert, lays the experts' segments out padded to BLOCK_M, then places each pair.
+    A single program keeps the placement deterministic (pairs keep their order within an expert)."""
+    experts = tl.arange(0, EXPERTS_P2)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros([EXPERTS_P2], tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ok = start + lanes < num_pairs
+        ids = tl.load(ids_ptr + start + lanes, mask=ok, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    segment_end = tl.cumsum(padded, axis=0)  # [EXPERTS_P2]
+    used_rows = tl.sum(padded, axis=0)
+
+    for start in range(0, max_blocks, CHUNK):
+        blocks = start + lanes
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((segment_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first_row < used_rows, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+    for start in range(0, max_blocks * BLOCK_M, CHUNK):  # every row starts as padding
+        rows = start + lanes
+        tl.store(sorted_pairs_ptr + rows, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=rows < max_blocks * BLOCK_M)
+    tl.debug_barrier()  # the padding fill above must land before pairs overwrite their rows
+
+    cursor = segment_end - padded  # next free row of each expert
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        ok = pairs < num_pairs
+        ids = tl.load(ids_ptr + pairs, mask=ok, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
+        earlier_same = tl.cumsum(onehot, axis=0) - onehot  # pairs of the same expert before this one in the chunk
+        row = tl.sum(onehot * (cursor[None, :] + earlier_same), axis=1)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=ok)
+        tl.store(pair_row_ptr + pairs, row, mask=ok)
+        cursor += tl.sum(onehot, axis=0)

@@ -1,0 +1,87 @@
+"""Fused MoE: routing, expert alignment and grouped GEMMs in Triton vs the torch reference."""
+
+import pytest
+import torch
+from tolerances import DOT_DTYPES, assert_close
+
+from tidal.kernels._moe_config import GemmTiles, MoeConfig, default_moe_config
+from tidal.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_experts_reference,
+    fused_moe_experts_triton,
+    fused_moe_reference,
+    fused_moe_triton,
+    topk_route,
+    topk_route_reference,
+    topk_route_triton,
+)
+
+SMALL = MoeConfig(
+    block_m=16,
+    gate_up=GemmTiles(block_n=16, block_k=32, num_warps=4, num_stages=2),
+    down=GemmTiles(block_n=32, block_k=16, num_warps=4, num_stages=2),
+    group_m=2,
+)
+
+
+def _weights(num_experts, hidden, inter, dtype, device):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, dtype=dtype, device=device) / inter**0.5
+    return w13, w2
+
+
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(1, 4, 1), (5, 8, 2), (37, 6, 3), (0, 4, 2)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_route_matches_reference(device, tokens, num_experts, top_k, renormalize):
+    logits = torch.randn(tokens, num_experts, device=device)
+    weights, ids = topk_route_triton(logits, top_k, renormalize)
+    want_weights, want_ids = topk_route_reference(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_weights.cpu(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "hidden", "inter"),
+    [(1, 4, 2, 64, 32), (7, 8, 2, 48, 40), (45, 6, 3, 64, 24), (0, 4, 1, 32, 16), (50, 130, 3, 32, 16)],
+)
+def test_fused_moe_matches_reference(device, dtype, tokens, num_experts, top_k, hidden, inter):
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=SMALL)
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
+
+
+def test_experts_with_skewed_routing_and_unused_experts(device):
+    """Every token on one expert (segments of many blocks) and most experts unused (empty segments)."""
+    tokens, num_experts, hidden, inter = 40, 5, 32, 32
+    x = torch.randn(tokens, hidden, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
+    ids = torch.stack([torch.full((tokens,), 3), torch.randint(0, 2, (tokens,))], dim=1).int().to(device)
+    weights = torch.rand(tokens, 2, device=device)
+    got = fused_moe_experts_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert_close(got, fused_moe_experts_reference(x, w13, w2, weights, ids))
+
+
+def test_default_configs_cover_decode_and_prefill(device):
+    tokens, num_experts, hidden, inter = 3, 4, 64, 64
+    x = torch.randn(tokens, hidden, dtype=torch.float16, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float16, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    assert_close(fused_moe_triton(x, w13, w2, logits, 2, False), fused_moe_reference(x, w13, w2, logits, 2, False))
+    assert default_moe_config(8192, 2, 8).block_m == 128
+    assert default_moe_config(1, 2, 8).block_m == 16
+
+
+def test_dispatch_and_validation_on_cpu():
+    x = torch.randn(3, 16)
+    w13, w2 = _weights(4, 16, 8, torch.float32, "cpu")
+    logits = torch.randn(3, 4)
+    assert torch.equal(fused_moe(x, w13, w2, logits, 2, True), fused_moe_reference(x, w13, w2, logits, 2, True))
+    assert torch.equal(topk_route(logits, 2, False)[1], topk_route_reference(logits, 2, False)[1])
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, w13, w2, logits, 5, True)
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(x, w13, w2[:, :, :4], logits, 2, True)
