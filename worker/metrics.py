@@ -32,7 +32,9 @@ class EngineStatsLike(Protocol):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    num_kv_blocks: int
     num_preemptions: int
+    num_prefix_cache_hit_tokens: int
 
 
 class _EngineCollector(Collector):
@@ -50,8 +52,14 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)", value=stats.kv_cache_usage
         )
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cache_blocks", "KV-cache blocks in all", value=stats.num_kv_blocks)
         yield CounterMetricFamily(
             f"{PREFIX}_preemptions", "Sequences preempted for lack of KV-cache blocks", value=stats.num_preemptions
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV was reused from the prefix cache",
+            value=stats.num_prefix_cache_hit_tokens,
         )
 
     def describe(self) -> list[Metric]:

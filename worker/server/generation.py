@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from tidal.worker.engine.async_engine import EngineNotRunningError
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.errors import ApiError
 
@@ -57,6 +58,10 @@ class Generation:
         except StopAsyncIteration:
             self._account("error")
             raise ApiError(500, "the engine ended the request without any output") from None
+        except EngineNotRunningError as exc:  # shutting down: the caller may retry elsewhere
+            self._engine_done = True
+            self._account("rejected")
+            raise ApiError(503, "the engine is not running", code="not_ready") from exc
         except ValueError as exc:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
             self._engine_done = True
