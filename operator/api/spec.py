@@ -3,7 +3,7 @@
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule
@@ -17,6 +17,16 @@ EMPTY_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 ShortString = Annotated[str, Field(max_length=253)]
 LabelValue = Annotated[str, Field(max_length=63)]
+
+
+def _not_bool(value: Any) -> Any:
+    # Python's True == 1 lets a bool through Literal[1, 2]; JSON (and the API server) say a bool is not an integer.
+    if isinstance(value, bool):
+        raise ValueError("Input should be 1 or 2, not a boolean")
+    return value
+
+
+SleepLevel = Annotated[Literal[1, 2], BeforeValidator(_not_bool)]
 
 
 def _no_parent_segment(path: str) -> bool:
@@ -216,7 +226,7 @@ class SleepSpec(ApiModel):
 
     state: Literal["Awake", "Asleep"] = "Awake"
     """Desired state of every rank."""
-    level: Literal[1, 2] = 1
+    level: SleepLevel = 1
     """1: weights kept in host memory (fast wake); 2: weights dropped and reloaded from the volume on wake."""
     idle_timeout_seconds: int | None = Field(None, ge=60, le=604800)
     """While state is Awake, put the model to sleep after this long without requests; a request wakes it."""

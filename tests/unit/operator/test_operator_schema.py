@@ -1,0 +1,204 @@
+"""The generated CRD is structural, current on disk, and agrees with pydantic on every limit it states."""
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+from crd_schema_check import check_object
+from pydantic import ValidationError
+
+from tidal.operator import crdgen
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.schema.crd import build_crd, openapi_schema
+from tidal.operator.schema.openapi import SchemaConversionError, to_structural
+
+REPO = Path(__file__).resolve().parents[3]
+SCHEMA = openapi_schema()
+
+# Every optional object present, one item in each list: the walk below probes every field it reaches.
+FULL: dict[str, Any] = {
+    "apiVersion": "tidal.dev/v1alpha1",
+    "kind": "InferenceModel",
+    "metadata": {"name": "full"},
+    "spec": {
+        "model": {
+            "volume": {"hostPath": {"path": "/srv/models"}, "mountPath": "/models"},
+            "path": "qwen3-0.6b",
+            "dtype": "bfloat16",
+            "maxModelLen": 4096,
+            "servedName": "qwen",
+        },
+        "worker": {
+            "image": "registry.example/tidal-worker:1",
+            "imagePullPolicy": "Always",
+            "resources": {"gpusPerRank": 1, "gpuResourceName": "nvidia.com/gpu", "cpu": "4", "memory": "32Gi"},
+            "nodeSelector": {"gpu": "h200"},
+            "tolerations": [{"key": "gpu", "operator": "Equal", "value": "yes", "effect": "NoSchedule"}],
+            "env": [{"name": "HF_HOME", "value": "/tmp/hf"}],
+            "podTemplate": {"metadata": {"labels": {"team": "a"}, "annotations": {"x": "y"}}, "spec": {}},
+        },
+        "replicas": 2,
+        "expertParallel": 1,
+        "serving": {"port": 8000, "controlPort": 8001},
+        "sleep": {"state": "Awake", "level": 1, "idleTimeoutSeconds": 600},
+        "weights": {"version": "v2", "source": "checkpoints/v2"},
+        "updateStrategy": {"maxUnavailable": 1},
+    },
+}
+STRING_PROBES = ["", "x", "X", "/abs/dir", "rel/dir", "a/../b", "..", "500m", "16Gi", "lots", "a.b", "nvidia.com/gpu"]
+
+
+def _walk(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if "items" in node:
+        yield from _walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}.*")
+
+
+def test_schema_is_structural():
+    preserved = []
+    for path, node in _walk(SCHEMA):
+        assert "type" in node, f"{path} has no type"
+        for banned in ("$ref", "anyOf", "oneOf", "allOf", "not", "$defs", "title", "const"):
+            assert banned not in node, f"{path} has {banned}"
+        assert not ("properties" in node and "additionalProperties" in node), path
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            preserved.append(path)
+        if node["type"] == "array" and path.startswith(".spec"):
+            assert "maxItems" in node, f"{path}: CEL cost estimation needs bounded lists"
+    assert preserved == [".spec.worker.podTemplate.spec"]
+    assert SCHEMA["properties"]["metadata"] == {"type": "object"}
+
+
+def test_every_cel_rule_compiles_and_defaults_validate():
+    env = celpy.Environment()
+    rules = 0
+    for path, node in _walk(SCHEMA):
+        for rule in node.get("x-kubernetes-validations", []):
+            env.compile(rule["rule"])
+            assert rule["message"] and not rule["message"].endswith("."), path
+            rules += 1
+        if "default" in node:
+            # The API server defaults inside a default before validating it, and so does check_object.
+            assert check_object(node, node["default"]) == [], path
+    assert rules >= 10
+
+
+def test_converter_refuses_non_structural_input():
+    with pytest.raises(SchemaConversionError, match="anyOf"):
+        to_structural({"anyOf": [{"type": "string"}, {"type": "integer"}]})
+    with pytest.raises(SchemaConversionError, match="type"):
+        to_structural({"description": "untyped"})
+    with pytest.raises(SchemaConversionError, match="free-form"):
+        to_structural({"type": "object", "additionalProperties": True})
+    with pytest.raises(SchemaConversionError, match="RE2"):
+        to_structural({"type": "string", "pattern": "^(?!x)"})
+
+
+def test_crd_metadata():
+    crd = build_crd()
+    names = crd["spec"]["names"]
+    assert names["shortNames"] == ["tim", "tidalim"] and "im" not in names["shortNames"]
+    assert names["categories"] == ["tidal"]
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase" and columns["Age"] == ".metadata.creationTimestamp"
+    assert {"Ready", "Weights", "Sleep"} <= set(columns)
+    for path in columns.values():  # printer columns must point at fields the schema has
+        node = version["schema"]["openAPIV3Schema"]
+        for part in path.strip(".").split("."):
+            if part == "metadata":
+                break
+            node = node["properties"][part]
+
+
+def test_generated_files_are_current():
+    stale = crdgen.stale_files(REPO)
+    assert stale == [], f"run `python -m tidal.operator.crdgen`; stale: {stale}"
+    crd = (REPO / "crds" / crdgen.CRD_FILE).read_text()
+    assert crd == (REPO / "charts" / "tidal" / "crds" / crdgen.CRD_FILE).read_text()
+    assert yaml.safe_load(crd) == build_crd()
+
+
+def test_check_mode_reports_drift(tmp_path):
+    for rel in ("docs/API.md", f"crds/{crdgen.CRD_FILE}", f"charts/tidal/crds/{crdgen.CRD_FILE}"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((REPO / rel).read_text())
+    assert crdgen.main(["--check", "--root", str(tmp_path)]) == 0
+    (tmp_path / "crds" / crdgen.CRD_FILE).write_text("# edited by hand\n")
+    assert crdgen.main(["--check", "--root", str(tmp_path)]) == 1
+    assert crdgen.main(["--root", str(tmp_path)]) == 0
+    assert crdgen.stale_files(tmp_path) == []
+
+
+def _pydantic_accepts(obj: dict[str, Any]) -> bool:
+    try:
+        InferenceModel.model_validate(obj)
+    except ValidationError:
+        return False
+    return True
+
+
+def _set(obj: dict[str, Any], path: list[str], value: Any) -> None:
+    node: Any = obj
+    for key in path[:-1]:
+        node = node[0] if key == "[]" else node[key]
+    last = path[-1]
+    if value is _DELETE:
+        node.pop(last)
+    else:
+        node[last] = value
+
+
+_DELETE = object()
+
+
+def _probes(node: dict[str, Any]) -> list[Any]:
+    kind = node["type"]
+    values: list[Any] = list(node.get("enum", []))
+    if kind == "integer":
+        values += [node.get("minimum", 0) - 1, node.get("minimum", 0), node.get("maximum", 10**6), "1", True]
+        values.append(node.get("maximum", 10**6) + 1)
+    elif kind == "string":
+        values += [*STRING_PROBES, "a" * node.get("maxLength", 300), "a" * (node.get("maxLength", 300) + 1), 7]
+    elif kind == "boolean":
+        values += [True, False, "true"]
+    return [*values, "not-in-any-enum"] if "enum" in node else values
+
+
+def _leaf_paths(node: dict[str, Any], obj: Any, path: list[str]):
+    if node["type"] == "object" and "properties" in node and isinstance(obj, dict):
+        for name, sub in node["properties"].items():
+            if name in obj:
+                yield from _leaf_paths(sub, obj[name], [*path, name])
+                yield [*path, name], _DELETE  # required in one means required in the other
+    elif node["type"] == "array" and obj:
+        yield from _leaf_paths(node["items"], obj[0], [*path, "[]"])
+    elif node["type"] not in ("object", "array"):
+        for value in _probes(node):
+            yield path, value
+
+
+def _cases():
+    spec_schema = {"type": "object", "properties": {"spec": SCHEMA["properties"]["spec"]}}
+    return list(_leaf_paths(spec_schema, {"spec": FULL["spec"]}, []))
+
+
+def test_full_object_is_valid_for_both():
+    assert _pydantic_accepts(FULL)
+    assert check_object(SCHEMA, FULL) == []
+
+
+@pytest.mark.parametrize("path,value", _cases(), ids=lambda x: ".".join(x) if isinstance(x, list) else repr(x)[:20])
+def test_pydantic_and_schema_agree(path, value):
+    obj = copy.deepcopy(FULL)
+    _set(obj, path, value)
+    schema_ok = check_object(SCHEMA, obj) == []
+    assert _pydantic_accepts(obj) == schema_ok, check_object(SCHEMA, obj)
