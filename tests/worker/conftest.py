@@ -1,0 +1,24 @@
+"""Shared fixtures of the worker tier: tiny random models, written once per session on first use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidal.worker.testing.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(arch, sharded=..., tie_embeddings=...) -> model directory."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    written: dict[str, Path] = {}
+
+    def get(arch: str, *, sharded: bool = False, tie_embeddings: bool = False) -> Path:
+        key = f"{arch}{'-sharded' if sharded else ''}{'-tied' if tie_embeddings else ''}"
+        if key not in written:
+            written[key] = write_tiny_model(arch, root / key, sharded=sharded, tie_embeddings=tie_embeddings)
+        return written[key]
+
+    return get

@@ -1,0 +1,77 @@
+"""Acceptance: for every architecture the engine's greedy output equals transformers', token for token, for
+prompts of different lengths submitted together; also when the KV cache is so small that sequences are
+preempted and recomputed, and when the token budget splits prefills into chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
+from tidal.worker.testing.tiny_models import TINY_ARCHS
+
+ARCHS = sorted(TINY_ARCHS)
+
+MAX_NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+        if arch not in cache:
+            model_dir = tiny_model(arch)
+            prompts = prompt_ids(model_dir)
+            cache[arch] = (prompts, transformers_greedy(model_dir, prompts, MAX_NEW_TOKENS))
+        return cache[arch]
+
+    return get
+
+
+def run_engine(model_dir, prompts, **config) -> tuple[list[list[int]], LLMEngine]:
+    engine = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", dtype="float32", **config))
+    results = engine.generate(prompts, GREEDY)
+    return [r.output_token_ids for r in results], engine
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers(arch, tiny_model, reference):
+    prompts, expected = reference(arch)
+    assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 6
+    got, engine = run_engine(tiny_model(arch), prompts, block_size=4, num_kv_blocks=256)
+    assert got == expected
+    stats = engine.stats()
+    assert stats.num_preemptions == 0
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    # Again on the same engine: the prompts' blocks now come from the prefix cache, and nothing changes.
+    again = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
+    assert engine.stats().num_prefix_cache_hit_tokens > stats.num_prefix_cache_hit_tokens + 100
+    assert again == expected
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_transformers_with_preemption(arch, tiny_model, reference):
+    prompts, expected = reference(arch)
+    # 24 blocks of 4 = 96 tokens for 9 sequences of up to ~45 + 16 tokens: they cannot all stay.
+    got, engine = run_engine(tiny_model(arch), prompts, block_size=4, num_kv_blocks=24, max_model_len=96)
+    assert engine.stats().num_preemptions > 0
+    assert got == expected
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_no_prefix_cache(tiny_model, reference):
+    prompts, expected = reference("llama3")
+    got, engine = run_engine(
+        tiny_model("llama3"),
+        prompts,
+        block_size=8,
+        num_kv_blocks=128,
+        max_num_batched_tokens=7,
+        max_num_seqs=3,
+        enable_prefix_caching=False,
+    )
+    assert got == expected
+    assert engine.stats().num_prefix_cache_hit_tokens == 0
