@@ -119,7 +119,7 @@ def test_oversized_prompt_is_a_400(worker, as_tokens):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
-    assert f"context is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert f"max_model_len is {MAX_MODEL_LEN}" in error["message"]
     # The server is still serving.
     ok = httpx.post(f"{worker.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
@@ -128,7 +128,8 @@ def test_oversized_prompt_is_a_400(worker, as_tokens):
 def test_engine_refusal_is_a_400(worker):
     response = httpx.post(f"{worker.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**6]})
     assert response.status_code == 400
-    assert "vocabulary" in response.json()["error"]["message"]
+    assert response.json()["error"]["code"] == "invalid_prompt"
+    assert "outside the vocabulary" in response.json()["error"]["message"]
 
 
 def test_unknown_model_is_a_404(worker):

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from tidal.worker.engine.async_engine import EngineNotRunningError
+from tidal.worker.engine.errors import PromptTooLongError
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.errors import ApiError
 
@@ -66,7 +67,8 @@ class Generation:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
             self._engine_done = True
             self._account("rejected")
-            raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from exc
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else "invalid_prompt"
+            raise ApiError(400, str(exc), param="prompt", code=code) from exc
         except BaseException:
             self.close()
             raise

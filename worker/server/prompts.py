@@ -1,7 +1,7 @@
 """Turning a request into prompt token ids: plain text, given token ids, or chat messages through the chat template.
 
-The length check here mirrors the engine's so that the common refusal (prompt longer than the context) gets a
-message written for API users; the engine still checks on its own, and its refusal is a 400 too.
+Whether the ids are acceptable (not empty, within the context, inside the vocabulary) is the engine's call, made
+before it queues anything; `Generation.start` turns its refusal into a 400.
 """
 
 from __future__ import annotations
@@ -16,23 +16,14 @@ class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the server uses."""
 
     chat_template: str | None
-    vocab_size: int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
-    def __len__(self) -> int: ...
-
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    vocab = len(tokenizer)
-    bad = [t for t in prompt if t >= vocab]
-    if bad:
-        raise ApiError(400, f"prompt token ids out of the vocabulary (size {vocab}): {bad[:5]}", param="prompt")
-    return list(prompt)
+    return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
 
 def chat_prompt_ids(
@@ -62,19 +53,6 @@ def chat_prompt_ids(
     if not isinstance(text, str):
         raise ApiError(500, f"the chat template returned {type(text).__name__}, expected text")
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
-    if num_prompt_tokens == 0:
-        raise ApiError(400, "the prompt is empty after tokenization", param="prompt", code="invalid_prompt")
-    if num_prompt_tokens >= max_model_len:
-        raise ApiError(
-            400,
-            f"the prompt has {num_prompt_tokens} tokens but this model's context is {max_model_len} tokens, "
-            "which must also leave room for at least one generated token",
-            param="prompt",
-            code="context_length_exceeded",
-        )
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, Any]:

@@ -60,7 +60,6 @@ def openai_router(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_t
                 )
             else:
                 prompt_ids = prompts.completion_prompt_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
-            prompts.check_prompt_fits(len(prompt_ids), engine.max_model_len)
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise

@@ -17,7 +17,8 @@ def sampling_params(
     Capping rather than refusing keeps a request whose limit was only a default (16 for completions) or an
     over-generous guess working: it ends with finish_reason "length" where the context ends, as OpenAI's does.
     """
-    room = max_model_len - num_prompt_tokens
+    # At least 1, so that an oversized prompt reaches the engine, whose refusal names the real problem.
+    room = max(1, max_model_len - num_prompt_tokens)
     requested = request.token_limit if isinstance(request, ChatCompletionRequest) else request.max_tokens
     fields = {
         "temperature": request.temperature,
