@@ -46,7 +46,9 @@ class PodDirs:
         return self.root / "faults-applied"
 
 
-def container_log(pods_dir: Path, namespace: str, name: str, container: str, uid: str | None = None) -> Path:
-    """The current log file of a container (tests read it; `previous_log` holds the run before a restart)."""
+def container_log(
+    pods_dir: Path, namespace: str, name: str, container: str, uid: str | None = None, previous: bool = False
+) -> Path:
+    """The log file of a container's current run (or, with previous, of the run before its last restart)."""
     dirs = PodDirs.of(pods_dir, namespace, name, uid) if uid else PodDirs.newest(pods_dir, namespace, name)
-    return dirs.log(container)
+    return dirs.previous_log(container) if previous else dirs.log(container)
