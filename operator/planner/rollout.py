@@ -13,7 +13,9 @@ from tidal.operator.builders.pod import desired_weights
 from tidal.operator.planner.actions import Action, UpdateWeights
 from tidal.operator.planner.facts import Facts, RankSlot
 
-SyncState = Literal["Synced", "RollingOut", "PausedWhileAsleep", "UpdateFailed", "ChecksumMismatch", "NoRanks"]
+SyncState = Literal[
+    "Synced", "RollingOut", "WaitingForRanks", "PausedWhileAsleep", "UpdateFailed", "ChecksumMismatch", "NoRanks"
+]
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,11 @@ def plan_rollout(
     if mismatch:
         return RolloutPlan(actions, version, served, "ChecksumMismatch", None)
     behind = [s for s in facts.slots if _out_of_date(s, version)]
-    if asleep and behind:
+    if not behind:
+        # Nothing reports an old version: ranks are still loading (they start on the desired weights) or checksums
+        # are not in yet.
+        return RolloutPlan(actions, version, served, "WaitingForRanks", None)
+    if asleep:
         return RolloutPlan(actions, version, served, "PausedWhileAsleep", None)
     for replica in range(facts.replicas):
         if replica in skip_replicas or budget == 0:

@@ -134,6 +134,7 @@ def compute_status(
     sync_messages = {
         "Synced": f"every rank serves {rollout.desired_version}",
         "RollingOut": f"rolling {rollout.desired_version} into the ranks",
+        "WaitingForRanks": f"waiting for every rank to report {rollout.desired_version} and its checksum",
         "PausedWhileAsleep": f"{rollout.desired_version} will be rolled in after the model wakes",
         "UpdateFailed": f"the update to {rollout.desired_version} failed",
         "ChecksumMismatch": "ranks disagree on the weights' checksum",

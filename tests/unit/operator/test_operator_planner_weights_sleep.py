@@ -1,0 +1,135 @@
+"""Planner: weight rolls (replica by replica, maxUnavailable, failure stops the roll) and sleep/wake."""
+
+from operator_fixtures import healthy, make_model, pod_for, pod_name, run, with_status, worker
+
+from tidal.operator.api.conditions import find_condition
+from tidal.operator.planner.actions import SleepRank, UpdateWeights, WakeRank
+from tidal.operator.planner.observed import UpdateFailure
+
+V2 = {"weights": {"version": "v2", "source": "ckpt/v2"}}
+
+
+def _cond(result, type_):
+    cond = find_condition(result.status.conditions, type_)
+    assert cond is not None
+    return cond
+
+
+def _updates(result):
+    return [a for a in result.actions if isinstance(a, UpdateWeights)]
+
+
+def _served_base(replicas: int, extra: dict | None = None):
+    """A model on `base` everywhere, then the spec changed to v2 (status read back from the first pass)."""
+    base = make_model({"replicas": replicas})
+    pods, ranks = healthy(base)
+    first = run(base, pods, ranks)
+    model = with_status(make_model({"replicas": replicas, **V2, **(extra or {})}, generation=2), first)
+    return model, pods, ranks
+
+
+def test_roll_goes_replica_by_replica_and_serves_new_version_only_when_all_agree():
+    model, pods, ranks = _served_base(3)
+    step = run(model, pods, ranks, minutes=1)
+    (update,) = _updates(step)
+    assert update.pod == "tiny-r0-0" and update.version == "v2" and update.source == "/srv/models/ckpt/v2"
+    assert step.status.phase == "Updating" and step.status.weights_version == "base"
+    assert _cond(step, "WeightsSynced").reason == "RollingOut" and _cond(step, "Progressing").status == "True"
+    for replica in (1, 2):
+        ranks[pod_name(model, replica - 1)] = worker("v2", "sum-v2")
+        model = with_status(model, step)
+        step = run(model, pods, ranks, minutes=1 + replica)
+        assert [u.pod for u in _updates(step)] == [pod_name(model, replica)]
+        assert step.status.weights_version == "base"  # mixed versions: served version unchanged
+    ranks[pod_name(model, 2)] = worker("v2", "sum-v2")
+    done = run(with_status(model, step), pods, ranks, minutes=9)
+    assert _updates(done) == []
+    assert done.status.weights_version == "v2" and done.status.phase == "Ready"
+    assert _cond(done, "WeightsSynced").status == "True"
+
+
+def test_max_unavailable_counts_replicas_already_down():
+    model, pods, ranks = _served_base(4, {"updateStrategy": {"maxUnavailable": 2}})
+    assert [u.pod for u in _updates(run(model, pods, ranks))] == ["tiny-r0-0", "tiny-r1-0"]
+    pods[3] = pod_for(model, 3, ready=False)  # one replica is not serving: only one more may go
+    assert [u.pod for u in _updates(run(model, pods, ranks))] == ["tiny-r0-0"]
+
+
+def test_failed_update_stops_the_roll_keeps_old_version_and_is_remembered():
+    model, pods, ranks = _served_base(2)
+    failure = UpdateFailure(version="v2", message="tensor model.norm.weight has shape [8], expected [64]")
+    ranks[pod_name(model, 0)] = worker("base", "sum-base", update_failure=failure)
+    step = run(model, pods, ranks, minutes=1)
+    assert _updates(step) == []
+    degraded = _cond(step, "Degraded")
+    assert degraded.status == "True" and degraded.reason == "WeightsUpdateFailed"
+    assert "expected [64]" in degraded.message and "base" in degraded.message
+    assert step.status.weights_version == "base" and step.status.phase == "Degraded"
+    assert step.status.weights_rollout is not None and step.status.weights_rollout.failed_version == "v2"
+    # The worker forgets (e.g. restarted); status remembers, the roll stays stopped.
+    ranks[pod_name(model, 0)] = worker("base", "sum-base")
+    held = run(with_status(model, step), pods, ranks, minutes=2)
+    assert _updates(held) == [] and _cond(held, "Degraded").reason == "WeightsUpdateFailed"
+    # A new version in the spec starts a new roll.
+    fixed = with_status(make_model({"replicas": 2, "weights": {"version": "v3", "source": "ckpt/v3"}}), held)
+    again = run(fixed, pods, ranks, minutes=3)
+    assert [u.version for u in _updates(again)] == ["v3"]
+    assert _cond(again, "Degraded").status == "False" and again.status.weights_rollout is None
+
+
+def test_checksum_mismatch_is_reported():
+    model = make_model({"replicas": 2})
+    pods, ranks = healthy(model)
+    ranks[pod_name(model, 1)] = worker("base", "sum-other")
+    result = run(model, pods, ranks)
+    assert _cond(result, "WeightsSynced").reason == "ChecksumMismatch"
+    assert _cond(result, "Degraded").reason == "ChecksumMismatch"
+    assert result.status.weights_version is None
+
+
+def test_sleep_and_wake_touch_every_rank_in_one_pass():
+    awake = make_model({"replicas": 3})
+    pods, ranks = healthy(awake)
+    asleep_spec = make_model({"replicas": 3, "sleep": {"state": "Asleep", "level": 2}})
+    sleeps = [a for a in run(asleep_spec, pods, ranks).actions if isinstance(a, SleepRank)]
+    assert sorted(s.pod for s in sleeps) == ["tiny-r0-0", "tiny-r1-0", "tiny-r2-0"] and {s.level for s in sleeps} == {2}
+    sleeping = {name: worker(asleep=True, level=2) for name in ranks}
+    result = run(asleep_spec, pods, sleeping)
+    assert not any(isinstance(a, SleepRank) for a in result.actions)
+    assert result.status.phase == "Sleeping" and result.status.sleep_state == "Asleep"
+    assert _cond(result, "Sleeping").status == "True" and _cond(result, "Sleeping").reason == "Requested"
+    assert _cond(result, "Ready").reason == "Asleep"
+    wakes = [a for a in run(awake, pods, sleeping).actions if isinstance(a, WakeRank)]
+    assert len(wakes) == 3
+
+
+def test_level_one_sleeper_is_deepened_to_level_two():
+    model = make_model({"sleep": {"state": "Asleep", "level": 2}})
+    pods, _ = healthy(model)
+    result = run(model, pods, {pods[0].name: worker(asleep=True, level=1)})
+    assert [a.level for a in result.actions if isinstance(a, SleepRank)] == [2]
+
+
+def test_idle_timeout_sleeps_and_a_request_wakes():
+    model = make_model({"replicas": 2, "sleep": {"idleTimeoutSeconds": 600}})
+    pods, _ = healthy(model)
+    busy = {p.name: worker(seconds_since_last_request=30.0) for p in pods}
+    assert not any(isinstance(a, SleepRank) for a in run(model, pods, busy).actions)
+    idle = {p.name: worker(seconds_since_last_request=900.0) for p in pods}
+    idle[pods[1].name] = worker(seconds_since_last_request=900.0, in_flight_requests=1)
+    assert not any(isinstance(a, SleepRank) for a in run(model, pods, idle).actions)
+    idle[pods[1].name] = worker(seconds_since_last_request=900.0)
+    assert len([a for a in run(model, pods, idle).actions if isinstance(a, SleepRank)]) == 2
+    dozing = {p.name: worker(asleep=True, seconds_since_last_request=1200.0) for p in pods}
+    result = run(model, pods, dozing)
+    assert not any(isinstance(a, WakeRank) for a in result.actions)
+    assert _cond(result, "Sleeping").reason == "IdleTimeout"
+    dozing[pods[0].name] = worker(asleep=True, seconds_since_last_request=2.0)  # a request arrived
+    assert len([a for a in run(model, pods, dozing).actions if isinstance(a, WakeRank)]) == 2
+
+
+def test_roll_waits_while_asleep():
+    model, pods, _ = _served_base(1, {"sleep": {"state": "Asleep"}})
+    sleeping = {p.name: worker(asleep=True) for p in pods}
+    result = run(model, pods, sleeping)
+    assert _updates(result) == [] and _cond(result, "WeightsSynced").reason == "PausedWhileAsleep"
