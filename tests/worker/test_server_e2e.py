@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -160,6 +161,37 @@ def test_disconnect_mid_stream_frees_the_sequence(worker):
         lambda: metric(base, "tidal_requests_total", endpoint="completions", outcome="abort") == aborted_before + 1
     )
     assert metric(base, "tidal_requests_running") == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
+    engine = worker.runtime.engine
+    base = worker.base_url
+    aborted_before = metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="abort")
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 220, "ignore_eos": True}
+    ).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", worker.listener.bound_port)) as sock:
+        sock.sendall(request)
+        assert wait_until(lambda: engine.stats().num_running == 1)
+    # The socket is closed while the server is still collecting the answer.
+    assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
+    assert wait_until(
+        lambda: metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="abort") == aborted_before + 1
+    )
+
+
+def test_a_model_that_fails_to_load_ends_the_servers_with_exit_code_1(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
+    config = EngineConfig(model_path=tmp_path, device="cpu")
+    local = LocalWorker(lambda: AsyncEngine.from_config(config)).start()
+    with pytest.raises(RuntimeError, match="exited with code 1"):
+        local.wait_ready(timeout_s=60)
+    assert local.stop() == 1
+    assert local.runtime.failure is not None
 
 
 def test_ready_is_503_until_the_model_is_loaded(model_dir):

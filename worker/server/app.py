@@ -48,6 +48,7 @@ class Listener:
     host: str
     port: int
     sock: socket.socket | None = field(default=None, repr=False)
+    _bound_port: int | None = field(default=None, repr=False)
 
     def bind(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -61,12 +62,13 @@ class Listener:
         sock.listen(2048)
         sock.setblocking(False)
         self.sock = sock
+        self._bound_port = int(sock.getsockname()[1])
 
     @property
     def bound_port(self) -> int:
-        if self.sock is None:
+        if self._bound_port is None:
             raise RuntimeError(f"listener {self.name} is not bound yet")
-        return int(self.sock.getsockname()[1])
+        return self._bound_port
 
 
 class _UvicornServer(uvicorn.Server):
