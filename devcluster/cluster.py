@@ -137,9 +137,8 @@ def up(cfg: ClusterConfig, say: Callable[[str], None] = print) -> ClusterInfo:
         startup_s=round(time.monotonic() - started_at, 2),
     )
     layout.state_file.write_text(info.model_dump_json(indent=2) + "\n")
-    say(
-        f"devcluster up in {info.startup_s:.1f} s: {server} (node {cfg.node_name}, {cfg.gpus} GPUs, state {layout.root})"
-    )
+    gpus = f"{cfg.gpus} GPUs"
+    say(f"devcluster up in {info.startup_s:.1f} s: {server} (node {cfg.node_name}, {gpus}, state {layout.root})")
     return info
 
 

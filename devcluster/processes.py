@@ -88,10 +88,8 @@ def stop(pidfile: Path, marker: str, grace_s: float = 10.0) -> bool:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)  # started with start_new_session, so its pid is its group id
-    except ProcessLookupError:
-        pass
 
 
 def _reap(pid: int) -> None:

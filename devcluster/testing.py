@@ -69,7 +69,9 @@ class DevCluster:
         # Pods are refused until the ServiceAccount controller has made the namespace's `default` account.
         w = watch.Watch()
         for _ in w.stream(
-            self.core.list_namespaced_service_account, name, field_selector="metadata.name=default",
+            self.core.list_namespaced_service_account,
+            name,
+            field_selector="metadata.name=default",
             timeout_seconds=int(timeout_s),
         ):
             w.stop()
@@ -80,15 +82,20 @@ class DevCluster:
         self.core.delete_namespace(name)
 
     # -- pods --------------------------------------------------------------------------------------------------
-    def wait_pod(self, namespace: str, name: str, predicate: PodPredicate, timeout_s: float = 60, what: str = "") -> dict:
+    def wait_pod(
+        self, namespace: str, name: str, predicate: PodPredicate, timeout_s: float = 60, what: str = ""
+    ) -> dict:
         """Watch one pod until predicate(pod as a dict) holds; returns that pod, or fails with its last state."""
         deadline = time.monotonic() + timeout_s
         last: dict | None = None
         while time.monotonic() < deadline:
             w = watch.Watch()
             for event in w.stream(
-                self.core.list_namespaced_pod, namespace, field_selector=f"metadata.name={name}",
-                timeout_seconds=max(1, int(deadline - time.monotonic())), deserialize=False,
+                self.core.list_namespaced_pod,
+                namespace,
+                field_selector=f"metadata.name={name}",
+                timeout_seconds=max(1, int(deadline - time.monotonic())),
+                deserialize=False,
             ):
                 if event["type"] in ("ADDED", "MODIFIED"):
                     last = event["object"]
@@ -105,9 +112,12 @@ class DevCluster:
                 return
             w = watch.Watch()
             for event in w.stream(
-                self.core.list_namespaced_pod, namespace, field_selector=f"metadata.name={name}",
+                self.core.list_namespaced_pod,
+                namespace,
+                field_selector=f"metadata.name={name}",
                 resource_version=pods.metadata.resource_version,
-                timeout_seconds=max(1, int(deadline - time.monotonic())), deserialize=False,
+                timeout_seconds=max(1, int(deadline - time.monotonic())),
+                deserialize=False,
             ):
                 if event["type"] == "DELETED":
                     w.stop()

@@ -1,8 +1,10 @@
 """The node agent: register the node, keep it alive, and keep one PodWorker per pod bound to it (list + watch)."""
 
+import base64
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import yaml
 from kubernetes.client.exceptions import ApiException
@@ -19,8 +21,6 @@ SHUTDOWN_GRACE_S = 10.0
 
 
 def _cluster_ca(cfg: AgentConfig) -> bytes:
-    import base64
-
     document = yaml.safe_load(cfg.kubeconfig.read_text())
     return base64.b64decode(document["clusters"][0]["cluster"]["certificate-authority-data"])
 
@@ -51,7 +51,7 @@ class NodeAgent:
                 log.warning("pod list/watch failed, relisting in 1 s: %s", exc)
                 self.stop.wait(1.0)
 
-    def _retry(self, call: "callable[[], None]") -> None:  # type: ignore[valid-type]
+    def _retry(self, call: Callable[[], None]) -> None:
         while not self.stop.is_set():
             try:
                 call()

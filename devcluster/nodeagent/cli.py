@@ -57,10 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.action}: signalled pids {pids}")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
+    # One line per probe request would drown the agent's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         cfg = AgentConfig(
-            kubeconfig=args.kubeconfig, node_name=args.node_name, state_dir=args.state_dir, gpus=args.gpus,
-            cpu=args.cpu, memory=args.memory, max_pods=args.max_pods, pod_subnet=args.pod_subnet,
+            kubeconfig=args.kubeconfig,
+            node_name=args.node_name,
+            state_dir=args.state_dir,
+            gpus=args.gpus,
+            cpu=args.cpu,
+            memory=args.memory,
+            max_pods=args.max_pods,
+            pod_subnet=args.pod_subnet,
         )
     except ValidationError as exc:
         print(f"invalid settings: {exc}", file=sys.stderr)

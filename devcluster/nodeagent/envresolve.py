@@ -63,8 +63,20 @@ def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
 
 
 _SUFFIX = {
-    "": 1, "m": Decimal("0.001"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "": 1,
+    "m": Decimal("0.001"),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
 }
 _QUANTITY = re.compile(r"^([0-9.]+)([a-zA-Z]*)$")
 
@@ -108,7 +120,7 @@ def _value_from(source: dict, pod: dict, container: dict, ctx: "EnvContext") -> 
         if ref["key"] not in data:
             if ref.get("optional"):
                 return None
-            raise EnvError(f'couldn\'t find key {ref["key"]} in {label.capitalize()} {namespace}/{ref["name"]}')
+            raise EnvError(f"couldn't find key {ref['key']} in {label.capitalize()} {namespace}/{ref['name']}")
         return data[ref["key"]]
     if "fieldRef" in source:
         return field_ref(pod, source["fieldRef"]["fieldPath"], ctx.pod_ip, ctx.host_ip)

@@ -29,9 +29,7 @@ class NodeApi:
     # -- pods --------------------------------------------------------------------------------------------------
     def list_pods(self, node_name: str) -> tuple[list[dict], str]:
         body = _json(
-            self.core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node_name}", _preload_content=False
-            )
+            self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}", _preload_content=False)
         )
         return body["items"], body["metadata"]["resourceVersion"]
 
@@ -68,7 +66,7 @@ class NodeApi:
             if exc.status == 404:
                 return None
             raise
-        return {**decode_secret(body.get("data")), **(body.get("stringData") or {})}
+        return decode_secret(body.get("data"))
 
     def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

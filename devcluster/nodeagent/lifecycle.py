@@ -129,7 +129,11 @@ def pod_conditions(
         _condition("Initialized", True, prev, now),
         _condition("ContainersReady", containers_ready, prev, now, reason, message),
         _condition(
-            "Ready", containers_ready and gates_ok, prev, now,
-            reason if not containers_ready else "ReadinessGatesNotReady", ready_message,
+            "Ready",
+            containers_ready and gates_ok,
+            prev,
+            now,
+            reason if not containers_ready else "ReadinessGatesNotReady",
+            ready_message,
         ),
     ]

@@ -25,8 +25,14 @@ def _arch() -> str:
 
 def ready_conditions(now: str, since: str) -> list[dict]:
     pressure = [
-        {"type": t, "status": "False", "reason": f"KubeletHas{r}", "message": m,
-         "lastHeartbeatTime": now, "lastTransitionTime": since}
+        {
+            "type": t,
+            "status": "False",
+            "reason": f"KubeletHas{r}",
+            "message": m,
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": since,
+        }
         for t, r, m in (
             ("MemoryPressure", "SufficientMemory", "the node agent does not track memory pressure"),
             ("DiskPressure", "NoDiskPressure", "the node agent does not track disk pressure"),
@@ -34,16 +40,22 @@ def ready_conditions(now: str, since: str) -> list[dict]:
         )
     ]
     ready = {
-        "type": "Ready", "status": "True", "reason": "KubeletReady",
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
         "message": "tidal node agent is posting ready status (runs pod commands as local processes)",
-        "lastHeartbeatTime": now, "lastTransitionTime": since,
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": since,
     }
     return [*pressure, ready]
 
 
 def node_manifest(cfg: AgentConfig, since: str) -> dict:
     capacity = {
-        "cpu": cfg.cpu, "memory": cfg.memory, "pods": str(cfg.max_pods), "ephemeral-storage": "100Gi",
+        "cpu": cfg.cpu,
+        "memory": cfg.memory,
+        "pods": str(cfg.max_pods),
+        "ephemeral-storage": "100Gi",
         "nvidia.com/gpu": str(cfg.gpus),
     }
     return {
@@ -65,9 +77,15 @@ def node_manifest(cfg: AgentConfig, since: str) -> dict:
             "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": cfg.node_name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             "nodeInfo": {
-                "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": platform.release(),
-                "osImage": "tidal devcluster (local processes)", "containerRuntimeVersion": "tidal-node-agent://1",
-                "kubeletVersion": AGENT_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+                "kernelVersion": platform.release(),
+                "osImage": "tidal devcluster (local processes)",
+                "containerRuntimeVersion": "tidal-node-agent://1",
+                "kubeletVersion": AGENT_VERSION,
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
                 "architecture": _arch(),
             },
         },

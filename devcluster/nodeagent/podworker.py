@@ -125,19 +125,28 @@ class PodWorker(threading.Thread):
                 record.restart_count = int(previous[container["name"]].get("restartCount", 0))
             self._slots.append(
                 ContainerSlot(
-                    spec=container, record=record, log_path=self.dirs.log(container["name"]),
+                    spec=container,
+                    record=record,
+                    log_path=self.dirs.log(container["name"]),
                     previous_log_path=self.dirs.previous_log(container["name"]),
-                    pidfile=self.dirs.pidfile(container["name"]), pod_ip="",
+                    pidfile=self.dirs.pidfile(container["name"]),
+                    pod_ip="",
                     restart_policy=pod["spec"].get("restartPolicy", "Always"),
-                    kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)), on_exit=self._poke,
+                    kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
+                    on_exit=self._poke,
                     backoff=(self.ctx.cfg.backoff_initial_s, self.ctx.cfg.backoff_max_s, self.ctx.cfg.backoff_reset_s),
                 )
             )
             if container["name"] in previous and previous[container["name"]].get("state", {}).get("running"):
                 # It ran under an earlier agent whose process is gone now: that run ended.
                 self._slots[-1].record.last_state = {
-                    "terminated": {"exitCode": 137, "reason": "Error", "message": "the node agent restarted",
-                                   "startedAt": self._start_time, "finishedAt": now_iso()}
+                    "terminated": {
+                        "exitCode": 137,
+                        "reason": "Error",
+                        "message": "the node agent restarted",
+                        "startedAt": self._start_time,
+                        "finishedAt": now_iso(),
+                    }
                 }
 
     def _reconcile(self, now: float) -> float:
@@ -177,8 +186,9 @@ class PodWorker(threading.Thread):
                 slot.hold("CreateContainerConfigError", f"no ServiceAccount token yet: {exc}", 1.0, now)
                 return
             env["KUBECONFIG"] = str(self.dirs.kubeconfig)
-        ctx = EnvContext(self.ctx.api.secret_data, self.ctx.api.config_map_data, self._pod_ip, HOST_IP,
-                         self.ctx.allocatable)
+        ctx = EnvContext(
+            self.ctx.api.secret_data, self.ctx.api.config_map_data, self._pod_ip, HOST_IP, self.ctx.allocatable
+        )
         try:
             env.update(container_env(pod, slot.spec, ctx))
         except (EnvError, ApiException) as exc:
@@ -187,8 +197,12 @@ class PodWorker(threading.Thread):
             return
         argv = container_argv(slot.spec, env)
         if not argv:
-            slot.hold("CreateContainerConfigError",
-                      "the tidal node agent runs commands, not images: set the container's `command`", 30.0, now)
+            slot.hold(
+                "CreateContainerConfigError",
+                "the tidal node agent runs commands, not images: set the container's `command`",
+                30.0,
+                now,
+            )
             return
         cwd = slot.spec.get("workingDir") or str(self.dirs.workdir)
         slot.start(LaunchPlan(argv, env, Path(cwd)), now)

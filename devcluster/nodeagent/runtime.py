@@ -29,13 +29,23 @@ def exit_code_of(returncode: int) -> int:
 
 class ContainerProcess:
     def __init__(
-        self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path, pidfile: Path,
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        log_path: Path,
+        pidfile: Path,
         on_exit: Callable[[], None],
     ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.pid = self._proc.pid

@@ -141,15 +141,21 @@ print(json.dumps(result))
 def test_pod_calls_the_api_as_its_service_account_under_rbac(devcluster, namespace):
     core, rbac = devcluster.core, devcluster.rbac
     core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
-    rbac.create_namespaced_role(namespace, {
-        "metadata": {"name": "cm-reader"},
-        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}],
-    })
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "reader-reads-cms"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
-    })
+    rbac.create_namespaced_role(
+        namespace,
+        {
+            "metadata": {"name": "cm-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "reader-reads-cms"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}],
+        },
+    )
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "visible"}})
     pod = {
         "metadata": {"name": "rbac"},
@@ -168,6 +174,8 @@ def test_pod_calls_the_api_as_its_service_account_under_rbac(devcluster, namespa
 
     # The same answers from the authorizer, asked as that ServiceAccount.
     sa = f"system:serviceaccount:{namespace}:reader"
-    assert devcluster.kubectl("auth", "can-i", "list", "configmaps", "-n", namespace, "--as", sa).stdout.strip() == "yes"
+    assert (
+        devcluster.kubectl("auth", "can-i", "list", "configmaps", "-n", namespace, "--as", sa).stdout.strip() == "yes"
+    )
     denied = devcluster.kubectl("auth", "can-i", "list", "secrets", "-n", namespace, "--as", sa, check=False)
     assert denied.stdout.strip() == "no"

@@ -130,7 +130,10 @@ def test_crash_fault_by_annotation_restarts_the_pod_process(devcluster, namespac
     before = devcluster.wait_pod(namespace, "victim", is_ready, timeout_s=30, what="Ready")
     request_fault(devcluster.core, namespace, "victim", "crash")
     pod = devcluster.wait_pod(
-        namespace, "victim", lambda p: restart_count_at_least(1)(p) and is_ready(p), timeout_s=30,
+        namespace,
+        "victim",
+        lambda p: restart_count_at_least(1)(p) and is_ready(p),
+        timeout_s=30,
         what="restarted and Ready",
     )
     last = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
@@ -151,9 +154,14 @@ def test_env_value_from_secret_configmap_and_fields(devcluster, namespace):
         {"name": "COMBINED", "value": "$(MY_NAME)-$(MODE)"},
     ]
     dump = "import json, os; print(json.dumps({k: v for k, v in os.environ.items()}))"
-    manifest = pod_manifest("env", [sys.executable, "-c", dump], restart_policy="Never", env=env,
-                            envFrom=[{"configMapRef": {"name": "settings"}, "prefix": "CM_"}],
-                            workingDir=str(devcluster.info.state_dir))
+    manifest = pod_manifest(
+        "env",
+        [sys.executable, "-c", dump],
+        restart_policy="Never",
+        env=env,
+        envFrom=[{"configMapRef": {"name": "settings"}, "prefix": "CM_"}],
+        workingDir=str(devcluster.info.state_dir),
+    )
     core.create_namespaced_pod(namespace, manifest)
     pod = devcluster.wait_pod(namespace, "env", phase_is("Succeeded", "Failed"), timeout_s=30)
     assert pod["status"]["phase"] == "Succeeded", devcluster.pod_log(namespace, "env", "main")
