@@ -60,10 +60,10 @@ def openai_router(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_t
                 )
             else:
                 prompt_ids = prompts.completion_prompt_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
+            params = sampling_params(request, len(prompt_ids), engine.max_model_len)
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise
-        params = sampling_params(request, len(prompt_ids), engine.max_model_len)
         generation = Generation(engine, metrics, endpoint, request_id, prompt_ids, params)
         await generation.start()  # accounts for its own refusal
         return generation
