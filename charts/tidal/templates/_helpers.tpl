@@ -1,0 +1,65 @@
+{{/* Names and labels shared by the chart's templates. */}}
+
+{{- define "tidal.name" -}}
+tidal-operator
+{{- end -}}
+
+{{- define "tidal.fullname" -}}
+{{- if contains "tidal" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-tidal-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Selector labels: also what worker NetworkPolicies admit to the control port, so keep them stable. */}}
+{{- define "tidal.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tidal.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tidal.labels" -}}
+{{ include "tidal.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tidal
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "tidal.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tidal.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rules the operator needs wherever it manages models (ClusterRole, or a Role per watched namespace). */}}
+{{- define "tidal.modelRules" -}}
+# The custom resource: watched by kopf, which also patches it (finalizers, annotations) and its status.
+- apiGroups: ["tidal.dev"]
+  resources: ["inferencemodels"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["tidal.dev"]
+  resources: ["inferencemodels/status"]
+  verbs: ["get", "patch"]
+# One pod per rank: created, replaced, relabelled (the leader label); watched to react to crashes.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+# The headless group Service and the serving Service.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "create", "patch"]
+# The control-API token: created once and read back; never listed, patched or deleted (ownerReferences clean up).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "create", "patch"]
+# Events on transitions (kopf posts core/v1 Events).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
