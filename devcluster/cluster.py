@@ -14,7 +14,7 @@ from tidal.devcluster.config import ClusterConfig, resolve_binaries
 from tidal.devcluster.kubeconfig import cert_kubeconfig, write_kubeconfig
 from tidal.devcluster.layout import StateLayout
 from tidal.devcluster.pki import ClusterPki, make_cluster_pki
-from tidal.devcluster.plan import Ports, ProcessSpec, client_identities, control_plane, node_agent
+from tidal.devcluster.plan import KUBELET_CLIENT, Ports, ProcessSpec, client_identities, control_plane, node_agent
 from tidal.devcluster.ports import allocate_ports, choose_pod_subnet
 
 # Stopped in this order: the node agent first (it stops the pods' processes), etcd last.
@@ -50,6 +50,8 @@ def _write_pki(layout: StateLayout, pki: ClusterPki) -> None:
         layout.key("ca"): pki.ca.key,
         layout.cert("apiserver"): pki.apiserver.cert,
         layout.key("apiserver"): pki.apiserver.key,
+        layout.cert("node-serving"): pki.node_serving.cert,
+        layout.key("node-serving"): pki.node_serving.key,
         layout.sa_private_key: pki.service_account_private,
         layout.sa_public_key: pki.service_account_public,
     }
@@ -63,6 +65,8 @@ def _write_pki(layout: StateLayout, pki: ClusterPki) -> None:
 
 def _write_kubeconfigs(layout: StateLayout, pki: ClusterPki, server: str) -> None:
     for name, pem in pki.clients.items():
+        if name == KUBELET_CLIENT.file_name:
+            continue  # a certificate the apiserver presents to the node, not a client of the apiserver
         document = cert_kubeconfig(server, pki.ca.cert, pem.cert, pem.key)
         target = layout.admin_kubeconfig if name == "admin" else layout.component_kubeconfig(name)
         write_kubeconfig(target, document)

@@ -35,6 +35,7 @@ class ClientIdentity:
 class ClusterPki:
     ca: Pem
     apiserver: Pem
+    node_serving: Pem  # the node agent's log endpoint, which the apiserver dials for `kubectl logs`
     clients: dict[str, Pem]  # file name -> cert/key
     service_account_private: bytes
     service_account_public: bytes
@@ -149,6 +150,13 @@ def make_cluster_pki(first_service_ip: str, clients: list[ClientIdentity]) -> Cl
     apiserver = _leaf(
         ca_key, ca_cert, _name("kube-apiserver"), [ExtendedKeyUsageOID.SERVER_AUTH], serving_sans(first_service_ip)
     )
+    node_serving = _leaf(
+        ca_key,
+        ca_cert,
+        _name("tidal-node-agent"),
+        [ExtendedKeyUsageOID.SERVER_AUTH],
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     client_pems = {
         c.file_name: _leaf(ca_key, ca_cert, _name(c.user, c.groups), [ExtendedKeyUsageOID.CLIENT_AUTH]) for c in clients
     }
@@ -156,14 +164,4 @@ def make_cluster_pki(first_service_ip: str, clients: list[ClientIdentity]) -> Cl
     sa_public = sa_key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    return ClusterPki(ca_pem, apiserver, client_pems, _key_pem(sa_key), sa_public)
-
-
-def make_serving_cert(ca: Pem, common_name: str, ips: list[str]) -> Pem:
-    """A serving cert signed by an existing CA (the node agent's log endpoint uses one)."""
-    ca_key = serialization.load_pem_private_key(ca.key, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the devcluster CA key must be an ECDSA key")
-    ca_cert = x509.load_pem_x509_certificate(ca.cert)
-    sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    return _leaf(ca_key, ca_cert, _name(common_name), [ExtendedKeyUsageOID.SERVER_AUTH], sans)
+    return ClusterPki(ca_pem, apiserver, node_serving, client_pems, _key_pem(sa_key), sa_public)

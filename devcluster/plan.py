@@ -43,6 +43,8 @@ CONTROLLERS = (
 ADMIN = ClientIdentity("admin", "tidal-admin", ("system:masters",))
 CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controller-manager")
 SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
+# The apiserver's identity toward the node (for `kubectl logs`); the node agent serves logs only to this user.
+KUBELET_CLIENT = ClientIdentity("apiserver-kubelet-client", "kube-apiserver-kubelet-client", ("system:masters",))
 
 
 def node_identity(node_name: str) -> ClientIdentity:
@@ -51,7 +53,7 @@ def node_identity(node_name: str) -> ClientIdentity:
 
 
 def client_identities(cfg: ClusterConfig) -> list[ClientIdentity]:
-    return [ADMIN, CONTROLLER_MANAGER, SCHEDULER, node_identity(cfg.node_name)]
+    return [ADMIN, CONTROLLER_MANAGER, SCHEDULER, KUBELET_CLIENT, node_identity(cfg.node_name)]
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ def kube_apiserver(binary: Path, cfg: ClusterConfig, layout: StateLayout, ports:
         f"--service-account-signing-key-file={layout.sa_private_key}",
         f"--service-account-key-file={layout.sa_public_key}",
         f"--api-audiences={SERVICE_ACCOUNT_ISSUER}",
+        # `kubectl logs`: the apiserver dials the node agent's log endpoint, verifying it against the cluster CA.
+        f"--kubelet-client-certificate={layout.cert(KUBELET_CLIENT.file_name)}",
+        f"--kubelet-client-key={layout.key(KUBELET_CLIENT.file_name)}",
+        f"--kubelet-certificate-authority={layout.cert('ca')}",
+        "--kubelet-preferred-address-types=InternalIP",
         "--allow-privileged=true",
         "--anonymous-auth=false",
         "--profiling=false",
@@ -179,6 +186,9 @@ def node_agent(cfg: ClusterConfig, layout: StateLayout, pod_subnet: int) -> Proc
         f"--memory={cfg.memory}",
         f"--max-pods={cfg.max_pods}",
         f"--pod-subnet={pod_subnet}",
+        f"--serving-cert={layout.cert('node-serving')}",
+        f"--serving-key={layout.key('node-serving')}",
+        f"--client-ca={layout.cert('ca')}",
     ]
     return ProcessSpec("node-agent", argv, None)
 

@@ -10,6 +10,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from tidal.devcluster.nodeagent import logserver
 from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool
 from tidal.devcluster.nodeagent.config import AgentConfig
 from tidal.devcluster.nodeagent.kubeapi import NodeApi
@@ -35,7 +36,10 @@ class NodeAgent:
             self.api, cfg, AddressPool(cfg.pod_subnet), GpuPool(cfg.gpus), _cluster_ca(cfg), allocatable
         )
         self.workers: dict[str, PodWorker] = {}
-        self.heartbeat = Heartbeat(self.api, cfg, self.stop)
+        log_port = 0
+        if cfg.serving_cert and cfg.serving_key and cfg.client_ca:
+            _, log_port = logserver.serve(cfg.state_dir, cfg.serving_cert, cfg.serving_key, cfg.client_ca)
+        self.heartbeat = Heartbeat(self.api, cfg, self.stop, log_port)
 
     def run(self) -> None:
         self._retry(self.heartbeat.register)

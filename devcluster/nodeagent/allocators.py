@@ -63,6 +63,13 @@ class GpuPool:
             self._by_uid.pop(uid, None)
 
 
+def visible_devices(indices: list[int], agent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a container: the node's GPU indices, mapped through the agent's own list if it
+    was started with one (so `CUDA_VISIBLE_DEVICES=2,3 tidal-devcluster up --gpus 2` hands out GPUs 2 and 3)."""
+    host = [d.strip() for d in (agent_visible or "").split(",") if d.strip()]
+    return ",".join(host[i] if i < len(host) else str(i) for i in indices)
+
+
 def gpu_request(pod: dict) -> int:
     """nvidia.com/gpu wanted by the pod's containers (extended resources: the limit is the request)."""
     total = 0

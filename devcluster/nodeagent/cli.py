@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--memory", default="32Gi")
     run.add_argument("--max-pods", type=int, default=110)
     run.add_argument("--pod-subnet", type=int, default=1)
+    run.add_argument("--serving-cert", type=Path, default=None, help="with --serving-key/--client-ca: serve logs")
+    run.add_argument("--serving-key", type=Path, default=None)
+    run.add_argument("--client-ca", type=Path, default=None)
     fault = sub.add_parser("fault", help="signal a pod's processes now: crash (SIGKILL), freeze (SIGSTOP), thaw")
     fault.add_argument("action", choices=["crash", "freeze", "thaw"])
     fault.add_argument("pod", help="NAMESPACE/NAME")
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             memory=args.memory,
             max_pods=args.max_pods,
             pod_subnet=args.pod_subnet,
+            serving_cert=args.serving_cert,
+            serving_key=args.serving_key,
+            client_ca=args.client_ca,
         )
     except ValidationError as exc:
         print(f"invalid settings: {exc}", file=sys.stderr)

@@ -16,6 +16,9 @@ class AgentConfig(BaseModel):
     memory: str = "32Gi"
     max_pods: int = Field(default=110, ge=1, le=250)
     pod_subnet: int = Field(default=1, ge=1, le=254, description="pods get addresses 127.0.<pod_subnet>.<n>")
+    serving_cert: Path | None = Field(default=None, description="TLS cert of the log endpoint (`kubectl logs`)")
+    serving_key: Path | None = None
+    client_ca: Path | None = Field(default=None, description="CA that signed the apiserver's kubelet-client cert")
     lease_period_s: float = Field(default=10.0, gt=0)
     status_period_s: float = Field(default=60.0, gt=0)
     # Shorter than the kubelet's 10 s .. 5 min so crash-loop tests finish in seconds; the doubling is the same.

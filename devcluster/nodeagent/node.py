@@ -50,7 +50,7 @@ def ready_conditions(now: str, since: str) -> list[dict]:
     return [*pressure, ready]
 
 
-def node_manifest(cfg: AgentConfig, since: str) -> dict:
+def node_manifest(cfg: AgentConfig, since: str, log_port: int = 0) -> dict:
     capacity = {
         "cpu": cfg.cpu,
         "memory": cfg.memory,
@@ -75,7 +75,7 @@ def node_manifest(cfg: AgentConfig, since: str) -> dict:
             "allocatable": capacity,
             "conditions": ready_conditions(since, since),
             "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": cfg.node_name}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": log_port}},
             "nodeInfo": {
                 "machineID": "",
                 "systemUUID": "",
@@ -109,15 +109,16 @@ def lease_manifest(node_name: str, node_uid: str) -> dict:
 class Heartbeat:
     """Registers the node, then renews its Lease every `lease_period_s` and re-posts Ready every `status_period_s`."""
 
-    def __init__(self, api: NodeApi, cfg: AgentConfig, stop: threading.Event) -> None:
+    def __init__(self, api: NodeApi, cfg: AgentConfig, stop: threading.Event, log_port: int = 0) -> None:
         self._api = api
+        self._log_port = log_port
         self._cfg = cfg
         self._stop = stop
         self._since = now_iso()
         self._node_uid = ""
 
     def register(self) -> None:
-        self._api.create_or_update_node(node_manifest(self._cfg, self._since))
+        self._api.create_or_update_node(node_manifest(self._cfg, self._since, self._log_port))
         self._node_uid = self._api.node_uid(self._cfg.node_name)
         self._api.renew_lease(lease_manifest(self._cfg.node_name, self._node_uid))
         log.info("registered node %s (%d GPUs)", self._cfg.node_name, self._cfg.gpus)

@@ -15,7 +15,7 @@ from pathlib import Path
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request
+from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request, visible_devices
 from tidal.devcluster.nodeagent.config import AgentConfig
 from tidal.devcluster.nodeagent.container import NEVER, ContainerSlot, LaunchPlan
 from tidal.devcluster.nodeagent.envresolve import EnvContext, EnvError, container_argv, container_env
@@ -76,6 +76,7 @@ class PodWorker(threading.Thread):
         self._last_status: dict | None = None
         self._start_time = pod.get("status", {}).get("startTime") or now_iso()
         self._applied_faults: set[str] = set()
+        self._stopping = False  # the agent is shutting down: start nothing new
 
     # -- inputs from other threads -----------------------------------------------------------------------------
     def update(self, pod: dict) -> None:
@@ -154,14 +155,14 @@ class PodWorker(threading.Thread):
             pod, gone = self._pod, self._gone
         if gone or pod["metadata"].get("deletionTimestamp"):
             return self._terminate(pod, now, delete_from_api=not gone)
-        if self._terminal:
+        if self._terminal or self._stopping:
             return NEVER
         if not self._pod_ip:
             self._assign_resources(pod)
         self._apply_fault(pod)
         for slot in self._slots:
             slot.step(now)
-            if slot.wants_start(now):
+            if slot.wants_start(now) and not self._stopping:
                 self._start(slot, pod, now)
         self._report(pod)
         return min([slot.next_wake() for slot in self._slots] + [self._identity.refresh_at or NEVER])
@@ -178,7 +179,8 @@ class PodWorker(threading.Thread):
         env["HOSTNAME"] = pod["metadata"]["name"]
         wants_gpu = int(slot.spec.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) or 0) > 0
         # A container without a GPU request sees no GPU, as with the device plugin on a real node.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self._gpu_ids)) if wants_gpu else ""
+        gpus = visible_devices(self._gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env["CUDA_VISIBLE_DEVICES"] = gpus if wants_gpu else ""
         if wants_token(pod):
             try:
                 self._identity.ensure(pod, now)
@@ -299,6 +301,7 @@ class PodWorker(threading.Thread):
 
     def stop_for_shutdown(self, grace_s: float) -> None:
         """The agent is exiting: stop this pod's processes (SIGTERM, SIGKILL after grace_s) without API calls."""
+        self._stopping = True
         procs = [s.process for s in self._slots if s.process is not None and not s.process.exited]
         for proc in procs:
             proc.terminate()

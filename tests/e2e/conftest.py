@@ -23,8 +23,11 @@ def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]
     cfg = ClusterConfig(state_dir=tmp_path_factory.mktemp("devcluster"), gpus=E2E_NODE_GPUS)
     try:
         resolve_binaries(cfg, (*CONTROL_PLANE_BINARIES, "helm"))
+        missing = ""
     except RuntimeError as exc:
-        pytest.fail(f"e2e tests need the control-plane binaries: {exc}", pytrace=False)
+        missing = str(exc)
+    if missing:
+        pytest.fail(f"e2e tests need the control-plane binaries: {missing}", pytrace=False)
     info = cluster.up(cfg)
     try:
         yield DevCluster(info, cfg)

@@ -88,6 +88,8 @@ def test_crashing_container_is_restarted_with_growing_restart_count(devcluster, 
     assert pod["status"]["phase"] == "Running"  # restartPolicy Always: never terminal
     # The run before the current one (the current one may not have printed yet), as `kubectl logs --previous`.
     assert devcluster.pod_log(namespace, "crash", "main", previous=True) == "starting\n"
+    # The same file through the API server, which proxies to the node agent's log endpoint.
+    assert devcluster.kubectl("logs", "crash", "-n", namespace, "--previous").stdout == "starting\n"
 
 
 def test_never_restart_policy_ends_in_failed_and_on_failure_success_completes(devcluster, namespace):

@@ -1,6 +1,6 @@
 """Restart policy, back-off, pod phase, conditions and probe thresholds (pure kubelet bookkeeping)."""
 
-from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request
+from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request, visible_devices
 from tidal.devcluster.nodeagent.lifecycle import (
     ContainerRecord,
     backoff_delay,
@@ -118,3 +118,9 @@ def test_gpu_pool_hands_out_distinct_indices():
     assert pool.assign("x", 2) == [0, 1] and pool.assign("y", 2) == [2, 3]
     pool.release("x")
     assert pool.assign("z", 1) == [0]
+
+
+def test_visible_devices_map_through_the_agents_own_list():
+    assert visible_devices([0, 1], None) == "0,1"
+    assert visible_devices([1], "4,5,6") == "5"
+    assert visible_devices([], "4") == ""
