@@ -53,7 +53,8 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         async def bounded_send(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self._write_timeout_s)
+                async with asyncio.timeout(self._write_timeout_s):
+                    await send(message)
             except TimeoutError:
                 raise SlowClientError(f"client did not read a chunk within {self._write_timeout_s:g}s") from None
 
