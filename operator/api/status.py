@@ -11,7 +11,7 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "Sleeping", "Weights
 CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced")
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Loading", "Ready", "Updating", "Sleeping", "Degraded", "Stopped"]
-RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating", "Unknown"]
+RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating"]
 SleepState = Literal["Awake", "Asleep", "Mixed", "None"]
 
 

@@ -31,6 +31,8 @@ def _constraints(node: dict[str, Any]) -> str:
         parts.append(f"at most {node['maxItems']} items")
     if "maxProperties" in node:
         parts.append(f"at most {node['maxProperties']} entries")
+    if "format" in node:
+        parts.append(f"format {node['format']}")
     if "pattern" in node:
         parts.append(f"matches `{node['pattern']}`")
     return "; ".join(parts)
@@ -51,13 +53,19 @@ def _cell(text: str) -> str:
 
 
 def field_table(schema: dict[str, Any], root: str) -> str:
-    """Rows for every field under `root` (e.g. "spec"), then the cross-field (CEL) rules."""
+    """Rows for every field under `root` (e.g. "spec"), then its cross-field (CEL) rules; the object-level rules
+    (on metadata.name) are listed with the spec, which is what a user edits."""
     lines = [
         "| Field | Type | Required | Default | Validation | Description |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     rules = []
-    for path, node, required in _walk(schema["properties"][root], root, True):
+    if root == "spec":
+        rules += [
+            f"| `(object)` | `{_cell(r['rule'])}` | {_cell(r['message'])} |"
+            for r in schema.get("x-kubernetes-validations", [])
+        ]
+    for path, node, required in _walk(schema["properties"][root], root, root in schema.get("required", [])):
         default = f"`{json.dumps(node['default'])}`" if "default" in node else ""
         lines.append(
             f"| `{path}` | {_type_name(node)} | {'yes' if required else ''} | {_cell(default)} "
@@ -65,10 +73,9 @@ def field_table(schema: dict[str, Any], root: str) -> str:
         )
         for rule in node.get("x-kubernetes-validations", []):
             rules.append(f"| `{path}` | `{_cell(rule['rule'])}` | {_cell(rule['message'])} |")
-    for rule in schema.get("x-kubernetes-validations", []):
-        rules.insert(0, f"| `(object)` | `{_cell(rule['rule'])}` | {_cell(rule['message'])} |")
-    lines += ["", "Cross-field rules (CEL, checked by the API server and by the pydantic model alike):", ""]
-    lines += ["| Where | Rule | Message |", "| --- | --- | --- |", *rules]
+    if rules:
+        lines += ["", "Cross-field rules (CEL, checked by the API server and by the pydantic model alike):", ""]
+        lines += ["| Where | Rule | Message |", "| --- | --- | --- |", *rules]
     return "\n".join(lines)
 
 
