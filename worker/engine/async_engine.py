@@ -140,30 +140,33 @@ class AsyncEngine:
                     self._wake.wait()
                 inbox, self._inbox = self._inbox, _Inbox()
                 stopping = self._stopping
+            # Stats are refreshed before outputs go out, so a client that sees its output sees the stats after it.
+            deliveries: list[tuple[str, _Item]] = []
             if stopping:
-                self._deliver_all(engine.abort_all())
+                deliveries += [(out.request_id, out) for out in engine.abort_all()]
                 self._stats = engine.stats()
+                self._deliver_all(deliveries)
                 return
             for request_id, prompt, params in inbox.new:
                 try:
                     engine.add_request(request_id, prompt, params)
                 except ValueError as err:
-                    self._deliver(request_id, err)
+                    deliveries.append((request_id, err))
             for request_id in inbox.aborts:
                 output = engine.abort_request(request_id)
                 if output is not None:
-                    self._deliver(request_id, output)
+                    deliveries.append((request_id, output))
             try:
-                self._deliver_all(engine.step())
+                deliveries += [(out.request_id, out) for out in engine.step()]
             except Exception as err:  # a failed step must not leave clients waiting forever
                 log.exception("engine step failed; failing the requests in flight")
-                for output in engine.abort_all():
-                    self._deliver(output.request_id, err)
+                deliveries += [(out.request_id, err) for out in engine.abort_all()]
             self._stats = engine.stats()
+            self._deliver_all(deliveries)
 
-    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._deliver(output.request_id, output)
+    def _deliver_all(self, deliveries: list[tuple[str, _Item]]) -> None:
+        for request_id, item in deliveries:
+            self._deliver(request_id, item)
 
     def _deliver(self, request_id: str, item: _Item) -> None:
         with self._lock:

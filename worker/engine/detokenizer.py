@@ -34,5 +34,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return full[len(prefix) :]
 
+    def flush(self) -> str:
+        """-> text still held back because it ends in an incomplete character (the request is ending)."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)

@@ -37,7 +37,10 @@ class TextStream:
 
     def flush(self) -> str:
         """-> text held back, to hand out when the request ends for a reason other than a stop string."""
-        return "" if self.stopped else self._release(len(self.text))
+        if self.stopped:
+            return ""
+        self.text += self._detokenizer.flush()
+        return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self._emitted)

@@ -12,6 +12,9 @@ class CharDetokenizer:
     def push(self, ids: list[int]) -> str:
         return "".join(chr(i) for i in ids)
 
+    def flush(self) -> str:
+        return ""
+
 
 def stream(text: str, **params) -> tuple[list[str], TextStream]:
     ts = TextStream(CharDetokenizer(), SamplingParams(**params))  # type: ignore[arg-type]
