@@ -110,7 +110,8 @@ class WorkerServers:
             server.should_exit = True
 
     async def run(self) -> int:
-        """Serve until stopped. Returns the process exit code: 0 after a stop, 1 if the model failed to load."""
+        """Serve until stopped. Returns the process exit code: 0 after a stop, 1 if the model failed to load or a
+        server failed."""
         self._loop = asyncio.get_running_loop()
         self.bind()
         for listener in self.listeners:
@@ -135,7 +136,10 @@ class WorkerServers:
                 await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._stop_servers()
-            await asyncio.gather(*serving, return_exceptions=True)
+            for result in await asyncio.gather(*serving, return_exceptions=True):
+                if isinstance(result, Exception):
+                    log.error("a server failed", exc_info=result)
+                    exit_code = 1
             if not loading.done():
                 loading.cancel()
                 await asyncio.gather(loading, return_exceptions=True)
