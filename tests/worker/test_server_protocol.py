@@ -152,3 +152,21 @@ def test_runtime_failure_is_reported_by_ready():
         assert ready.status_code == 503
         assert "no weights" in ready.json()["reason"]
         assert "failed to load" in _error(client.get("/v1/models"))["message"]
+
+
+def test_sampling_params_from_requests():
+    from tidal.worker.server.errors import ApiError
+    from tidal.worker.server.sampling import sampling_params
+
+    completion = CompletionRequest(model="m", prompt="x", max_tokens=100, top_k=0, stop="END", temperature=0)
+    params = sampling_params(completion, num_prompt_tokens=200, max_model_len=256)
+    assert params.max_tokens == 56  # capped by what is left of the context
+    assert (params.top_k, params.stop, params.temperature) == (-1, ["END"], 0.0)
+    chat = ChatCompletionRequest(model="m", messages=CHAT["messages"], top_k=5, seed=3)
+    params = sampling_params(chat, num_prompt_tokens=10, max_model_len=256)
+    assert (params.max_tokens, params.top_k, params.seed) == (246, 5, 3)  # no limit given: up to the context
+    # An oversized prompt still gets a valid budget, so that the engine's own refusal reaches the client.
+    assert sampling_params(chat, num_prompt_tokens=300, max_model_len=256).max_tokens == 1
+    with pytest.raises(ApiError, match="seed must be >= 0") as refused:
+        sampling_params(CompletionRequest(model="m", prompt="x", seed=-1), num_prompt_tokens=1, max_model_len=256)
+    assert refused.value.status == 400
