@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MAPPED = {"tidal.operator": "operator", "tidal.worker": "worker", "tidal.kernels": "kernels", "tidal.devcluster": "devcluster"}
+MAPPED = {
+    "tidal.operator": "operator",
+    "tidal.worker": "worker",
+    "tidal.kernels": "kernels",
+    "tidal.devcluster": "devcluster",
+}
 
 
 def _run_python(code: str, cwd: Path, *flags: str) -> str:
@@ -60,8 +65,8 @@ def test_built_wheel_contains_and_imports_tidal_packages(tmp_path):
     )
     # Isolated mode (-I) ignores the editable install's path hooks, so only the wheel's files can answer.
     code = (
-        "import sys; sys.path.insert(0, {target!r}); import importlib\n"
-        "for n in {names!r}: print(list(importlib.import_module(n).__path__)[0])\n"
-    ).format(target=str(target), names=list(MAPPED))
+        f"import sys; sys.path.insert(0, {str(target)!r}); import importlib\n"
+        f"for n in {list(MAPPED)!r}: print(list(importlib.import_module(n).__path__)[0])\n"
+    )
     printed = _run_python(code, tmp_path, "-I").splitlines()
     assert [Path(p) for p in printed] == [target / "tidal" / folder for folder in MAPPED.values()]
