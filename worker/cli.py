@@ -14,13 +14,16 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from tidal.worker.config import WorkerConfig, env_name
 from tidal.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from tidal.worker.server.app import WorkerServers
 
 EXIT_BAD_CONFIG = 2
 
@@ -89,11 +92,9 @@ def load_config(argv: Sequence[str] | None = None) -> WorkerConfig:
         raise SystemExit(EXIT_BAD_CONFIG) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    config = load_config(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+def build_servers(config: WorkerConfig) -> WorkerServers:
+    """Everything the process serves, around one engine. Another API (e.g. the control API) is one more
+    `Listener`, on its own port, built from the same runtime."""
     # Imported here so that `--help` and configuration errors answer without loading torch.
     from tidal.worker.engine.async_engine import AsyncEngine
     from tidal.worker.server.app import Listener, WorkerServers, build_api_app
@@ -103,11 +104,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime = WorkerRuntime(lambda: AsyncEngine.from_config(engine_config))
     metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
     api = Listener("serving", build_api_app(runtime, metrics, config.stream_write_timeout_s), config.host, config.port)
-    servers = WorkerServers(runtime, [api], log_level=config.log_level)
+    return WorkerServers(runtime, [api], log_level=config.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    servers = build_servers(config)
     try:
         servers.bind()
     except OSError as exc:
         log.error("%s", exc)
         return 1
-    log.info("serving API on http://%s:%d, loading %s", config.host, api.bound_port, config.model_path)
+    for listener in servers.listeners:
+        log.info("%s API on http://%s:%d", listener.name, listener.host, listener.bound_port)
+    log.info("loading %s", config.model_path)
     return asyncio.run(servers.run())
