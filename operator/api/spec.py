@@ -10,9 +10,13 @@ from tidal.operator.api.base import ApiModel, CelRule
 from tidal.operator.api.constants import BASE_WEIGHTS_VERSION
 from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
 
-# Nested objects default to `{}` in the CRD so the API server fills in their own defaults; pydantic does the same
-# through default_factory. Only objects without required fields may use this.
-EMPTY_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+
+def nested(model: type[ApiModel]) -> Any:
+    """A nested object that may be omitted. The CRD default is the whole default object, not `{}`: the API server
+    validates a default (CEL rules included) as written, without filling in the defaults inside it."""
+    default = model().model_dump(mode="json", by_alias=True, exclude_none=True)
+    return Field(default_factory=model, json_schema_extra={"default": default})
+
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 ShortString = Annotated[str, Field(max_length=253)]
@@ -158,7 +162,7 @@ class PodTemplateMetadata(ApiModel):
 class PodTemplate(ApiModel):
     """Escape hatch: merged into every worker pod. See docs/API.md, "Pod template merge", for the exact rule."""
 
-    metadata: PodTemplateMetadata = Field(default_factory=PodTemplateMetadata, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    metadata: PodTemplateMetadata = nested(PodTemplateMetadata)
     """Extra pod labels and annotations."""
     spec: dict[str, Any] = Field(
         default_factory=dict,
@@ -174,7 +178,7 @@ class WorkerSpec(ApiModel):
     """Worker container image. (The local dev cluster runs the command on the host and ignores it.)"""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""
-    resources: WorkerResources = Field(default_factory=WorkerResources, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    resources: WorkerResources = nested(WorkerResources)
     """GPUs, CPU and memory per rank."""
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
     """Node labels the worker pods require."""
@@ -268,19 +272,19 @@ class InferenceModelSpec(ApiModel):
 
     model: ModelSource
     """The model to serve."""
-    worker: WorkerSpec = Field(default_factory=WorkerSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    worker: WorkerSpec = nested(WorkerSpec)
     """The worker pods."""
     replicas: int = Field(1, ge=0, le=64)
     """Independent copies of the model behind the Service; 0 keeps the object but runs no pods."""
     expert_parallel: int = Field(1, ge=1, le=64)
     """Ranks (pods) per replica that share the experts of a mixture-of-experts model."""
-    serving: ServingSpec = Field(default_factory=ServingSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    serving: ServingSpec = nested(ServingSpec)
     """Ports."""
-    sleep: SleepSpec = Field(default_factory=SleepSpec, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    sleep: SleepSpec = nested(SleepSpec)
     """Sleep and wake."""
     weights: WeightsSpec | None = None
     """Weights to serve instead of those in model.path (version `base`)."""
-    update_strategy: UpdateStrategy = Field(default_factory=UpdateStrategy, json_schema_extra=EMPTY_OBJECT_DEFAULT)
+    update_strategy: UpdateStrategy = nested(UpdateStrategy)
     """Pace of weight rolls."""
 
     cel_rules = (

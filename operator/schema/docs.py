@@ -48,6 +48,14 @@ def _walk(node: dict[str, Any], path: str, required: bool) -> Iterator[tuple[str
         yield from _walk(child, f"{path}.{name}", name in node.get("required", []))
 
 
+def _default(node: dict[str, Any]) -> str:
+    if "default" not in node:
+        return ""
+    if isinstance(node["default"], dict) and node["default"]:
+        return "its fields' defaults"  # the whole object is the default; each field's row shows its part
+    return f"`{json.dumps(node['default'])}`"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -66,7 +74,7 @@ def field_table(schema: dict[str, Any], root: str) -> str:
             for r in schema.get("x-kubernetes-validations", [])
         ]
     for path, node, required in _walk(schema["properties"][root], root, root in schema.get("required", [])):
-        default = f"`{json.dumps(node['default'])}`" if "default" in node else ""
+        default = _default(node)
         lines.append(
             f"| `{path}` | {_type_name(node)} | {'yes' if required else ''} | {_cell(default)} "
             f"| {_cell(_constraints(node))} | {_cell(node.get('description', ''))} |"
