@@ -73,11 +73,17 @@ TINY_ARCHS: Mapping[str, TinyArch] = MappingProxyType(
 )
 
 
-def tiny_config(arch: str, vocab_size: int, special_ids: dict[str, int], tie_embeddings: bool) -> PretrainedConfig:
+def tiny_config(
+    arch: str,
+    vocab_size: int,
+    special_ids: dict[str, int],
+    tie_embeddings: bool,
+    overrides: dict[str, Any] | None = None,
+) -> PretrainedConfig:
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(TINY_ARCHS)}")
     spec = TINY_ARCHS[arch]
-    kwargs = {**COMMON, **spec.extra}
+    kwargs = {**COMMON, **spec.extra, **(overrides or {})}
     return spec.config_class(
         **kwargs,
         vocab_size=vocab_size,
@@ -124,13 +130,20 @@ def save_weights(weights: dict[str, torch.Tensor], out: Path, sharded: bool) -> 
 
 
 def write_tiny_model(
-    arch: str, out: Path | str, *, sharded: bool = False, tie_embeddings: bool = False, seed: int = 0
+    arch: str,
+    out: Path | str,
+    *,
+    sharded: bool = False,
+    tie_embeddings: bool = False,
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
+    """`config_overrides` changes sizes (hidden_size, num_hidden_layers, ...) for benchmarks."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(out)
     special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END, PAD)}
-    config = tiny_config(arch, len(tokenizer), special_ids, tie_embeddings)
+    config = tiny_config(arch, len(tokenizer), special_ids, tie_embeddings, config_overrides)
     config.save_pretrained(out)
     # Our implementation names the checkpoint tensors exactly as transformers does (checked in the tests).
     with torch.device("meta"):
