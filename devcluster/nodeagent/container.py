@@ -25,6 +25,14 @@ from tidal.devcluster.nodeagent.runtime import ContainerProcess
 log = logging.getLogger(__name__)
 
 NEVER = float("inf")
+# (type, reason, message) of a Kubernetes Event about the pod, as the kubelet records them.
+EventSink = Callable[[str, str, str], None]
+
+
+def _no_events(kind: str, reason: str, message: str) -> None:
+    return None
+
+
 PROBE_KINDS = ("startup", "liveness", "readiness")
 
 
@@ -58,6 +66,7 @@ class ContainerSlot:
     retry_at: float = 0.0
     probes: dict[str, ProbeTracker] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    on_event: EventSink = _no_events
 
     @property
     def name(self) -> str:
@@ -73,6 +82,8 @@ class ContainerSlot:
     # -- starting ----------------------------------------------------------------------------------------------
     def hold(self, reason: str, message: str, retry_in_s: float, now: float) -> None:
         """Not startable yet (missing Secret, no token yet, ...): say why in the status and retry later."""
+        if self.record.state.get("waiting", {}).get("message") != message:
+            self.on_event("Warning", "Failed", f"Error: {message}")
         self.record.state = {"waiting": {"reason": reason, "message": message}}
         self.retry_at = now + retry_in_s
 
@@ -87,6 +98,7 @@ class ContainerSlot:
         except OSError as exc:
             # What a runtime reports when the entrypoint cannot be executed; restartPolicy then applies as usual.
             stamp = now_iso()
+            self.on_event("Warning", "Failed", f"Error: failed to start container {self.name!r}: {exc}")
             self._finish_run(terminated_state(128, stamp, stamp, f"{exc}", "StartError"), now, now)
             return
         if is_restart:
@@ -104,6 +116,7 @@ class ContainerSlot:
         self.record.started = "startup" not in self.probes
         self.record.ready = "readiness" not in self.probes and self.record.started
         log.info("started %s (pid %d): %s", self.name, self.process.pid, plan.argv)
+        self.on_event("Normal", "Started", f"Started container {self.name}")
 
     # -- running -----------------------------------------------------------------------------------------------
     def step(self, now: float) -> None:
@@ -125,32 +138,39 @@ class ContainerSlot:
     def _probe(self, now: float) -> None:
         startup = self.probes.get("startup")
         if startup is not None and not self.record.started:
-            if startup.due(now):
-                startup.record(*run_probe(startup.spec, self.spec, self.pod_ip, self.env), time.monotonic())
-                if startup.succeeded:
-                    self.record.started = True
-                elif startup.failed:
-                    self.kill(f"startup probe failed: {startup.last_message}", now)
+            if self._run_probe(startup, now):
+                self.record.started = True
+            elif startup.failed:
+                self.kill("startup", now)
             return
         liveness = self.probes.get("liveness")
-        if liveness is not None and liveness.due(now):
-            liveness.record(*run_probe(liveness.spec, self.spec, self.pod_ip, self.env), time.monotonic())
-            if liveness.failed:
-                self.kill(f"liveness probe failed: {liveness.last_message}", now)
-                return
+        if liveness is not None and not self._run_probe(liveness, now) and liveness.failed:
+            self.kill("liveness", now)
+            return
         readiness = self.probes.get("readiness")
         if readiness is not None:
-            if readiness.due(now):
-                readiness.record(*run_probe(readiness.spec, self.spec, self.pod_ip, self.env), time.monotonic())
+            self._run_probe(readiness, now)
             self.record.ready = readiness.succeeded
         else:
             self.record.ready = True
 
-    def kill(self, why: str, now: float) -> None:
+    def _run_probe(self, tracker: ProbeTracker, now: float) -> bool:
+        """Probe if due; True while the probe's threshold of successes holds."""
+        if tracker.due(now):
+            ok, message = run_probe(tracker.spec, self.spec, self.pod_ip, self.env)
+            tracker.record(ok, message, time.monotonic())
+            # One event when a failure streak starts and one when it crosses the threshold, not one per period.
+            if not ok and tracker.failures in (1, tracker.spec.failure_threshold):
+                self.on_event("Warning", "Unhealthy", f"{tracker.spec.kind.capitalize()} probe failed: {message}")
+        return tracker.succeeded
+
+    def kill(self, failed_probe: str, now: float) -> None:
         """SIGTERM now, SIGKILL at the grace deadline (non-blocking; `step` finishes it)."""
         if self.process is None or self.kill_deadline is not None:
             return
-        log.info("killing %s: %s", self.name, why)
+        why = f"Container {self.name} failed {failed_probe} probe, will be restarted"
+        log.info("killing: %s", why)
+        self.on_event("Normal", "Killing", why)
         self.killed_by_probe = True
         self.record.ready = False
         self.process.terminate()
@@ -177,6 +197,8 @@ class ContainerSlot:
             "waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s restarting failed container"}
         }
         self.next_start = now + delay
+        if delay > 0:
+            self.on_event("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
 
     def next_wake(self) -> float:
         if self.process is None:

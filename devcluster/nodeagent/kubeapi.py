@@ -3,7 +3,9 @@
 Plain dicts keep the pure modules free of the client's types and skip its (slow) model deserialization.
 """
 
+import datetime as dt
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +59,30 @@ class NodeApi:
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
+
+    def record_event(self, pod: dict, event_type: str, reason: str, message: str, node_name: str) -> None:
+        meta = pod["metadata"]
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": event_type,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "kubelet", "host": node_name},
+            "reportingComponent": "kubelet",
+            "reportingInstance": node_name,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        self.core.create_namespaced_event(meta["namespace"], event, _preload_content=False)
 
     # -- what a pod's environment and identity need ------------------------------------------------------------
     def secret_data(self, namespace: str, name: str) -> dict[str, str] | None:

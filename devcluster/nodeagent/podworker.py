@@ -92,6 +92,13 @@ class PodWorker(threading.Thread):
     def _poke(self) -> None:
         self._wake.set()
 
+    def _event(self, event_type: str, reason: str, message: str) -> None:
+        # Events are for people reading `kubectl describe`; losing one must not stop the pod's reconcile.
+        try:
+            self.ctx.api.record_event(self._pod, event_type, reason, message, self.ctx.cfg.node_name)
+        except API_ERRORS as exc:
+            log.warning("%s: could not record event %s: %s", self.key, reason, exc)
+
     # -- the loop ----------------------------------------------------------------------------------------------
     def run(self) -> None:
         try:
@@ -136,6 +143,7 @@ class PodWorker(threading.Thread):
                     kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
                     on_exit=self._poke,
                     backoff=(self.ctx.cfg.backoff_initial_s, self.ctx.cfg.backoff_max_s, self.ctx.cfg.backoff_reset_s),
+                    on_event=self._event,
                 )
             )
             if container["name"] in previous and previous[container["name"]].get("state", {}).get("running"):
@@ -275,6 +283,8 @@ class PodWorker(threading.Thread):
             for slot in self._slots:
                 slot.next_start = NEVER
             for slot in running:
+                if delete_from_api:
+                    self._event("Normal", "Killing", f"Stopping container {slot.name}")
                 slot.process.terminate()  # type: ignore[union-attr]
         if running:
             if now >= self._kill_at:

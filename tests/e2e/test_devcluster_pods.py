@@ -114,6 +114,11 @@ def test_failing_liveness_probe_restarts_the_container(devcluster, namespace):
     devcluster.core.create_namespaced_pod(namespace, http_server_pod("sick", livenessProbe=live))
     pod = devcluster.wait_pod(namespace, "sick", restart_count_at_least(1), timeout_s=30, what="a liveness restart")
     assert "terminated" in pod["status"]["containerStatuses"][0]["lastState"]
+    # What `kubectl describe pod` shows, recorded by the node agent as the kubelet would.
+    events = devcluster.core.list_namespaced_event(namespace, field_selector="involvedObject.name=sick").items
+    reasons = {e.reason for e in events}
+    assert {"Started", "Unhealthy", "Killing"} <= reasons, reasons
+    assert any(e.reason == "Unhealthy" and "Liveness probe failed" in e.message for e in events)
 
 
 def test_frozen_pod_turns_unready_and_recovers_when_thawed(devcluster, namespace):
