@@ -186,9 +186,19 @@ def _leaf_paths(node: dict[str, Any], obj: Any, path: list[str]):
             yield path, value
 
 
+# The same object with the other volume source, so the PersistentVolumeClaim fields are probed too.
+FULL_PVC = copy.deepcopy(FULL)
+FULL_PVC["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "model-store"}}
+
+
 def _cases():
     spec_schema = {"type": "object", "properties": {"spec": SCHEMA["properties"]["spec"]}}
-    return list(_leaf_paths(spec_schema, {"spec": FULL["spec"]}, []))
+    cases = [(FULL, path, value) for path, value in _leaf_paths(spec_schema, {"spec": FULL["spec"]}, [])]
+    pvc = FULL_PVC["spec"]["model"]["volume"]
+    volume_schema = SCHEMA["properties"]["spec"]["properties"]["model"]["properties"]["volume"]
+    prefix = ["spec", "model", "volume"]
+    cases += [(FULL_PVC, [*prefix, *path], value) for path, value in _leaf_paths(volume_schema, pvc, [])]
+    return cases
 
 
 def test_full_object_is_valid_for_both():
@@ -196,9 +206,21 @@ def test_full_object_is_valid_for_both():
     assert check_object(SCHEMA, FULL) == []
 
 
-@pytest.mark.parametrize("path,value", _cases(), ids=lambda x: ".".join(x) if isinstance(x, list) else repr(x)[:20])
-def test_pydantic_and_schema_agree(path, value):
-    obj = copy.deepcopy(FULL)
+def _case_id(case) -> str:
+    base, path, value = case
+    shown = "<delete>" if value is _DELETE else repr(value)[:20]
+    return f"{'pvc:' if base is FULL_PVC else ''}{'.'.join(path)}={shown}"
+
+
+def test_full_pvc_object_is_valid_for_both():
+    assert _pydantic_accepts(FULL_PVC)
+    assert check_object(SCHEMA, FULL_PVC) == []
+
+
+@pytest.mark.parametrize("case", _cases(), ids=_case_id)
+def test_pydantic_and_schema_agree(case):
+    base, path, value = case
+    obj = copy.deepcopy(base)
     _set(obj, path, value)
     schema_ok = check_object(SCHEMA, obj) == []
     assert _pydantic_accepts(obj) == schema_ok, check_object(SCHEMA, obj)
