@@ -35,8 +35,9 @@ def default_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConf
             gate_up=GemmTiles(block_n=64, block_k=64, num_warps=4, num_stages=4),
             down=GemmTiles(block_n=128, block_k=64, num_warps=4, num_stages=4),
         )
+    # Measured best of a small sweep on an H200 (benchmarks/results/): wide N tiles for the down projection.
     return MoeConfig(
         block_m=128,
-        gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=3),
-        down=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+        gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
+        down=GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
     )

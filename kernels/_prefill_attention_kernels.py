@@ -37,12 +37,18 @@ def _attend_tile(
     IS_FP32: tl.constexpr,
 ):
     """Online-softmax accumulation over keys [kv_start, kv_end); CAUSAL_MASK only for tiles crossing the diagonal."""
+    # The page ids of the next tile are loaded one iteration ahead: a load whose result feeds this iteration's K/V
+    # addresses would make the pipeliner wait for every copy in flight before issuing the next ones.
+    first_keys = kv_start + tl.arange(0, BLOCK_N)
+    pages = tl.load(table + first_keys // BLOCK_SIZE, mask=first_keys < kv_end, other=0)
     for tile in range(kv_start, kv_end, BLOCK_N):
         keys = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         key_ok = keys < kv_end
-        page = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        row = page * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        row = pages.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+        next_keys = keys + BLOCK_N
+        pages = tl.load(table + next_keys // BLOCK_SIZE, mask=next_keys < kv_end, other=0)
+        # Full tiles below the diagonal need no key mask (fewer predicates on the copies).
+        kv_mask = key_ok[:, None] & dim_ok[None, :] if CAUSAL_MASK else dim_ok[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
         scores = exact_dot(q, tl.trans(k), IS_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]

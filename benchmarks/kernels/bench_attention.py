@@ -2,7 +2,7 @@
 
 import torch
 import torch.nn.functional as F
-from common import Row, bandwidth_row, bench_ms, compute_row, relative_error
+from common import Row, bandwidth_row, bench_ms, compute_row, graph_ms, relative_error
 
 from tidal.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
 from tidal.kernels.prefill_attention import PrefillConfig, default_config, paged_prefill_attention_triton
@@ -50,6 +50,10 @@ def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=
         impl = "triton default" if splits is None else f"triton splits={splits} block_n={block_n} w{warps} s{stages}"
         note = f"rel err {err:.1e}" + (f"; default splits={default_splits}" if splits is None else "")
         rows.append(bandwidth_row("decode attention", shape, impl, bench_ms(run), kv_bytes, target, note))
+        if splits is None:
+            rows.append(
+                bandwidth_row("decode attention", shape, impl + " [CUDA graph]", graph_ms(run), kv_bytes, target)
+            )
     ms = bench_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True))
     rows.append(bandwidth_row("decode attention", shape, "torch SDPA (dense KV)", ms, kv_bytes))
     return rows
@@ -69,8 +73,8 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     configs = [default_config(head_dim)]
     if sweep:
         configs += [
-            PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 4, 3), PrefillConfig(64, 64, 4, 4),
-            PrefillConfig(128, 32, 8, 4), PrefillConfig(128, 128, 8, 3), PrefillConfig(64, 128, 4, 3),
+            PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 64, 4, 3),
+            PrefillConfig(64, 64, 4, 4), PrefillConfig(128, 32, 8, 4), PrefillConfig(64, 128, 4, 3),
         ]  # fmt: skip
     rows = []
     for i, config in enumerate(configs):

@@ -3,7 +3,7 @@ the bandwidth of reading the selected experts' weights. Baseline: a torch bf16 l
 
 import torch
 import torch.nn.functional as F
-from common import Row, bandwidth_row, bench_ms, compute_row, relative_error
+from common import Row, bandwidth_row, bench_ms, compute_row, graph_ms, relative_error
 
 from tidal.kernels._moe_config import GemmTiles, MoeConfig, default_moe_config
 from tidal.kernels.fused_moe import fused_moe_experts_triton, topk_route_reference, topk_route_triton
@@ -12,10 +12,10 @@ EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 4096, 14336
 EXPERT_BYTES = 3 * INTER * HIDDEN * 2
 
 LARGE_SWEEP = [
-    MoeConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3)),
-    MoeConfig(128, GemmTiles(64, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
-    MoeConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 4, 4)),
-    MoeConfig(64, GemmTiles(128, 64, 4, 4), GemmTiles(128, 64, 4, 4)),
+    MoeConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 4)),
+    MoeConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3), group_m=16),
+    MoeConfig(128, GemmTiles(128, 64, 8, 4), GemmTiles(256, 64, 8, 3), group_m=4),
+    MoeConfig(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 4)),
 ]
 SMALL_SWEEP = [
     MoeConfig(16, GemmTiles(32, 128, 4, 4), GemmTiles(16, 256, 4, 4)),
@@ -72,6 +72,9 @@ def bench_tokens(tokens, w13, w2, sweep) -> list[Row]:
         impl = ("triton default " if i == 0 else "triton ") + _describe(config)
         note = f"rel err vs torch bf16 {err:.1e}; routing kernel {'matches' if route_ok else 'DIFFERS'}"
         rows.append(row(impl, ms, 0.6 if large else 0.7, note))
+        if not large:
+            ms = graph_ms(lambda config=config: fused_moe_experts_triton(x, w13, w2, weights, ids, config))
+            rows.append(row(impl + " [CUDA graph]", ms, 0.7, note))
     rows.append(row("torch bf16 expert loop", bench_ms(lambda: torch_moe(x, w13, w2, weights, ids), rep_ms=100)))
     ms = bench_ms(lambda: topk_route_triton(logits, TOP_K, True))
     rows.append(bandwidth_row("topk routing", f"T{tokens} E{EXPERTS}", "triton", ms, logits.numel() * 4))

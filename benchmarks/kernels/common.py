@@ -37,6 +37,20 @@ def bench_ms(fn, rep_ms: int = 60) -> float:
     return triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median")
 
 
+def graph_ms(fn, rep_ms: int = 60) -> float:
+    """Median time of replaying fn captured in a CUDA graph: the launch gaps of several small kernels disappear, as
+    in the engine's captured decode step. fn must have run once before (Triton compiles outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay, rep_ms)
+
+
 def bandwidth_row(kernel, shape, impl, ms, num_bytes, target=None, note="", **extra) -> Row:
     tbs = num_bytes / (ms * 1e-3) / 1e12
     return Row(kernel, shape, impl, ms, "TB/s", tbs, tbs / COPY_CEILING_TBS, target, note, extra)
