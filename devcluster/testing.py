@@ -35,6 +35,10 @@ class DevCluster:
         self._helm_home = info.state_dir / "helm-home"
 
     # -- command-line tools with this cluster's kubeconfig -----------------------------------------------------
+    @property
+    def kubectl_path(self) -> Path:
+        return self._bins["kubectl"]
+
     def tool_env(self) -> dict[str, str]:
         home = self._helm_home
         return {
