@@ -184,6 +184,22 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
     )
 
 
+def test_a_client_that_never_reads_does_not_hold_its_sequence(worker):
+    engine = worker.runtime.engine
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the smallest window the kernel allows
+        sock.connect(("127.0.0.1", worker.listener.bound_port))
+        sock.sendall(request)
+        assert wait_until(lambda: engine.stats().num_running == 1)
+        # The engine never waits on a client: the sequence ends (and frees its blocks) while nothing was read.
+        assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0, timeout_s=30)
+
+
 def test_a_model_that_fails_to_load_ends_the_servers_with_exit_code_1(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
     config = EngineConfig(model_path=tmp_path, device="cpu")

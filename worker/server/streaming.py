@@ -1,9 +1,10 @@
 """Server-sent events: the chunk sequences of both endpoints, and a response that frees the request on every exit.
 
-A streamed request ends in one of three ways and each must return the engine's sequence at once: the engine
-finishes it; the client disconnects (Starlette cancels the stream); or the client stops reading, which would
-otherwise leave the send blocked on a full socket for as long as the client likes. The response therefore bounds
-every write by `write_timeout_s` and calls the generation's synchronous `close()` in a `finally`.
+A streamed request ends in one of three ways: the engine finishes it; the client disconnects (Starlette cancels the
+stream), which must abort the request at once to free its sequence; or the client stops reading. The engine never
+waits on a client (outputs queue per request), so a stalled reader holds no KV-cache blocks past the request's own
+end, but it would keep the connection and the queued text for as long as it likes. The response therefore bounds
+every write by `write_timeout_s`, and calls the generation's synchronous `close()` in a `finally` on every exit.
 """
 
 from __future__ import annotations
