@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, SecretStr
+from pydantic import BaseModel, SecretStr
 
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
@@ -14,8 +14,6 @@ from tidal.worker.control.schema import SleepState, WorkerState
 
 class PlanInput(BaseModel):
     """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: InferenceModel
     pods: list[ObservedPod]

@@ -27,6 +27,8 @@ class ObservedPod(BaseModel):
     restart_count: int = Field(0, ge=0)
     waiting_reason: str | None = None
     last_exit_message: str | None = None
+    # Where the executor reaches the rank's control API (the planner itself never uses it).
+    pod_ip: str | None = None
 
     @property
     def crash_looping(self) -> bool:
@@ -92,4 +94,5 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         restart_count=worker.get("restartCount", 0),
         waiting_reason=waiting.get("reason"),
         last_exit_message=terminated.get("message") or terminated.get("reason"),
+        pod_ip=status.get("podIP"),
     )

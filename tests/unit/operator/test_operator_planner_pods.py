@@ -137,6 +137,7 @@ def test_observe_pod_reads_the_api_shape():
         },
         "status": {
             "phase": "Running",
+            "podIP": "127.0.3.4",
             "conditions": [{"type": "Ready", "status": "True"}],
             "containerStatuses": [
                 {
@@ -151,4 +152,5 @@ def test_observe_pod_reads_the_api_shape():
     pod = observe_pod(manifest)
     assert pod is not None and pod.ready and pod.terminating and pod.crash_looping
     assert pod.spec_hash == "abc" and pod.restart_count == 4 and pod.last_exit_message == "boom"
+    assert pod.pod_ip == "127.0.3.4"
     assert observe_pod({"metadata": {"name": "stranger", "labels": {}}}) is None
