@@ -126,7 +126,7 @@ def test_two_metric_sets_do_not_collide():
 def test_request_models_normalise_openai_forms():
     assert CompletionRequest(model="m", prompt=["only"]).prompt == "only"
     assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompt == [1, 2, 3]
-    assert CompletionRequest(model="m", prompt="x", stop="END").stop_strings == ["END"]
+    assert CompletionRequest(model="m", prompt="x", stop="END").stop == ["END"]
     chat = ChatCompletionRequest(
         model="m",
         messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],

@@ -32,7 +32,7 @@ class _SamplingFields(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="non-OpenAI extension; -1 or 0 disables it")
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
@@ -50,10 +50,15 @@ class _SamplingFields(_Strict):
             raise ValueError("only n=1 is supported; send several requests for several completions")
         return n
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, stop: object) -> object:
+        # OpenAI accepts a single string, a list, or null.
+        return [stop] if isinstance(stop, str) else ([] if stop is None else stop)
+
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+    def _stop_list(cls, stops: list[str]) -> list[str]:
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
@@ -79,11 +84,6 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
-
-    @property
-    def stop_strings(self) -> list[str]:
-        # The validator above has already normalised `stop` to a list.
-        return list(self.stop or [])
 
     @property
     def include_usage_in_stream(self) -> bool:

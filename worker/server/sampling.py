@@ -27,7 +27,7 @@ def sampling_params(
         "top_k": -1 if request.top_k in (None, 0) else request.top_k,
         "seed": request.seed,
         "max_tokens": room if requested is None else min(requested, room),
-        "stop": request.stop_strings,
+        "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
     }
