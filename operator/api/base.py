@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -70,3 +70,10 @@ class StatusModel(BaseModel):
         serialize_by_alias=True,
         use_attribute_docstrings=True,
     )
+
+
+def nested(model: type[ApiModel]) -> Any:
+    """A nested object that may be omitted. The CRD default is the whole default object, not `{}`: the API server
+    validates a default (CEL rules included) as written, without filling in the defaults inside it."""
+    default = model().model_dump(mode="json", by_alias=True, exclude_none=True)
+    return Field(default_factory=model, json_schema_extra={"default": default})
