@@ -150,7 +150,7 @@ class AsyncEngine:
             for request_id, prompt, params in inbox.new:
                 try:
                     engine.add_request(request_id, prompt, params)
-                except ValueError as err:
+                except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
                     deliveries.append((request_id, err))
             for request_id in inbox.aborts:
                 output = engine.abort_request(request_id)

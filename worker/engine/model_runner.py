@@ -5,6 +5,7 @@ A follower rank of a group (later) runs `execute` on the plan it receives and ig
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -78,6 +79,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _forward(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
+        # The current CUDA device is per thread (the step loop runs on its own) and Triton launches on it.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            return self._forward_on_device(plan, kv_caches)
+
+    def _forward_on_device(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
         dev = self.device
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)  # [T]
         positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # [T]
