@@ -70,11 +70,12 @@ def visible_devices(indices: list[int], agent_visible: str | None) -> str:
     return ",".join(host[i] if i < len(host) else str(i) for i in indices)
 
 
+def container_gpus(container: dict) -> int:
+    """nvidia.com/gpu a container asks for (extended resources: the limit is the request)."""
+    resources = container.get("resources", {})
+    value = resources.get("limits", {}).get("nvidia.com/gpu") or resources.get("requests", {}).get("nvidia.com/gpu")
+    return int(value or 0)
+
+
 def gpu_request(pod: dict) -> int:
-    """nvidia.com/gpu wanted by the pod's containers (extended resources: the limit is the request)."""
-    total = 0
-    for container in pod.get("spec", {}).get("containers", []):
-        resources = container.get("resources", {})
-        value = resources.get("limits", {}).get("nvidia.com/gpu") or resources.get("requests", {}).get("nvidia.com/gpu")
-        total += int(value or 0)
-    return total
+    return sum(container_gpus(c) for c in pod.get("spec", {}).get("containers", []))

@@ -5,23 +5,22 @@ It wakes when the watch delivers a newer pod, when a container process exits, an
 """
 
 import logging
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request, visible_devices
+from tidal.devcluster.nodeagent.allocators import AddressPool, GpuPool, gpu_request
 from tidal.devcluster.nodeagent.config import AgentConfig
-from tidal.devcluster.nodeagent.container import NEVER, ContainerSlot, LaunchPlan
-from tidal.devcluster.nodeagent.envresolve import EnvContext, EnvError, container_argv, container_env
+from tidal.devcluster.nodeagent.container import NEVER, ContainerSlot
+from tidal.devcluster.nodeagent.envresolve import EnvContext, EnvError
 from tidal.devcluster.nodeagent.faults import FAULT_ANNOTATION, SIGNALS, parse_fault
 from tidal.devcluster.nodeagent.identity import PodIdentity, wants_token
 from tidal.devcluster.nodeagent.kubeapi import NodeApi
+from tidal.devcluster.nodeagent.launch import NO_COMMAND, plan_launch
 from tidal.devcluster.nodeagent.layout import PodDirs
 from tidal.devcluster.nodeagent.lifecycle import (
     TERMINAL_PHASES,
@@ -47,11 +46,6 @@ class NodeContext:
     gpus: GpuPool
     ca_pem: bytes
     allocatable: dict[str, str]
-
-
-def base_env() -> dict[str, str]:
-    # A host process inherits the agent's environment (PATH, the venv, caches) minus the agent's own API access.
-    return {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "CUDA_VISIBLE_DEVICES"))}
 
 
 class PodWorker(threading.Thread):
@@ -176,46 +170,33 @@ class PodWorker(threading.Thread):
         return min([slot.next_wake() for slot in self._slots] + [self._identity.refresh_at or NEVER])
 
     def _assign_resources(self, pod: dict) -> None:
-        wanted_ip = pod.get("status", {}).get("podIP")
-        self._pod_ip = self.ctx.addresses.assign(self.uid, wanted_ip)
+        if pod["spec"].get("hostNetwork"):
+            self._pod_ip = HOST_IP  # the node's own address, as for host-network pods on any node
+        else:
+            self._pod_ip = self.ctx.addresses.assign(self.uid, pod.get("status", {}).get("podIP"))
         for slot in self._slots:
             slot.pod_ip = self._pod_ip
         self._gpu_ids = self.ctx.gpus.assign(self.uid, gpu_request(pod))
 
     def _start(self, slot: ContainerSlot, pod: dict, now: float) -> None:
-        env = base_env()
-        env["HOSTNAME"] = pod["metadata"]["name"]
-        wants_gpu = int(slot.spec.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) or 0) > 0
-        # A container without a GPU request sees no GPU, as with the device plugin on a real node.
-        gpus = visible_devices(self._gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        env["CUDA_VISIBLE_DEVICES"] = gpus if wants_gpu else ""
+        kubeconfig = None
         if wants_token(pod):
             try:
                 self._identity.ensure(pod, now)
             except API_ERRORS as exc:
                 slot.hold("CreateContainerConfigError", f"no ServiceAccount token yet: {exc}", 1.0, now)
                 return
-            env["KUBECONFIG"] = str(self.dirs.kubeconfig)
-        ctx = EnvContext(
-            self.ctx.api.secret_data, self.ctx.api.config_map_data, self._pod_ip, HOST_IP, self.ctx.allocatable
-        )
+            kubeconfig = self.dirs.kubeconfig
+        api = self.ctx.api
+        env_ctx = EnvContext(api.secret_data, api.config_map_data, self._pod_ip, HOST_IP, self.ctx.allocatable)
         try:
-            env.update(container_env(pod, slot.spec, ctx))
+            plan = plan_launch(pod, slot.spec, env_ctx, self._gpu_ids, kubeconfig, self.dirs.workdir)
         except (EnvError, ApiException) as exc:
             message = str(exc) if isinstance(exc, EnvError) else f"API error {exc.status}: {exc.reason}"
-            slot.hold("CreateContainerConfigError", message, 2.0, now)
+            # Nothing will change a pod without a command (its spec is immutable): retry rarely.
+            slot.hold("CreateContainerConfigError", message, 30.0 if message == NO_COMMAND else 2.0, now)
             return
-        argv = container_argv(slot.spec, env)
-        if not argv:
-            slot.hold(
-                "CreateContainerConfigError",
-                "the tidal node agent runs commands, not images: set the container's `command`",
-                30.0,
-                now,
-            )
-            return
-        cwd = slot.spec.get("workingDir") or str(self.dirs.workdir)
-        slot.start(LaunchPlan(argv, env, Path(cwd)), now)
+        slot.start(plan, now)
 
     def _apply_fault(self, pod: dict) -> None:
         value = pod["metadata"].get("annotations", {}).get(FAULT_ANNOTATION)

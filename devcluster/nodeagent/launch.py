@@ -1,0 +1,36 @@
+"""What to run for one container start: argv, environment and working directory (no process I/O here).
+
+The environment is the agent's own (PATH, the virtualenv, caches; minus its API access), then the node's
+additions (HOSTNAME, CUDA_VISIBLE_DEVICES, KUBECONFIG for the pod's identity), then the container's env.
+"""
+
+import os
+from pathlib import Path
+
+from tidal.devcluster.nodeagent.allocators import container_gpus, visible_devices
+from tidal.devcluster.nodeagent.container import LaunchPlan
+from tidal.devcluster.nodeagent.envresolve import EnvContext, EnvError, container_argv, container_env
+
+NO_COMMAND = "the tidal node agent runs commands, not images: set the container's `command`"
+
+
+def base_env(agent_env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in agent_env.items() if not k.startswith(("KUBE", "CUDA_VISIBLE_DEVICES"))}
+
+
+def plan_launch(
+    pod: dict, container: dict, ctx: EnvContext, gpu_ids: list[int], kubeconfig: Path | None, workdir: Path
+) -> LaunchPlan:
+    """Raises EnvError (the container waits with CreateContainerConfigError) when it cannot start yet."""
+    env = base_env(dict(os.environ))
+    env["HOSTNAME"] = pod["metadata"]["name"]
+    # A container without a GPU request sees no GPU, as with the device plugin on a real node.
+    gpus = visible_devices(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env["CUDA_VISIBLE_DEVICES"] = gpus if container_gpus(container) > 0 else ""
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
+    env.update(container_env(pod, container, ctx))
+    argv = container_argv(container, env)
+    if not argv:
+        raise EnvError(NO_COMMAND)
+    return LaunchPlan(argv, env, Path(container.get("workingDir") or workdir))
