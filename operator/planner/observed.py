@@ -75,8 +75,9 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     """Read a Pod manifest (as the API returns it) into an ObservedPod; None for pods without Tidal's labels."""
     meta = pod.get("metadata", {})
     labels = meta.get("labels") or {}
-    if c.LABEL_REPLICA not in labels or c.LABEL_RANK not in labels:
-        return None
+    replica, rank = labels.get(c.LABEL_REPLICA, ""), labels.get(c.LABEL_RANK, "")
+    if not (replica.isdigit() and rank.isdigit()):
+        return None  # not a pod Tidal built (or its labels were edited): the planner leaves it alone
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
     ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in conditions)
@@ -85,8 +86,8 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     terminated = (worker.get("lastState") or {}).get("terminated") or {}
     return ObservedPod(
         name=meta["name"],
-        replica=int(labels[c.LABEL_REPLICA]),
-        rank=int(labels[c.LABEL_RANK]),
+        replica=int(replica),
+        rank=int(rank),
         phase=status.get("phase", "Pending"),
         ready=ready,
         terminating=meta.get("deletionTimestamp") is not None,

@@ -154,3 +154,5 @@ def test_observe_pod_reads_the_api_shape():
     assert pod.spec_hash == "abc" and pod.restart_count == 4 and pod.last_exit_message == "boom"
     assert pod.pod_ip == "127.0.3.4"
     assert observe_pod({"metadata": {"name": "stranger", "labels": {}}}) is None
+    odd = {"metadata": {"name": "odd", "labels": {"tidal.dev/replica": "x", "tidal.dev/rank": "0"}}}
+    assert observe_pod(odd) is None
