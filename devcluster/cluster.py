@@ -114,11 +114,11 @@ def up(cfg: ClusterConfig, say: Callable[[str], None] = print) -> ClusterInfo:
         # etcd and the apiserver together (the apiserver retries etcd); the others only once the apiserver is ready,
         # because they exit if RBAC's bootstrap roles are not there yet when they read their authentication config.
         for spec in (etcd, apiserver):
-            processes.start(spec, layout.log(spec.name), layout.pidfile(spec.name), layout.root)
+            processes.start(spec, layout.log(spec.name), layout.pidfile(spec.name), layout.root, cfg.die_with_parent)
         _wait(apiserver, layout, deadline)
         agent = node_agent(cfg, layout, pod_subnet)
         for spec in (controller_manager, scheduler, agent):
-            processes.start(spec, layout.log(spec.name), layout.pidfile(spec.name), layout.root)
+            processes.start(spec, layout.log(spec.name), layout.pidfile(spec.name), layout.root, cfg.die_with_parent)
         for spec in (etcd, controller_manager, scheduler):
             _wait(spec, layout, deadline)
         api = AdminHttp(server, layout)

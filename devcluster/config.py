@@ -36,6 +36,7 @@ class ClusterConfig(BaseModel):
     max_pods: int = Field(default=110, ge=1, le=250)
     service_cidr: str = "10.96.0.0/16"
     startup_timeout_s: float = Field(default=90.0, gt=0)
+    die_with_parent: bool = Field(default=False, description="stop the cluster when the process that started it dies")
 
     @field_validator("service_cidr")
     @classmethod

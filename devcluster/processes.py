@@ -5,6 +5,7 @@ crash the number may belong to someone else's process, which `down` must never s
 """
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -13,9 +14,19 @@ from pathlib import Path
 
 from tidal.devcluster.plan import ProcessSpec
 
+PR_SET_PDEATHSIG = 1
 
-def start(spec: ProcessSpec, log_file: Path, pidfile: Path, cwd: Path) -> int:
-    """Start detached (own session, so the CLI's terminal and Ctrl-C do not reach it); return its pid."""
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent goes away.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start(spec: ProcessSpec, log_file: Path, pidfile: Path, cwd: Path, die_with_parent: bool = False) -> int:
+    """Start detached (own session, so the CLI's terminal and Ctrl-C do not reach it); return its pid.
+
+    die_with_parent: for clusters owned by a test session, so a killed pytest leaves no cluster behind.
+    """
     log_file.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
     with open(log_file, "ab") as log:
@@ -27,6 +38,7 @@ def start(spec: ProcessSpec, log_file: Path, pidfile: Path, cwd: Path) -> int:
             cwd=cwd,
             env=env,
             start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
     pidfile.write_text(f"{proc.pid}\n")
     return proc.pid

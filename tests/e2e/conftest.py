@@ -20,7 +20,8 @@ E2E_NODE_GPUS = int(os.environ.get("TIDAL_E2E_GPUS", "2"))
 
 @pytest.fixture(scope="session")
 def devcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    cfg = ClusterConfig(state_dir=tmp_path_factory.mktemp("devcluster"), gpus=E2E_NODE_GPUS)
+    # die_with_parent: a pytest killed outright (CI timeout, SIGKILL) takes its cluster with it.
+    cfg = ClusterConfig(state_dir=tmp_path_factory.mktemp("devcluster"), gpus=E2E_NODE_GPUS, die_with_parent=True)
     try:
         resolve_binaries(cfg, (*CONTROL_PLANE_BINARIES, "helm"))
         missing = ""
