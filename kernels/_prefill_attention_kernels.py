@@ -51,15 +51,20 @@ def _attend_tile(
         kv_mask = key_ok[:, None] & dim_ok[None, :] if CAUSAL_MASK else dim_ok[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
-        scores = exact_dot(q, tl.trans(k), IS_FP32) * scale_log2  # [BLOCK_M, BLOCK_N]
+        scores = exact_dot(q, tl.trans(k), IS_FP32)  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if CAUSAL_MASK:
             visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < seq_len)
-            scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
+            scores = scores * scale_log2 + tl.where(visible, 0.0, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            scores = scores - m_new[:, None]
+        else:
+            # Scaling folded into one multiply-add per score.
+            m_new = tl.maximum(m, tl.max(scores, axis=1) * scale_log2)
+            scores = scores * scale_log2 - m_new[:, None]
+        p = tl.exp2(scores)
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
+        acc = exact_dot(p.to(v.dtype), v, IS_FP32, acc * alpha[:, None])
         m = m_new
     return acc, m, denom
 

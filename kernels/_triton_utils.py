@@ -6,10 +6,10 @@ import triton.language as tl
 
 
 @triton.jit
-def exact_dot(a, b, IS_FP32: tl.constexpr):
-    """tl.dot accumulating in fp32; fp32 operands use full-precision products instead of tf32, so fp32 runs can be
-    checked tightly against the reference."""
+def exact_dot(a, b, IS_FP32: tl.constexpr, acc=None):
+    """tl.dot accumulating in fp32 (into `acc` when given, in place on the tensor cores); fp32 operands use
+    full-precision products instead of tf32, so fp32 runs can be checked tightly against the reference."""
     if IS_FP32:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)

@@ -73,8 +73,8 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     configs = [default_config(head_dim)]
     if sweep:
         configs += [
-            PrefillConfig(128, 128, 8, 2), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 64, 4, 3),
-            PrefillConfig(64, 64, 4, 4), PrefillConfig(128, 32, 8, 4), PrefillConfig(64, 128, 4, 3),
+            PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 128, 8, 2),
+            PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 128, 4, 2),
         ]  # fmt: skip
     rows = []
     for i, config in enumerate(configs):
