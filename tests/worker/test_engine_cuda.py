@@ -56,3 +56,15 @@ def test_kv_cache_sized_from_free_memory(tiny_model):
     assert eng.max_model_len == 1024
     out = eng.generate(prompt_ids(tiny_model("llama"))[:2], GREEDY)
     assert all(len(r.output_token_ids) > 0 for r in out)
+
+
+def test_cuda_graphs_give_the_eager_result(tiny_model):
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    graphed = engine(model_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=5, max_model_len=512)
+    eager = engine(model_dir, dtype="float32", num_kv_blocks=256, max_num_seqs=5, max_model_len=512, enforce_eager=True)
+    assert graphed.runner.decode_graphs is not None and eager.runner.decode_graphs is None
+    assert graphed.runner.decode_graphs.sizes == [1, 2, 4, 5]
+    want = [r.output_token_ids for r in eager.generate(prompts, params)]
+    assert [r.output_token_ids for r in graphed.generate(prompts, params)] == want

@@ -33,6 +33,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=2, description="Longest sequence; default from the model.")
     seed: int = Field(default=0, description="Seed of the sampler for requests that carry no seed of their own.")
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
+    enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly, without CUDA graphs.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:

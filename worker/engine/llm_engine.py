@@ -74,6 +74,8 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, loaded.dtype, device, config.block_size)
         runner.allocate_kv_cache(decide_num_kv_blocks(config, runner, max_model_len))
         max_model_len = fit_max_model_len(config, max_model_len, runner.num_kv_blocks)
+        if device.type == "cuda" and not config.enforce_eager:
+            runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         return cls(config, runner, tokenizer, max_model_len, eos_token_ids(config.model_path, loaded.hf_config))
 
     @property

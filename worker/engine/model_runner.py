@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from tidal.worker.engine.cuda_graphs import DecodeGraphs
 from tidal.worker.engine.kv_cache import KVCaches, allocate_kv_caches
 from tidal.worker.engine.step_plan import StepPlan
 from tidal.worker.layers.attention import AttentionBatch
@@ -26,6 +27,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches: KVCaches = []
         self.num_kv_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -42,6 +44,16 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.bytes_per_block / 2**20,
         )
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Record decode steps of up to `max_num_seqs` sequences as CUDA graphs (after the KV cache exists)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        max_blocks = -(-max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks)
+        with torch.cuda.device(self.device):
+            graphs.capture()
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -84,6 +96,10 @@ class ModelRunner:
             return self._forward_on_device(plan, kv_caches)
 
     def _forward_on_device(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
+        graphs = self.decode_graphs
+        if graphs is not None and kv_caches is self.kv_caches and graphs.can_run(plan):
+            hidden = graphs.run(plan)  # [B, H], one row per sequence
+            return self._logits(hidden, plan)
         dev = self.device
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)  # [T]
         positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # [T]
@@ -98,7 +114,10 @@ class ModelRunner:
             kv_caches=kv_caches,
         )
         hidden = self.model(input_ids, positions, batch)  # [T, H]
+        return self._logits(hidden, plan)
+
+    def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         if not plan.sample_indices:
             return None
-        rows = torch.tensor(plan.sample_indices, dtype=torch.long, device=dev)
+        rows = torch.tensor(plan.sample_indices, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [S, V]

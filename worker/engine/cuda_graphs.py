@@ -1,0 +1,95 @@
+"""CUDA graphs for decode-only steps: one captured forward per batch size, replayed with fresh inputs.
+
+Decode steps are many small kernels, so launching them one by one from Python costs more than running them.
+A graph per padded batch size records the whole forward once; a step copies its plan into the graph's static
+input tensors and replays it. Padding rows write nothing (slot -1) and attend to nothing (seq_len 0). The graphs
+hold the KV cache's addresses: the cache must stay where it is while they live (recapture after moving it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tidal.worker.engine.kv_cache import KVCaches
+from tidal.worker.engine.step_plan import StepPlan
+from tidal.worker.layers.attention import AttentionBatch
+from tidal.worker.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: CausalLM, kv_caches: KVCaches, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.max_blocks = max_blocks_per_seq
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)  # [N]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)  # [N]
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)  # [N, max_blocks]
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)  # [N]
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [N + 1], one token each
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # batch size -> hidden [bs, H] written by its graph
+
+    def can_run(self, plan: StepPlan) -> bool:
+        return (
+            plan.is_decode_only
+            and plan.num_seqs <= self.sizes[-1]
+            and max(len(t) for t in plan.block_tables) <= self.max_blocks
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            self._forward(size)  # warm-up outside the graph: Triton compiles, allocator settles
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1fs", self.sizes, time.monotonic() - start)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """-> hidden [B, H] of a decode-only plan (a view into the graph's output: use it before the next run)."""
+        num_seqs = plan.num_seqs
+        size = next(s for s in self.sizes if s >= num_seqs)
+        width = max(len(t) for t in plan.block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables], dtype=torch.int32)
+        self.input_ids[:num_seqs].copy_(torch.tensor(plan.input_ids), non_blocking=True)
+        self.positions[:num_seqs].copy_(torch.tensor(plan.positions), non_blocking=True)
+        self.slot_mapping[:num_seqs].copy_(torch.tensor(plan.slot_mapping), non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(tables, non_blocking=True)
+        if size > num_seqs:  # padding rows: write nothing, attend to nothing
+            self.slot_mapping[num_seqs:size].fill_(-1)
+            self.seq_lens[num_seqs:size].zero_()
+        self._graphs[size].replay()
+        return self._outputs[size][:num_seqs]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        batch = AttentionBatch(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            is_decode_only=True,
+            kv_caches=self.kv_caches,
+        )
+        return self.model(self.input_ids[:size], self.positions[:size], batch)
