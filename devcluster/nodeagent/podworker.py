@@ -160,7 +160,13 @@ class PodWorker(threading.Thread):
         if self._terminal or self._stopping:
             return NEVER
         if not self._pod_ip:
-            self._assign_resources(pod)
+            try:
+                self._assign_resources(pod)
+            except RuntimeError as exc:  # no address or not enough GPUs left: the kubelet rejects such a pod
+                self._reject(pod, "UnexpectedAdmissionError", str(exc))
+                return NEVER
+        if self._identity.path.exists():
+            self._identity.ensure(pod, now)  # refreshes the token at 80% of its life, else a no-op
         self._apply_fault(pod)
         for slot in self._slots:
             slot.step(now)
@@ -237,6 +243,14 @@ class PodWorker(threading.Thread):
             log.info("%s: %s", self.key, phase)
             self._terminal = True
             self._release()
+
+    def _reject(self, pod: dict, reason: str, message: str) -> None:
+        log.warning("%s: rejected: %s", self.key, message)
+        self._event("Warning", reason, message)
+        status = {"phase": "Failed", "reason": reason, "message": message, "startTime": self._start_time}
+        self.ctx.api.patch_pod_status(pod["metadata"]["namespace"], pod["metadata"]["name"], status)
+        self._terminal = True
+        self._release()
 
     def _same_as_last(self, status: dict) -> bool:
         if self._last_status is None:

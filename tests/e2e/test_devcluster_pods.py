@@ -8,6 +8,7 @@ import sys
 import httpx
 import pytest
 
+from tidal.devcluster.nodeagent.allocators import visible_devices
 from tidal.devcluster.nodeagent.faults import request_fault
 from tidal.devcluster.testing import is_ready, phase_is, restart_count_at_least
 
@@ -197,3 +198,31 @@ def test_missing_secret_holds_the_container_until_it_exists(devcluster, namespac
     devcluster.core.create_namespaced_secret(namespace, {"metadata": {"name": "later"}, "stringData": {"x": "1"}})
     devcluster.wait_pod(namespace, "waits", phase_is("Succeeded"), timeout_s=30)
     assert devcluster.pod_log(namespace, "waits", "main").strip() == "x=1"
+
+
+def test_pod_asking_for_more_gpus_than_the_node_has_is_rejected_by_the_node(devcluster, namespace):
+    # nodeName set directly bypasses the scheduler, so the node agent's own admission check has to catch it.
+    too_many = pod_manifest("greedy", ["sleep", "30"], restart_policy="Never")
+    too_many["spec"]["nodeName"] = devcluster.info.node_name
+    too_many["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": str(devcluster.info.gpus + 1)}}
+    devcluster.core.create_namespaced_pod(namespace, too_many)
+    pod = devcluster.wait_pod(namespace, "greedy", phase_is("Failed"), timeout_s=30)
+    assert pod["status"]["reason"] == "UnexpectedAdmissionError"
+    assert "nvidia.com/gpu" in pod["status"]["message"]
+
+
+def test_gpu_pods_get_distinct_devices_and_others_none(devcluster, namespace):
+    show = [sys.executable, "-c", "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"]
+    for name in ("gpu-a", "gpu-b", "cpu"):
+        manifest = pod_manifest(name, show, restart_policy="Never")
+        if name != "cpu":
+            manifest["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        devcluster.core.create_namespaced_pod(namespace, manifest)
+    seen = {}
+    for name in ("gpu-a", "gpu-b", "cpu"):
+        devcluster.wait_pod(namespace, name, phase_is("Succeeded"), timeout_s=30)
+        seen[name] = devcluster.pod_log(namespace, name, "main").strip()
+    assert seen["cpu"] == "''"
+    # The node agent inherited this process's environment; its CUDA_VISIBLE_DEVICES (if any) maps the indices.
+    agent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert {seen["gpu-a"], seen["gpu-b"]} == {repr(visible_devices([i], agent_visible)) for i in (0, 1)}
