@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client, config, watch
 
@@ -109,24 +110,28 @@ class DevCluster:
         raise TimeoutError(f"pod {namespace}/{name}: {what or 'condition'} not met in {timeout_s} s; last: {last}")
 
     def wait_pod_gone(self, namespace: str, name: str, timeout_s: float = 60) -> None:
+        self.wait_deleted(self.core.list_namespaced_pod, namespace, name, timeout_s)
+
+    def wait_deleted(self, list_fn: Callable[..., Any], namespace: str, name: str, timeout_s: float = 60) -> None:
+        """Watch (list_fn is e.g. core.list_namespaced_config_map) until the named object no longer exists."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            pods = self.core.list_namespaced_pod(namespace, field_selector=f"metadata.name={name}")
-            if not pods.items:
+            found = list_fn(namespace, field_selector=f"metadata.name={name}")
+            if not found.items:
                 return
             w = watch.Watch()
             for event in w.stream(
-                self.core.list_namespaced_pod,
+                list_fn,
                 namespace,
                 field_selector=f"metadata.name={name}",
-                resource_version=pods.metadata.resource_version,
+                resource_version=found.metadata.resource_version,
                 timeout_seconds=max(1, int(deadline - time.monotonic())),
                 deserialize=False,
             ):
                 if event["type"] == "DELETED":
                     w.stop()
                     return
-        raise TimeoutError(f"pod {namespace}/{name} still exists after {timeout_s} s")
+        raise TimeoutError(f"{namespace}/{name} still exists after {timeout_s} s")
 
     def pod_log(self, namespace: str, name: str, container: str, previous: bool = False) -> str:
         """The container's output of its current run, or of the run before (the node agent writes files)."""

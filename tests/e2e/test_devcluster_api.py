@@ -3,7 +3,6 @@ kubectl and helm."""
 
 import json
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -37,13 +36,7 @@ def test_owned_object_is_garbage_collected_with_its_owner(devcluster, namespace)
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "child", "ownerReferences": [ref]}})
 
     core.delete_namespaced_config_map("owner", namespace)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        names = {cm.metadata.name for cm in core.list_namespaced_config_map(namespace).items}
-        if "child" not in names:
-            return
-        time.sleep(0.2)
-    pytest.fail("the garbage collector did not delete the owned ConfigMap within 30 s")
+    devcluster.wait_deleted(core.list_namespaced_config_map, namespace, "child", timeout_s=30)
 
 
 def _widget_crd(group: str) -> dict:
