@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -28,7 +28,22 @@ _Item = RequestOutput | BaseException
 
 
 class EngineNotRunningError(RuntimeError):
-    pass
+    """The engine takes no requests now. `retry_after_s`, when set, says when trying again may succeed."""
+
+    def __init__(
+        self, message: str = "the engine is not running", code: str = "not_ready", retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class RequestInterruptedError(RuntimeError):
+    """A running request was ended on purpose (the worker goes to sleep or changes its weights); says why."""
+
+
+# Awaited before a request is queued: returns to admit it, or raises (e.g. EngineNotRunningError while asleep).
+AdmissionGate = Callable[[], Awaitable[None]]
 
 
 @dataclass
@@ -48,6 +63,13 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = engine.stats()
+        # Holding (sleep, weight updates): new requests wait in the inbox; see hold().
+        self._holding = False
+        self._interrupt: str | None = None  # reason to end every running request at the next turn of the loop
+        self._is_idle = False  # the loop waits with nothing to do
+        self._idle = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # held by the loop while it touches the LLMEngine
+        self._admission: AdmissionGate | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Self:
@@ -96,6 +118,8 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         self._engine.validate_prompt(prompt_token_ids)
+        if self._admission is not None:
+            await self._admission()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         with self._wake:
             if not self.is_running or self._stopping:
@@ -131,38 +155,100 @@ class AsyncEngine:
             num_queued = len(self._inbox.new)
         return self._stats.model_copy(update={"num_waiting": self._stats.num_waiting + num_queued})
 
+    # ----- pausing between steps (sleep, weight updates) -----
+    def set_admission_gate(self, gate: AdmissionGate | None) -> None:
+        """Every new request awaits `gate` before it is queued (after its prompt was validated)."""
+        self._admission = gate
+
+    def hold(self, timeout_s: float, interrupt_reason: str | None = None) -> bool:
+        """Stop admitting new requests (they stay queued) and wait until none runs: running ones finish, or with
+        `interrupt_reason` end at once with a RequestInterruptedError carrying it. -> True once the loop is idle;
+        False if requests still ran after `timeout_s` (admission then resumes). Blocks: call it off the event loop."""
+        with self._wake:
+            if not self.is_running or self._stopping:
+                raise EngineNotRunningError()
+            self._holding = True
+            if interrupt_reason is not None:
+                self._interrupt = interrupt_reason
+            self._is_idle = False  # the loop re-checks under `holding` before it counts as idle
+            self._wake.notify()
+            if self._idle.wait_for(lambda: self._is_idle or self._stopping, timeout_s) and not self._stopping:
+                return True
+            self._holding = False
+            self._wake.notify()
+            return False
+
+    def release(self) -> None:
+        """Admit requests again (the queued ones first)."""
+        with self._wake:
+            self._holding = False
+            self._wake.notify()
+
+    @property
+    def is_holding(self) -> bool:
+        return self._holding
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[LLMEngine]:
+        """Exclusive use of the LLMEngine while held (see hold()): the loop touches it only between such uses."""
+        if not self._holding:
+            raise RuntimeError("quiesced() needs the engine held first")
+        with self._step_lock:
+            yield self._engine
+
     # ----- the loop thread -----
+    def _has_work(self) -> bool:
+        if self._stopping or self._inbox.aborts or self._interrupt is not None:
+            return True
+        return bool(self._inbox.new and not self._holding) or self._engine.has_unfinished_requests()
+
     def _run(self) -> None:
-        engine = self._engine
         while True:
             with self._wake:
-                while not (self._stopping or self._inbox.new or self._inbox.aborts or engine.has_unfinished_requests()):
+                while not self._has_work():
+                    self._is_idle = True
+                    self._idle.notify_all()
                     self._wake.wait()
-                inbox, self._inbox = self._inbox, _Inbox()
+                self._is_idle = False
+                if self._holding:  # queued requests stay queued; aborts still apply
+                    inbox, self._inbox.aborts = _Inbox(aborts=self._inbox.aborts), []
+                else:
+                    inbox, self._inbox = self._inbox, _Inbox()
                 stopping = self._stopping
-            # Stats are refreshed before outputs go out, so a client that sees its output sees the stats after it.
-            deliveries: list[tuple[str, _Item]] = []
-            if stopping:
-                deliveries += [(out.request_id, out) for out in engine.abort_all()]
-                self._stats = engine.stats()
-                self._deliver_all(deliveries)
-                return
-            for request_id, prompt, params in inbox.new:
-                try:
-                    engine.add_request(request_id, prompt, params)
-                except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
-                    deliveries.append((request_id, err))
-            for request_id in inbox.aborts:
-                output = engine.abort_request(request_id)
-                if output is not None:
-                    deliveries.append((request_id, output))
-            try:
-                deliveries += [(out.request_id, out) for out in engine.step()]
-            except Exception as err:  # a failed step must not leave clients waiting forever
-                log.exception("engine step failed; failing the requests in flight")
-                deliveries += [(out.request_id, err) for out in engine.abort_all()]
+                interrupt, self._interrupt = self._interrupt, None
+            with self._step_lock:
+                if not self._turn(inbox, stopping, interrupt):
+                    return
+
+    def _turn(self, inbox: _Inbox, stopping: bool, interrupt: str | None) -> bool:
+        """One turn of the loop: admit, abort, step, deliver. -> False when the loop must end."""
+        engine = self._engine
+        # Stats are refreshed before outputs go out, so a client that sees its output sees the stats after it.
+        deliveries: list[tuple[str, _Item]] = []
+        if stopping:
+            deliveries += [(out.request_id, out) for out in engine.abort_all()]
             self._stats = engine.stats()
             self._deliver_all(deliveries)
+            return False
+        if interrupt is not None:
+            deliveries += [(out.request_id, RequestInterruptedError(interrupt)) for out in engine.abort_all()]
+        for request_id, prompt, params in inbox.new:
+            try:
+                engine.add_request(request_id, prompt, params)
+            except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
+                deliveries.append((request_id, err))
+        for request_id in inbox.aborts:
+            output = engine.abort_request(request_id)
+            if output is not None:
+                deliveries.append((request_id, output))
+        try:
+            deliveries += [(out.request_id, out) for out in engine.step()]
+        except Exception as err:  # a failed step must not leave clients waiting forever
+            log.exception("engine step failed; failing the requests in flight")
+            deliveries += [(out.request_id, err) for out in engine.abort_all()]
+        self._stats = engine.stats()
+        self._deliver_all(deliveries)
+        return True
 
     def _deliver_all(self, deliveries: list[tuple[str, _Item]]) -> None:
         for request_id, item in deliveries:

@@ -113,6 +113,16 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the KV it points at was dropped, or computed with other weights).
+        Blocks in use stay in use. -> how many cached blocks were forgotten."""
+        num_forgotten = len(self._cached)
+        self._cached.clear()
+        for block in self.blocks:
+            block.prefix_hash = None
+            block.token_ids = ()
+        return num_forgotten
+
     # ----- internals -----
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks equal to `seq`'s leading full blocks. The last token is never a hit: its logits are

@@ -119,6 +119,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache (after new weights, or a KV cache that was freed); -> blocks forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     # ----- the step -----
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished)."""
