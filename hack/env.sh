@@ -3,6 +3,8 @@
 export TIDAL_CACHE="${TIDAL_CACHE:-$HOME/.cache/tidal}"
 export KUBE_VERSION="v1.36.3"
 export HELM_VERSION="v3.19.0"
-export TIDAL_BIN="$TIDAL_CACHE/bin/kube-$KUBE_VERSION-helm-$HELM_VERSION"
-export TIDAL_VENV="$TIDAL_CACHE/venv-py$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+export TIDAL_BIN="${TIDAL_BIN:-$TIDAL_CACHE/bin/kube-$KUBE_VERSION-helm-$HELM_VERSION}"
+# The venv holds an editable install of one clone at a time (the last to run `make`); set TIDAL_VENV to give another
+# clone its own.
+export TIDAL_VENV="${TIDAL_VENV:-$TIDAL_CACHE/venv-py$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
 export PATH="$TIDAL_BIN:$TIDAL_VENV/bin:$PATH"
