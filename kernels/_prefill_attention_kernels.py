@@ -1,10 +1,10 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
 """Triton kernel for causal prefill/extend attention over the paged KV cache (flash-attention style online softmax).
 
-Grid: (tile slots, query heads). The packed new tokens of B sequences are cut into BLOCK_M query tiles per sequence;
-a slot count of cdiv(T, BLOCK_M) + B always suffices, and each program finds its sequence from cu_seqlens_q on the
-device, so launching never needs the lengths on the host. Within a sequence the tiles run last-first: the last tile
-sees the longest context, and starting the heaviest work first shortens the tail of the launch.
+Grid: (tile slots, query-head groups), or its transpose. The new tokens of B sequences (packed) are cut per sequence
+into tiles of BLOCK_M / Q_HEADS tokens; cdiv(T, tokens per tile) + B slots always suffice, and each program finds its
+sequence from cu_seqlens_q on the device, so launching never needs the lengths on the host. Within a sequence the
+tiles run last-first: the last tile sees the longest context, and starting the heaviest work first shortens the tail.
 """
 
 import triton
@@ -86,24 +86,33 @@ def prefill_kernel(
     tables_stride,
     scale_log2,
     batch,
+    num_heads,
     head_dim,
     GROUP: tl.constexpr,
+    Q_HEADS: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BATCH_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     IS_FP32: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    head = tl.program_id(1)
-    num_heads = tl.num_programs(1)
+    # A tile is BLOCK_M rows = TOKENS new tokens x Q_HEADS query heads that share one KV head, so each K/V tile
+    # loaded serves Q_HEADS heads.
+    TOKENS: tl.constexpr = BLOCK_M // Q_HEADS
+    if HEADS_FIRST:
+        slot = tl.program_id(1)
+        head_block = tl.program_id(0)
+    else:
+        slot = tl.program_id(0)
+        head_block = tl.program_id(1)
 
     # Which sequence and which of its tiles this slot is: count the tiles of the sequences before it.
     seqs = tl.arange(0, BATCH_P2)
     starts = tl.load(cu_seqlens_ptr + seqs, mask=seqs < batch, other=0)
     ends = tl.load(cu_seqlens_ptr + seqs + 1, mask=seqs < batch, other=0)
-    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M  # [BATCH_P2]
+    tiles = (ends - starts + TOKENS - 1) // TOKENS  # [BATCH_P2]
     tiles_end = tl.cumsum(tiles, axis=0)
     seq = tl.sum((tiles_end <= slot).to(tl.int32), axis=0)
     if seq >= batch:
@@ -116,14 +125,16 @@ def prefill_kernel(
     tile = seq_tiles - 1 - (slot - first_tile_slot)
     seq_len = tl.load(seq_lens_ptr + seq)
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence's new tokens
+    lanes = tl.arange(0, BLOCK_M)
+    rows = tile * TOKENS + lanes // Q_HEADS  # query index within the sequence's new tokens, per row
+    heads = head_block * Q_HEADS + lanes % Q_HEADS  # [BLOCK_M]
     row_ok = rows < q_len
     positions = seq_len - q_len + rows  # [BLOCK_M]
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_ok = dims < head_dim
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(
-        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+        q_ptr + tokens[:, None] * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_P2]
@@ -132,9 +143,9 @@ def prefill_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * tables_stride
-    head_offset = (head // GROUP) * cache_stride_head + dims[None, :]
-    first_pos = seq_len - q_len + tile * BLOCK_M
-    last_visible = tl.minimum(first_pos + BLOCK_M, seq_len)  # keys past this are masked for every row
+    head_offset = (head_block * Q_HEADS // GROUP) * cache_stride_head + dims[None, :]
+    first_pos = seq_len - q_len + tile * TOKENS
+    last_visible = tl.minimum(first_pos + TOKENS, seq_len)  # keys past this are masked for every row
     # Keys every row of the tile may see need no mask; only the tiles crossing the diagonal do.
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     acc, m, denom = _attend_tile(
@@ -148,5 +159,5 @@ def prefill_kernel(
         True, BLOCK_SIZE, BLOCK_N, IS_FP32,
     )  # fmt: skip
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    out_rows = out_ptr + (tokens[:, None] * num_heads + head) * head_dim + dims[None, :]
+    out_rows = out_ptr + (tokens[:, None] * num_heads + heads[:, None]) * head_dim + dims[None, :]
     tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

@@ -14,10 +14,12 @@ from tidal.kernels._validate import check_dtype, check_ndim
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_m: int
+    block_m: int  # rows per tile: block_m / q_heads tokens x q_heads query heads
     block_n: int
     num_warps: int
     num_stages: int
+    q_heads: int = 1  # query heads of one KV group packed into a tile (they share its K/V loads)
+    heads_first: bool = False  # grid order: heads vary fastest (else tiles of one head run together)
 
 
 def default_config(head_dim: int) -> PrefillConfig:
@@ -102,7 +104,12 @@ def paged_prefill_attention_triton(
     if num_tokens == 0 or batch == 0:
         return out
     config = config or default_config(head_dim)
-    grid = (triton.cdiv(num_tokens, config.block_m) + batch, num_heads)
+    group = num_heads // k_cache.shape[2]
+    if group % config.q_heads != 0 or config.block_m % config.q_heads != 0:
+        raise ValueError(f"q_heads {config.q_heads} must divide the GQA group {group} and block_m {config.block_m}")
+    slots = triton.cdiv(num_tokens, config.block_m // config.q_heads) + batch
+    head_blocks = num_heads // config.q_heads
+    grid = (head_blocks, slots) if config.heads_first else (slots, head_blocks)
     prefill_kernel[grid](
         q,
         k_cache,
@@ -119,13 +126,16 @@ def paged_prefill_attention_triton(
         block_tables.stride(0),
         scale * LOG2E,
         batch,
+        num_heads,
         head_dim,
-        GROUP=num_heads // k_cache.shape[2],
+        GROUP=group,
+        Q_HEADS=config.q_heads,
         HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16),
         BATCH_P2=triton.next_power_of_2(batch),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        HEADS_FIRST=config.heads_first,
         IS_FP32=q.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -34,9 +34,7 @@ def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=
     )
     variants = [(None, None, 4, 3)]
     if sweep:
-        variants += [
-            (s, n, w, st) for s in (1, 2, 4, 8) for n, w, st in ((64, 4, 3), (128, 4, 2), (32, 4, 4), (64, 8, 4))
-        ]
+        variants += [(s, n, w, st) for s in (1, 2, 4) for n, w, st in ((64, 4, 3), (128, 4, 2))]
     rows = []
     for splits, block_n, warps, stages in variants:
 
@@ -73,8 +71,9 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     configs = [default_config(head_dim)]
     if sweep:
         configs += [
-            PrefillConfig(128, 64, 8, 2), PrefillConfig(128, 64, 8, 4), PrefillConfig(128, 128, 8, 2),
-            PrefillConfig(64, 64, 4, 3), PrefillConfig(64, 128, 4, 2),
+            PrefillConfig(128, 64, 8, 3, q_heads=2), PrefillConfig(128, 64, 8, 3, q_heads=4),
+            PrefillConfig(128, 64, 8, 3, heads_first=True), PrefillConfig(128, 128, 8, 2, q_heads=2),
+            PrefillConfig(64, 64, 4, 3, q_heads=2), PrefillConfig(128, 64, 8, 4, q_heads=2),
         ]  # fmt: skip
     rows = []
     for i, config in enumerate(configs):

@@ -2,7 +2,7 @@
 
 import torch
 import torch.nn.functional as F
-from common import Row, bandwidth_row, bench_ms, relative_error
+from common import Row, bandwidth_row, bench_ms, graph_ms, relative_error
 
 from tidal.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from tidal.kernels.kv_cache import store_kv_reference, store_kv_triton
@@ -24,8 +24,12 @@ def bench_rms_norm(tokens: int = 8192, hidden: int = 4096) -> list[Row]:
     rows.append(bandwidth_row("rms_norm+residual", shape, "triton", ms, nbytes, 0.8, f"rel err {err:.1e}"))
     ms = bench_ms(lambda: rms_norm_reference(x, weight, 1e-6, residual))
     rows.append(bandwidth_row("rms_norm+residual", shape, "torch reference (eager)", ms, nbytes))
+    ms = graph_ms(lambda: rms_norm_triton(x, weight, 1e-6, residual))
+    rows.append(bandwidth_row("rms_norm+residual", shape, "triton [CUDA graph]", ms, nbytes, 0.8))
     ms = bench_ms(lambda: rms_norm_triton(x, weight, 1e-6))
     rows.append(bandwidth_row("rms_norm", shape, "triton", ms, 2 * x.numel() * 2, 0.8))
+    ms = graph_ms(lambda: rms_norm_triton(x, weight, 1e-6))
+    rows.append(bandwidth_row("rms_norm", shape, "triton [CUDA graph]", ms, 2 * x.numel() * 2, 0.8))
     ms = bench_ms(lambda: F.rms_norm(x, (hidden,), weight, 1e-6))
     rows.append(bandwidth_row("rms_norm", shape, "torch F.rms_norm", ms, 2 * x.numel() * 2))
     return rows
@@ -42,6 +46,8 @@ def bench_silu_and_mul(tokens: int = 8192, inter: int = 4096) -> list[Row]:
         rows.append(
             bandwidth_row("silu_and_mul", shape, f"triton block {block}", ms, nbytes, 0.8, f"rel err {err:.1e}")
         )
+    ms = graph_ms(lambda: silu_and_mul_triton(x))
+    rows.append(bandwidth_row("silu_and_mul", shape, "triton default [CUDA graph]", ms, nbytes, 0.8))
     ms = bench_ms(lambda: F.silu(x[:, :inter]) * x[:, inter:])
     rows.append(bandwidth_row("silu_and_mul", shape, "torch F.silu * up", ms, nbytes))
     return rows

@@ -35,6 +35,27 @@ def test_prefill_matches_reference(device, lens, block_size, num_heads, num_kv_h
     assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
 
 
+@pytest.mark.parametrize("q_heads", [2, 4])
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_prefill_packed_heads_and_grid_order(device, q_heads, heads_first):
+    """Tiles holding several query heads of one KV group, and the heads-first launch order."""
+    q_lens, prefixes = [21, 1, 0, 9], [5, 0, 4, 30]
+    seq_lens = [n + p for n, p in zip(q_lens, prefixes, strict=True)]
+    kv = make_paged_kv(seq_lens, 8, 2, 64, torch.float32, device)
+    q = torch.randn(sum(q_lens), 8, 64, device=device)  # group 4
+    cu = torch.tensor([0, 21, 22, 22, 31], dtype=torch.int32, device=device)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
+    config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, q_heads=q_heads, heads_first=heads_first)
+    assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
+
+
+def test_prefill_rejects_packing_across_kv_groups():
+    kv = make_paged_kv([4], 4, 2, 16, torch.float32, "cpu")
+    args = (torch.randn(4, 4, 16), kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="q_heads"):
+        paged_prefill_attention_triton(*args, kv.seq_lens, 1.0, config=PrefillConfig(16, 16, 4, 1, q_heads=4))
+
+
 def test_prefill_without_prefix_equals_dense_causal_attention():
     kv = make_paged_kv([9], 4, 2, 16, torch.float32, "cpu")
     k = kv.k_cache[kv.block_tables[0, :3].long()].reshape(-1, 2, 16)[:9]  # [9, 2, 16]
