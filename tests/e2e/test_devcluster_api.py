@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kubernetes import watch
 from kubernetes.client.exceptions import ApiException
 
 from tidal.devcluster.testing import phase_is
@@ -172,3 +173,94 @@ def test_pod_calls_the_api_as_its_service_account_under_rbac(devcluster, namespa
     )
     denied = devcluster.kubectl("auth", "can-i", "list", "secrets", "-n", namespace, "--as", sa, check=False)
     assert denied.stdout.strip() == "no"
+
+
+KOPF_HANDLERS = """
+import kopf
+
+@kopf.on.create("configmaps", labels={"watch": "me"})
+def created(name, patch, **_):
+    patch.metadata.annotations["e2e.tidal.dev/seen-by"] = "kopf"
+"""
+
+
+def test_kopf_operator_in_a_pod_works_with_its_service_account_only(devcluster, namespace, tmp_path):
+    core, rbac = devcluster.core, devcluster.rbac
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "op"}})
+    rbac.create_namespaced_role(
+        namespace,
+        {
+            "metadata": {"name": "op"},
+            "rules": [
+                {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "patch"]},
+                {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
+            ],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "op"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "op"},
+            "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": namespace}],
+        },
+    )
+    # kopf lists namespaces and CRDs cluster-wide at startup; without that it retries for ~50 s, then degrades.
+    cluster_rbac = f"e2e-kopf-{namespace}"
+    rbac.create_cluster_role(
+        {
+            "metadata": {"name": cluster_rbac},
+            "rules": [
+                {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+                {
+                    "apiGroups": ["apiextensions.k8s.io"],
+                    "resources": ["customresourcedefinitions"],
+                    "verbs": ["list", "watch"],
+                },
+            ],
+        }
+    )
+    rbac.create_cluster_role_binding(
+        {
+            "metadata": {"name": cluster_rbac},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_rbac},
+            "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": namespace}],
+        }
+    )
+    try:
+        _run_kopf_pod(devcluster, namespace, tmp_path)
+    finally:
+        rbac.delete_cluster_role_binding(cluster_rbac)
+        rbac.delete_cluster_role(cluster_rbac)
+
+
+def _run_kopf_pod(devcluster, namespace, tmp_path):
+    core = devcluster.core
+    handlers = tmp_path / "handlers.py"
+    handlers.write_text(KOPF_HANDLERS)
+    command = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, str(handlers)]
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": "op"},
+            "spec": {
+                "serviceAccountName": "op",
+                "containers": [{"name": "main", "image": "not-used", "command": command}],
+            },
+        },
+    )
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "target", "labels": {"watch": "me"}}})
+
+    w = watch.Watch()
+    for event in w.stream(
+        core.list_namespaced_config_map,
+        namespace,
+        field_selector="metadata.name=target",
+        timeout_seconds=60,
+        deserialize=False,
+    ):
+        if event["object"]["metadata"].get("annotations", {}).get("e2e.tidal.dev/seen-by") == "kopf":
+            w.stop()
+            break
+    else:
+        pytest.fail(f"kopf never handled the ConfigMap; its log:\n{devcluster.pod_log(namespace, 'op', 'main')}")
