@@ -7,8 +7,15 @@ TIDAL_OPERATOR_METRICS_PORT       Prometheus metrics port (default 8080)
 TIDAL_OPERATOR_HEALTH_PORT        liveness endpoint /healthz (default 8081)
 TIDAL_OPERATOR_LOG_LEVEL          debug, info, warning or error (default info)
 TIDAL_OPERATOR_RESYNC_SECONDS     period of the reconcile timer (default 15)
+TIDAL_OPERATOR_BIND_ADDRESS       address the metrics and health servers listen on (default 0.0.0.0; the chart sets
+                                  the pod IP, so two operator pods on the local dev cluster do not collide)
+TIDAL_OPERATOR_POD_NAME           this process's name in the leader-election Lease and on Events (the pod name)
+TIDAL_OPERATOR_LEASE_NAME         the coordination.k8s.io Lease in the operator's namespace; one holder reconciles
+TIDAL_OPERATOR_LEASE_SECONDS      how long a leader that stopped renewing keeps the Lease (default 15)
 """
 
+import os
+import socket
 from collections.abc import Mapping
 from typing import Literal
 
@@ -37,6 +44,10 @@ class OperatorConfig(BaseModel):
     health_port: int = Field(8081, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     resync_seconds: float = Field(15.0, gt=0, le=3600)
+    bind_address: str = Field("0.0.0.0", min_length=1)
+    pod_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}", min_length=1)
+    lease_name: str = Field("tidal-operator", min_length=1, max_length=253)
+    lease_seconds: float = Field(15.0, ge=2, le=600)
 
     @field_validator("pod_labels", mode="before")
     @classmethod

@@ -3,6 +3,7 @@ options). They are derived from the spec, so `spec.worker.env` may not set them.
 
 MODEL = "TIDAL_MODEL"  # also passed as --model
 PORT = "TIDAL_PORT"  # also passed as --port
+HOST = "TIDAL_HOST"  # the pod IP: both APIs listen there (on the local dev cluster pods share the host's ports)
 SERVED_MODEL_NAME = "TIDAL_SERVED_MODEL_NAME"
 DTYPE = "TIDAL_DTYPE"
 MAX_MODEL_LEN = "TIDAL_MAX_MODEL_LEN"
@@ -19,6 +20,7 @@ GROUP_SERVICE = "TIDAL_GROUP_SERVICE"
 RESERVED_ENV_NAMES: tuple[str, ...] = (
     MODEL,
     PORT,
+    HOST,
     SERVED_MODEL_NAME,
     DTYPE,
     MAX_MODEL_LEN,

@@ -47,6 +47,7 @@ def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str,
     out = [
         _value(env.MODEL, model_dir(spec)),
         _value(env.PORT, spec.serving.port),
+        {"name": env.HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _value(env.SERVED_MODEL_NAME, spec.model.served_name or name),
         _value(env.DTYPE, spec.model.dtype),
         _value(env.CONTROL_PORT, spec.serving.control_port),
@@ -63,7 +64,7 @@ def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str,
         _value(env.GROUP_SERVICE, names.group_service_name(name)),
     ]
     if spec.model.max_model_len is not None:
-        out.insert(4, _value(env.MAX_MODEL_LEN, spec.model.max_model_len))
+        out.insert(5, _value(env.MAX_MODEL_LEN, spec.model.max_model_len))
     return out + [{"name": e.name, "value": e.value} for e in spec.worker.env]
 
 

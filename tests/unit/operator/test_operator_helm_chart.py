@@ -71,6 +71,7 @@ def test_rbac_is_least_privilege():
         "secrets",
         "networkpolicies",
         "events",
+        "leases",
     }
     assert granted["secrets"] == {"get", "create"}
     assert granted["customresourcedefinitions"] == {"get", "list", "watch"}
@@ -80,8 +81,11 @@ def test_rbac_is_least_privilege():
 
 def test_watch_namespaces_uses_roles_only():
     docs = _template("--set", "watchNamespaces={ml,research}")
-    assert sorted(r["metadata"]["namespace"] for r in _by_kind(docs, "Role")) == ["ml", "research"]
+    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
     assert [r["metadata"]["name"] for r in _by_kind(docs, "ClusterRole")] == ["tidal-operator-crd-reader"]
+    # Besides the watched namespaces, only the leader-election Role in the release's own namespace.
+    assert [r["metadata"]["name"] for r in _by_kind(docs, "Role")].count("tidal-operator-leader-election") == 1
 
 
 def test_deployment_runs_the_operator_with_a_valid_config():
@@ -90,12 +94,17 @@ def test_deployment_runs_the_operator_with_a_valid_config():
     pod = deploy["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert container["command"] == ["python", "-m", "tidal.operator"]
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    env["TIDAL_OPERATOR_NAMESPACE"] = "tidal-system"  # from the downward API at run time
+    # Variables from the downward API (namespace, pod name, pod IP) are filled in at run time.
+    from_pod = {e["name"] for e in container["env"] if "valueFrom" in e}
+    assert {"TIDAL_OPERATOR_NAMESPACE", "TIDAL_OPERATOR_POD_NAME", "TIDAL_OPERATOR_BIND_ADDRESS"} <= from_pod
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env["TIDAL_OPERATOR_NAMESPACE"] = "tidal-system"
     config = OperatorConfig.from_env(env)
     # Worker NetworkPolicies admit pods with these labels: they must be the operator pod's own.
     assert config.pod_labels.items() <= pod["metadata"]["labels"].items()
-    assert deploy["spec"]["strategy"]["type"] == "Recreate" and deploy["spec"]["replicas"] == 1
+    # Leader election (a Lease) keeps replicas from fighting, so rolling updates and several replicas are safe.
+    assert deploy["spec"]["strategy"]["type"] == "RollingUpdate" and deploy["spec"]["replicas"] == 1
+    assert config.lease_name == "tidal-operator"
     (service,) = _by_kind(docs, "Service")
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()

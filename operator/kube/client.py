@@ -1,0 +1,132 @@
+"""The operator's calls to the Kubernetes API: read a model and its children, create/patch/delete them, post Events.
+
+The official client is synchronous; each call runs in a worker thread (`asyncio.to_thread`) so one slow call does
+not hold kopf's event loop. Reads use `_preload_content=False` and return the API's own JSON (camelCase dicts), the
+shape the planner's observers and the builders' manifests use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tidal.operator.api import constants as c
+
+MERGE_PATCH = "application/merge-patch+json"
+EVENT_SOURCE = "tidal-operator"
+
+
+def _json(resp: Any) -> dict[str, Any]:
+    return json.loads(resp.data)
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient, reporting_instance: str) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self._instance = reporting_instance
+
+    # -- reads -------------------------------------------------------------------------------------------------
+    async def get_model(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return await _maybe(
+            self.custom.get_namespaced_custom_object, c.GROUP, c.VERSION, namespace, c.PLURAL, name,
+            _preload_content=False,
+        )  # fmt: skip
+
+    async def list_model_pods(self, namespace: str, model: str) -> list[dict[str, Any]]:
+        resp = await asyncio.to_thread(
+            self.core.list_namespaced_pod, namespace, label_selector=f"{c.LABEL_MODEL}={model}", _preload_content=False
+        )
+        return _json(resp)["items"]
+
+    async def get_child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        read = {
+            "Service": self.core.read_namespaced_service,
+            "Secret": self.core.read_namespaced_secret,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
+        }[kind]
+        return await _maybe(read, name, namespace, _preload_content=False)
+
+    # -- writes ------------------------------------------------------------------------------------------------
+    async def create(self, manifest: dict[str, Any]) -> bool:
+        """Create a child; False if it already exists (another pass or a restarted operator got there first)."""
+        create = {
+            "Pod": self.core.create_namespaced_pod,
+            "Service": self.core.create_namespaced_service,
+            "Secret": self.core.create_namespaced_secret,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
+        }[manifest["kind"]]
+        try:
+            await asyncio.to_thread(create, manifest["metadata"]["namespace"], manifest, _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def patch(self, manifest: dict[str, Any]) -> None:
+        patch = {
+            "Service": self.core.patch_namespaced_service,
+            "NetworkPolicy": self.networking.patch_namespaced_network_policy,
+        }[manifest["kind"]]
+        meta = manifest["metadata"]
+        await asyncio.to_thread(
+            patch, meta["name"], meta["namespace"], manifest, _content_type=MERGE_PATCH, _preload_content=False
+        )
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace, _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        await asyncio.to_thread(
+            self.custom.patch_namespaced_custom_object_status,
+            c.GROUP, c.VERSION, namespace, c.PLURAL, name, {"status": status},
+            _content_type=MERGE_PATCH, _preload_content=False,
+        )  # fmt: skip
+
+    async def post_event(self, model: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the model (what `kubectl describe` lists)."""
+        meta = model["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": c.API_VERSION,
+                "kind": c.KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid", ""),
+                "resourceVersion": meta.get("resourceVersion", ""),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": EVENT_SOURCE},
+            "reportingComponent": EVENT_SOURCE,
+            "reportingInstance": self._instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        await asyncio.to_thread(self.core.create_namespaced_event, meta["namespace"], event, _preload_content=False)
+
+
+async def _maybe(fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    try:
+        return _json(await asyncio.to_thread(fn, *args, **kwargs))
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise

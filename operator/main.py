@@ -1,0 +1,50 @@
+"""kopf handlers, and nothing else: every handler hands its model to the one level-based reconcile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from tidal.operator.api import constants as c
+from tidal.operator.runtime.app import OperatorApp
+
+KOPF_PREFIX = "kopf.tidal.dev"
+
+
+def register(registry: kopf.OperatorRegistry, app: OperatorApp) -> None:
+    """Register the operator's handlers in `registry` (passed to kopf.run; nothing global is touched)."""
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # The status belongs to Tidal alone: kopf keeps its bookkeeping in annotations, and posts no Events of its
+        # own (ours name the transitions). Leadership comes from our Lease, so kopf runs standalone.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+        settings.posting.enabled = False
+        settings.peering.standalone = True
+        settings.watching.server_timeout = 300
+        await app.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await app.stop()
+
+    @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
+    @kopf.on.create(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
+    @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
+    async def model_changed(namespace: str, name: str, **_: Any) -> None:
+        await app.queue.request((namespace, name))
+
+    @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
+    async def model_event(type: str | None, namespace: str, name: str, **_: Any) -> None:
+        if type == "DELETED":
+            app.forget((namespace, name))
+
+    @kopf.on.event("", "v1", "pods", labels={c.LABEL_MODEL: kopf.PRESENT}, registry=registry)
+    async def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+        await app.queue.request((namespace, labels[c.LABEL_MODEL]))

@@ -1,0 +1,55 @@
+"""The operator's Prometheus metrics, on their own registry (no process-global collectors)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from tidal.operator.api.status import Phase
+
+PHASES: tuple[Phase, ...] = ("Pending", "Loading", "Ready", "Updating", "Sleeping", "Degraded", "Stopped")
+_SLOW_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.reconciles = Counter(
+            "tidal_operator_reconciles", "Reconcile passes by result (ok, acted, error, gone).", ["result"],
+            registry=registry,
+        )  # fmt: skip
+        self.reconcile_seconds = Histogram(
+            "tidal_operator_reconcile_duration_seconds", "Wall time of one reconcile pass, worker calls included.",
+            buckets=_SLOW_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.models = Gauge("tidal_operator_models", "InferenceModels by status phase.", ["phase"], registry=registry)
+        self.transition_seconds = Histogram(
+            "tidal_operator_sleep_wake_duration_seconds",
+            "Time for every rank of a model to answer one sleep or wake (the calls run in parallel).",
+            ["transition"], buckets=_SLOW_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.roll_seconds = Histogram(
+            "tidal_operator_weight_roll_duration_seconds",
+            "From the first weight update of a version to every rank serving it with one checksum.",
+            buckets=_SLOW_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.worker_call_errors = Counter(
+            "tidal_operator_worker_call_errors", "Failed control-API calls by call.", ["call"], registry=registry
+        )
+        self.is_leader = Gauge(
+            "tidal_operator_leader", "1 while this process holds the leader Lease.", registry=registry
+        )
+        self._phases: dict[tuple[str, str], Phase] = {}
+        for phase in PHASES:
+            self.models.labels(phase).set(0)
+
+    def set_phase(self, key: tuple[str, str], phase: Phase | None) -> None:
+        """Record a model's phase (None: the model is gone) and refresh the per-phase counts."""
+        if phase is None:
+            self._phases.pop(key, None)
+        else:
+            self._phases[key] = phase
+        for p in PHASES:
+            self.models.labels(p).set(sum(1 for v in self._phases.values() if v == p))
+
+    def serve(self, address: str, port: int) -> None:
+        start_http_server(port, addr=address, registry=self.registry)

@@ -1,0 +1,84 @@
+"""Read one model's world from the Kubernetes API: the object, its pods, its other children and the control token."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import SecretStr
+
+from tidal.operator.api.resource import InferenceModel
+from tidal.operator.builders import names
+from tidal.operator.kube.client import KubeApi
+from tidal.operator.planner.observed import ObservedChildren, ObservedPod, observe_child, observe_pod
+from tidal.operator.runtime.workers import Target
+
+
+@dataclass(frozen=True)
+class KubeObservation:
+    body: dict[str, Any]
+    model: InferenceModel
+    pods: list[ObservedPod]
+    targets: dict[str, Target]  # running pods whose control API is worth calling
+    children: ObservedChildren
+    token: SecretStr | None
+
+
+def child_names(name: str) -> list[tuple[str, str]]:
+    return [
+        ("Secret", names.token_secret_name(name)),
+        ("Service", names.group_service_name(name)),
+        ("Service", names.serving_service_name(name)),
+        ("NetworkPolicy", names.network_policy_name(name)),
+    ]
+
+
+def read_token(secret: dict[str, Any] | None) -> SecretStr | None:
+    if secret is None:
+        return None
+    raw = (secret.get("data") or {}).get(names.TOKEN_SECRET_KEY)
+    if not raw:
+        return None
+    try:
+        return SecretStr(base64.b64decode(raw).decode())
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def owned_by(pod: dict[str, Any], uid: str) -> bool:
+    """Pods of an earlier model with the same name (still being garbage-collected) are not this model's."""
+    refs = pod.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+
+
+def targets_of(pods: list[dict[str, Any]]) -> dict[str, Target]:
+    out = {}
+    for pod in pods:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if status.get("phase") == "Running" and status.get("podIP") and meta.get("deletionTimestamp") is None:
+            out[meta["name"]] = Target(address=status["podIP"], uid=meta["uid"])
+    return out
+
+
+async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceModel) -> KubeObservation:
+    namespace, name = model.metadata.namespace, model.metadata.name
+    wanted = child_names(name)
+    raw_pods, *children = await asyncio.gather(
+        kube.list_model_pods(namespace, name), *(kube.get_child(kind, namespace, n) for kind, n in wanted)
+    )
+    mine = [p for p in raw_pods if owned_by(p, model.metadata.uid)]
+    pods = [obs for obs in (observe_pod(p) for p in mine) if obs is not None]
+    existing = dict(
+        observe_child({**child, "kind": kind}) for (kind, _), child in zip(wanted, children, strict=True) if child
+    )
+    return KubeObservation(
+        body=body,
+        model=model,
+        pods=pods,
+        targets={k: v for k, v in targets_of(mine).items() if any(p.name == k for p in pods)},
+        children=ObservedChildren(existing=existing),
+        token=read_token(children[0]),
+    )

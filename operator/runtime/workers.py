@@ -1,0 +1,148 @@
+"""The operator's side of every rank's control API: read states for a pass, carry out sleep/wake/weight actions.
+
+It remembers two things between passes, both only as hints the planner can do without: checksums per (pod UID,
+weights version), because hashing a large checkpoint on every pass would be wasteful and the digest of one version in
+one process cannot change; and failed weight updates, which the worker does not report in `/state` (the planner
+copies them into status.weightsRollout, which is what survives an operator restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from pydantic import SecretStr
+
+from tidal.operator.metrics import OperatorMetrics
+from tidal.operator.planner.actions import SleepRank, UpdateWeights, WakeRank
+from tidal.operator.planner.observed import RankObservation, UpdateFailure
+from tidal.operator.workerclient import WorkerCallError, WorkerClient
+
+log = logging.getLogger("tidal.operator.workers")
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one rank's control API is, and which process it is (the pod UID changes when the pod is replaced)."""
+
+    address: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class CallFailure:
+    pod: str
+    call: str
+    message: str
+
+
+class WorkerFleet:
+    def __init__(self, http: httpx.AsyncClient, metrics: OperatorMetrics) -> None:
+        self._http = http
+        self._metrics = metrics
+        self._checksums: dict[Key, dict[tuple[str, str], str]] = {}
+        self._failures: dict[Key, dict[str, UpdateFailure]] = {}
+
+    def _client(self, target: Target, port: int, token: SecretStr) -> WorkerClient:
+        return WorkerClient(self._http, target.address, port, token)
+
+    async def observe(
+        self, key: Key, targets: dict[str, Target], port: int, token: SecretStr | None
+    ) -> dict[str, RankObservation]:
+        """`GET /state` (and the checksum when not known yet) of every reachable rank, in parallel."""
+        failures = self._failures.get(key, {})
+        # Keep only the checksums of pods that still exist, so the cache stays as small as the model.
+        uids = {t.uid for t in targets.values()}
+        checksums = {k: v for k, v in self._checksums.get(key, {}).items() if k[0] in uids}
+        self._checksums[key] = checksums
+        if token is None:
+            return {pod: RankObservation(update_failure=failures.get(pod)) for pod in targets}
+
+        async def one(pod: str, target: Target) -> tuple[str, RankObservation]:
+            client = self._client(target, port, token)
+            try:
+                state = await client.state()
+            except WorkerCallError as exc:
+                log.debug("%s/%s: state of %s: %s", *key, pod, exc)
+                return pod, RankObservation(update_failure=failures.get(pod))
+            checksum = None
+            if state.model_loaded and state.weights_version is not None:
+                cache_key = (target.uid, state.weights_version)
+                checksum = checksums.get(cache_key)
+                if checksum is None:
+                    try:
+                        checksum = (await client.checksum()).overall
+                        checksums[cache_key] = checksum
+                    except WorkerCallError as exc:
+                        self._metrics.worker_call_errors.labels("checksum").inc()
+                        log.warning("%s/%s: checksum of %s: %s", *key, pod, exc)
+            return pod, RankObservation(state=state, checksum=checksum, update_failure=failures.get(pod))
+
+        pairs = await asyncio.gather(*(one(pod, target) for pod, target in targets.items()))
+        return dict(pairs)
+
+    async def transition(
+        self, key: Key, actions: list[SleepRank | WakeRank], targets: dict[str, Target], port: int, token: SecretStr
+    ) -> list[CallFailure]:
+        """Sleep or wake every rank named, all at once; returns the calls that failed."""
+        if not actions:
+            return []
+        started = time.monotonic()
+
+        async def one(action: SleepRank | WakeRank) -> CallFailure | None:
+            target = targets.get(action.pod)
+            call = "sleep" if isinstance(action, SleepRank) else "wake_up"
+            if target is None:
+                return CallFailure(action.pod, call, "the pod has no address")
+            client = self._client(target, port, token)
+            try:
+                if isinstance(action, SleepRank):
+                    await client.sleep(action.level)
+                else:
+                    await client.wake_up()
+            except WorkerCallError as exc:
+                self._metrics.worker_call_errors.labels(call).inc()
+                return CallFailure(action.pod, call, exc.message)
+            return None
+
+        results = await asyncio.gather(*(one(a) for a in actions))
+        kind = "sleep" if isinstance(actions[0], SleepRank) else "wake"
+        self._metrics.transition_seconds.labels(kind).observe(time.monotonic() - started)
+        return [r for r in results if r is not None]
+
+    async def update_weights(
+        self, key: Key, actions: list[UpdateWeights], targets: dict[str, Target], port: int, token: SecretStr
+    ) -> list[CallFailure]:
+        """Every rank named gets its update concurrently; the pass waits for all of them."""
+
+        async def one(action: UpdateWeights) -> CallFailure | None:
+            target = targets.get(action.pod)
+            if target is None:
+                return CallFailure(action.pod, "weights/update", "the pod has no address")
+            try:
+                result = await self._client(target, port, token).update_weights(action.source, action.version)
+            except WorkerCallError as exc:
+                self._metrics.worker_call_errors.labels("weights_update").inc()
+                # unreachable: the rank may have died mid-call; its replacement starts on the new weights, so this
+                # is not a failure of the checkpoint and must not stop the roll.
+                if exc.code != "unreachable":
+                    message = f"{exc.code}: {exc.message}"
+                    self._failures.setdefault(key, {})[action.pod] = UpdateFailure(
+                        version=action.version, message=message
+                    )
+                return CallFailure(action.pod, "weights/update", exc.message)
+            self._checksums.setdefault(key, {})[(target.uid, result.version)] = result.checksum
+            self._failures.get(key, {}).pop(action.pod, None)
+            return None
+
+        results = await asyncio.gather(*(one(a) for a in actions))
+        return [r for r in results if r is not None]
+
+    def forget(self, key: Key) -> None:
+        self._failures.pop(key, None)
+        self._checksums.pop(key, None)

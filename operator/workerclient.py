@@ -1,0 +1,92 @@
+"""Async client of one worker's control API, built on the shared contract in tidal.worker.control.schema.
+
+Every answer is parsed with the schema's models, so a drift between the worker and the operator is an error here,
+not a silently missing field. A non-2xx answer becomes a `WorkerCallError` carrying the worker's `ControlError`.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, SecretStr, ValidationError
+
+from tidal.worker.control.schema import (
+    TOKEN_HEADER,
+    ControlError,
+    SleepLevel,
+    SleepRequest,
+    TransitionResult,
+    WakeUpRequest,
+    WeightsChecksum,
+    WeightsUpdateRequest,
+    WeightsUpdateResult,
+    WorkerState,
+)
+
+_T = TypeVar("_T", bound=BaseModel)
+
+# Reading state must be quick: a pass waits for every rank, and a frozen worker must not stall the others.
+STATE_TIMEOUT_S = 3.0
+# Sleep, wake and weight updates move whole checkpoints; the worker bounds its own drain time.
+TRANSITION_TIMEOUT_S = 600.0
+
+
+class WorkerCallError(Exception):
+    """The worker answered with an error, or could not be reached (code `unreachable`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class WorkerClient:
+    """One rank's control API at `http://address:port`. Share one `httpx.AsyncClient` between ranks."""
+
+    def __init__(self, http: httpx.AsyncClient, address: str, port: int, token: SecretStr) -> None:
+        self._http = http
+        self._base = f"http://{address}:{port}"
+        self._token = token
+
+    def _headers(self) -> dict[str, str]:
+        return {TOKEN_HEADER: f"Bearer {self._token.get_secret_value()}"}
+
+    async def _call(
+        self, method: str, path: str, out: type[_T], body: BaseModel | None = None, timeout: float = STATE_TIMEOUT_S
+    ) -> _T:
+        payload = body.model_dump(mode="json") if body is not None else None
+        try:
+            resp = await self._http.request(
+                method, self._base + path, json=payload, headers=self._headers(), timeout=timeout
+            )
+        except httpx.HTTPError as exc:
+            raise WorkerCallError("unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+        if resp.status_code >= 400:
+            try:
+                err = ControlError.model_validate_json(resp.content)
+            except ValidationError:
+                err = ControlError(code=f"http_{resp.status_code}", message=resp.text[:2000])
+            raise WorkerCallError(err.code, err.message)
+        try:
+            return out.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise WorkerCallError("bad_response", f"{method} {path}: {exc}") from None
+
+    async def state(self) -> WorkerState:
+        return await self._call("GET", "/state", WorkerState)
+
+    async def checksum(self) -> WeightsChecksum:
+        return await self._call("GET", "/weights/checksum", WeightsChecksum, timeout=60.0)
+
+    async def sleep(self, level: SleepLevel) -> TransitionResult:
+        return await self._call(
+            "POST", "/sleep", TransitionResult, SleepRequest(level=level), timeout=TRANSITION_TIMEOUT_S
+        )
+
+    async def wake_up(self) -> TransitionResult:
+        return await self._call("POST", "/wake_up", TransitionResult, WakeUpRequest(), timeout=TRANSITION_TIMEOUT_S)
+
+    async def update_weights(self, source: str, version: str) -> WeightsUpdateResult:
+        request = WeightsUpdateRequest(source=source, version=version)
+        return await self._call("POST", "/weights/update", WeightsUpdateResult, request, timeout=TRANSITION_TIMEOUT_S)
