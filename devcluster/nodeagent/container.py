@@ -76,6 +76,11 @@ class ContainerSlot:
     def has_run(self) -> bool:
         return self.process is not None or "terminated" in self.record.state or bool(self.record.last_state)
 
+    @property
+    def succeeded(self) -> bool:
+        """Ran to completion with exit code 0 and will not run again (what an init container must do)."""
+        return self.next_start == NEVER and self.record.state.get("terminated", {}).get("exitCode") == 0
+
     def wants_start(self, now: float) -> bool:
         return self.process is None and now >= self.next_start and now >= self.retry_at
 

@@ -50,6 +50,15 @@ class ContainerRecord:
         return status
 
 
+def carry_over(record: ContainerRecord, previous: dict, pod_start_time: str) -> None:
+    """Take over a container's status from an earlier node agent: its restart count, and if it was running,
+    the fact that that run has ended (its process went with the old agent)."""
+    record.restart_count = int(previous.get("restartCount", 0))
+    if previous.get("state", {}).get("running"):
+        started = previous["state"]["running"].get("startedAt", pod_start_time)
+        record.last_state = terminated_state(137, started, now_iso(), "the node agent restarted")
+
+
 def should_restart(restart_policy: str, exit_code: int) -> bool:
     if restart_policy == "Always":
         return True
@@ -114,7 +123,12 @@ def _condition(ctype: str, ok: bool, previous: dict[str, dict], now: str, reason
 
 
 def pod_conditions(
-    records: list[ContainerRecord], phase: str, readiness_gates: list[str], previous: list[dict], now: str
+    records: list[ContainerRecord],
+    phase: str,
+    readiness_gates: list[str],
+    previous: list[dict],
+    now: str,
+    initialized: bool = True,
 ) -> list[dict]:
     prev = {c["type"]: c for c in previous}
     terminal = phase in TERMINAL_PHASES
@@ -126,7 +140,9 @@ def pod_conditions(
     ready_message = message if not containers_ready else "the status of pod readiness gate(s) is not True"
     return [
         _condition("PodReadyToStartContainers", not terminal, prev, now),
-        _condition("Initialized", True, prev, now),
+        _condition(
+            "Initialized", initialized, prev, now, "ContainersNotInitialized", "init containers have not finished"
+        ),
         _condition("ContainersReady", containers_ready, prev, now, reason, message),
         _condition(
             "Ready",

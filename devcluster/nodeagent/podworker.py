@@ -25,11 +25,12 @@ from tidal.devcluster.nodeagent.layout import PodDirs
 from tidal.devcluster.nodeagent.lifecycle import (
     TERMINAL_PHASES,
     ContainerRecord,
+    carry_over,
     now_iso,
-    pod_conditions,
-    pod_phase,
+    terminated_state,
 )
 from tidal.devcluster.nodeagent.node import HOST_IP
+from tidal.devcluster.nodeagent.podstatus import PodView, compose_status, same_status
 from tidal.devcluster.nodeagent.runtime import kill_orphan
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class PodWorker(threading.Thread):
         self._lock = threading.Lock()
         self.done = threading.Event()
         self.dirs = PodDirs.of(ctx.cfg.state_dir, meta["namespace"], meta["name"], self.uid)
+        self._init_slots: list[ContainerSlot] = []
         self._slots: list[ContainerSlot] = []
         self._pod_ip = ""
         self._gpu_ids: list[int] = []
@@ -120,37 +122,46 @@ class PodWorker(threading.Thread):
         if self.dirs.applied_faults.exists():
             self._applied_faults = set(self.dirs.applied_faults.read_text().split())
         pod = self._pod
-        previous = {s["name"]: s for s in pod.get("status", {}).get("containerStatuses", [])}
+        status = pod.get("status", {})
+        policy = pod["spec"].get("restartPolicy", "Always")
+        # Init containers run to completion one after another; a failed one is retried unless the pod says Never.
+        init_policy = "Never" if policy == "Never" else "OnFailure"
+        previous_init = {s["name"]: s for s in status.get("initContainerStatuses", [])}
+        for container in pod["spec"].get("initContainers", []):
+            self._init_slots.append(self._make_slot(pod, container, init_policy, previous_init.get(container["name"])))
+        already_initialized = any(
+            c["type"] == "Initialized" and c["status"] == "True" for c in status.get("conditions", [])
+        )
+        if already_initialized:  # an earlier agent finished them; do not run them again
+            for slot in self._init_slots:
+                slot.record.state = terminated_state(0, self._start_time, self._start_time)
+                slot.record.ready, slot.next_start = True, NEVER
+        previous = {s["name"]: s for s in status.get("containerStatuses", [])}
         for container in pod["spec"]["containers"]:
-            record = ContainerRecord(container["name"], container.get("image", ""))
-            if container["name"] in previous:  # the agent restarted: carry the count over
-                record.restart_count = int(previous[container["name"]].get("restartCount", 0))
-            self._slots.append(
-                ContainerSlot(
-                    spec=container,
-                    record=record,
-                    log_path=self.dirs.log(container["name"]),
-                    previous_log_path=self.dirs.previous_log(container["name"]),
-                    pidfile=self.dirs.pidfile(container["name"]),
-                    pod_ip="",
-                    restart_policy=pod["spec"].get("restartPolicy", "Always"),
-                    kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
-                    on_exit=self._poke,
-                    backoff=(self.ctx.cfg.backoff_initial_s, self.ctx.cfg.backoff_max_s, self.ctx.cfg.backoff_reset_s),
-                    on_event=self._event,
-                )
-            )
-            if container["name"] in previous and previous[container["name"]].get("state", {}).get("running"):
-                # It ran under an earlier agent whose process is gone now: that run ended.
-                self._slots[-1].record.last_state = {
-                    "terminated": {
-                        "exitCode": 137,
-                        "reason": "Error",
-                        "message": "the node agent restarted",
-                        "startedAt": self._start_time,
-                        "finishedAt": now_iso(),
-                    }
-                }
+            slot = self._make_slot(pod, container, policy, previous.get(container["name"]))
+            if self._init_slots and not already_initialized:
+                slot.record.state = {"waiting": {"reason": "PodInitializing"}}
+            self._slots.append(slot)
+
+    def _make_slot(self, pod: dict, container: dict, restart_policy: str, previous: dict | None) -> ContainerSlot:
+        record = ContainerRecord(container["name"], container.get("image", ""))
+        cfg = self.ctx.cfg
+        slot = ContainerSlot(
+            spec=container,
+            record=record,
+            log_path=self.dirs.log(container["name"]),
+            previous_log_path=self.dirs.previous_log(container["name"]),
+            pidfile=self.dirs.pidfile(container["name"]),
+            pod_ip="",
+            restart_policy=restart_policy,
+            kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
+            on_exit=self._poke,
+            backoff=(cfg.backoff_initial_s, cfg.backoff_max_s, cfg.backoff_reset_s),
+            on_event=self._event,
+        )
+        if previous is not None:  # the agent restarted
+            carry_over(record, previous, self._start_time)
+        return slot
 
     def _reconcile(self, now: float) -> float:
         with self._lock:
@@ -168,19 +179,40 @@ class PodWorker(threading.Thread):
         if self._identity.path.exists():
             self._identity.ensure(pod, now)  # refreshes the token at 80% of its life, else a no-op
         self._apply_fault(pod)
-        for slot in self._slots:
+        initialized = self._step_init(pod, now)
+        if initialized:
+            for slot in self._slots:
+                slot.step(now)
+                if slot.wants_start(now) and not self._stopping:
+                    self._start(slot, pod, now)
+        self._report(pod, initialized)
+        slots = self._slots if initialized else self._init_slots
+        return min([slot.next_wake() for slot in slots] + [self._identity.refresh_at or NEVER])
+
+    def _step_init(self, pod: dict, now: float) -> bool:
+        """Advance the init containers in order; True once every one has exited 0."""
+        for slot in self._init_slots:
+            if slot.succeeded:
+                continue
             slot.step(now)
+            if slot.succeeded:
+                slot.record.ready = True  # the kubelet reports a completed init container as ready
+                continue
             if slot.wants_start(now) and not self._stopping:
                 self._start(slot, pod, now)
-        self._report(pod)
-        return min([slot.next_wake() for slot in self._slots] + [self._identity.refresh_at or NEVER])
+            return False
+        return True
+
+    @property
+    def _all_slots(self) -> list[ContainerSlot]:
+        return self._init_slots + self._slots
 
     def _assign_resources(self, pod: dict) -> None:
         if pod["spec"].get("hostNetwork"):
             self._pod_ip = HOST_IP  # the node's own address, as for host-network pods on any node
         else:
             self._pod_ip = self.ctx.addresses.assign(self.uid, pod.get("status", {}).get("podIP"))
-        for slot in self._slots:
+        for slot in self._all_slots:
             slot.pod_ip = self._pod_ip
         self._gpu_ids = self.ctx.gpus.assign(self.uid, gpu_request(pod))
 
@@ -215,32 +247,27 @@ class PodWorker(threading.Thread):
         except ValueError as exc:
             log.warning("%s: ignoring fault annotation: %s", self.key, exc)
             return
-        for slot in self._slots:
+        for slot in self._all_slots:
             if slot.process is not None:
                 log.info("%s: injecting fault %s into %s", self.key, value, slot.name)
                 slot.process.signal(sig)
 
-    def _report(self, pod: dict) -> None:
-        records = [slot.record for slot in self._slots]
-        phase = pod_phase(records, pod["spec"].get("restartPolicy", "Always"))
-        gates = [g["conditionType"] for g in pod["spec"].get("readinessGates", [])]
-        previous = pod.get("status", {}).get("conditions", [])
-        status = {
-            "phase": phase,
-            "conditions": pod_conditions(records, phase, gates, previous, now_iso()),
-            "hostIP": HOST_IP,
-            "hostIPs": [{"ip": HOST_IP}],
-            "podIP": self._pod_ip,
-            "podIPs": [{"ip": self._pod_ip}],
-            "startTime": self._start_time,
-            "containerStatuses": [r.to_status() for r in records],
-        }
-        if self._same_as_last(status):
+    def _report(self, pod: dict, initialized: bool) -> None:
+        view = PodView(
+            init_records=[slot.record for slot in self._init_slots],
+            records=[slot.record for slot in self._slots],
+            initialized=initialized,
+            init_failed=any(slot.next_start == NEVER and not slot.succeeded for slot in self._init_slots),
+            pod_ip=self._pod_ip,
+            start_time=self._start_time,
+        )
+        status = compose_status(pod, view)
+        if same_status(status, self._last_status):
             return
         self.ctx.api.patch_pod_status(pod["metadata"]["namespace"], pod["metadata"]["name"], status)
         self._last_status = status
-        if phase in TERMINAL_PHASES:
-            log.info("%s: %s", self.key, phase)
+        if status["phase"] in TERMINAL_PHASES:
+            log.info("%s: %s", self.key, status["phase"])
             self._terminal = True
             self._release()
 
@@ -252,22 +279,9 @@ class PodWorker(threading.Thread):
         self._terminal = True
         self._release()
 
-    def _same_as_last(self, status: dict) -> bool:
-        if self._last_status is None:
-            return False
-
-        def strip(s: dict) -> list:
-            # Transition times come from the previous pod object, which may lag our own last patch.
-            return [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s["conditions"]]
-
-        same_rest = {k: v for k, v in status.items() if k != "conditions"} == {
-            k: v for k, v in self._last_status.items() if k != "conditions"
-        }
-        return same_rest and strip(status) == strip(self._last_status)
-
     # -- stopping ----------------------------------------------------------------------------------------------
     def _terminate(self, pod: dict, now: float, delete_from_api: bool) -> float:
-        running = [s for s in self._slots if s.process is not None and not s.process.exited]
+        running = [s for s in self._all_slots if s.process is not None and not s.process.exited]
         if self._kill_at is None:
             grace = pod["metadata"].get("deletionGracePeriodSeconds")
             if grace is None:
@@ -275,7 +289,7 @@ class PodWorker(threading.Thread):
             if not delete_from_api:
                 grace = min(float(grace), 5.0)
             self._kill_at = now + float(grace)
-            for slot in self._slots:
+            for slot in self._all_slots:
                 slot.next_start = NEVER
             for slot in running:
                 if delete_from_api:
@@ -300,14 +314,14 @@ class PodWorker(threading.Thread):
         self.ctx.gpus.release(self.uid)
 
     def _kill_everything(self) -> None:
-        for slot in self._slots:
+        for slot in self._all_slots:
             if slot.process is not None:
                 slot.process.signal(signal.SIGKILL)
 
     def stop_for_shutdown(self, grace_s: float) -> None:
         """The agent is exiting: stop this pod's processes (SIGTERM, SIGKILL after grace_s) without API calls."""
         self._stopping = True
-        procs = [s.process for s in self._slots if s.process is not None and not s.process.exited]
+        procs = [s.process for s in self._all_slots if s.process is not None and not s.process.exited]
         for proc in procs:
             proc.terminate()
         deadline = time.monotonic() + grace_s

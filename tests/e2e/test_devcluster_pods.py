@@ -226,3 +226,27 @@ def test_gpu_pods_get_distinct_devices_and_others_none(devcluster, namespace):
     # The node agent inherited this process's environment; its CUDA_VISIBLE_DEVICES (if any) maps the indices.
     agent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     assert {seen["gpu-a"], seen["gpu-b"]} == {repr(visible_devices([i], agent_visible)) for i in (0, 1)}
+
+
+def test_init_containers_run_in_order_before_the_main_container(devcluster, namespace):
+    # Containers of one pod share its scratch working directory, so the init container can hand over a file.
+    ok = pod_manifest("init-ok", ["cat", "handoff"], restart_policy="Never")
+    ok["spec"]["initContainers"] = [
+        {"name": "first", "image": "not-used", "command": ["sh", "-c", "echo one > handoff"]},
+        {"name": "second", "image": "not-used", "command": ["sh", "-c", "echo two >> handoff"]},
+    ]
+    bad = pod_manifest("init-bad", ["sh", "-c", "echo main ran"], restart_policy="Never")
+    bad["spec"]["initContainers"] = [{"name": "fails", "image": "not-used", "command": ["sh", "-c", "exit 4"]}]
+    devcluster.core.create_namespaced_pod(namespace, ok)
+    devcluster.core.create_namespaced_pod(namespace, bad)
+
+    done = devcluster.wait_pod(namespace, "init-ok", phase_is("Succeeded", "Failed"), timeout_s=30)
+    assert done["status"]["phase"] == "Succeeded"
+    assert devcluster.pod_log(namespace, "init-ok", "main") == "one\ntwo\n"
+    assert [s["state"]["terminated"]["exitCode"] for s in done["status"]["initContainerStatuses"]] == [0, 0]
+
+    failed = devcluster.wait_pod(namespace, "init-bad", phase_is("Succeeded", "Failed"), timeout_s=30)
+    assert failed["status"]["phase"] == "Failed"
+    assert failed["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 4
+    assert "running" not in failed["status"]["containerStatuses"][0]["state"]
+    assert devcluster.pod_log(namespace, "init-bad", "main") == ""

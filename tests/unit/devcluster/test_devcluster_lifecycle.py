@@ -124,3 +124,36 @@ def test_visible_devices_map_through_the_agents_own_list():
     assert visible_devices([0, 1], None) == "0,1"
     assert visible_devices([1], "4,5,6") == "5"
     assert visible_devices([], "4") == ""
+
+
+def test_initialized_condition_follows_the_init_containers():
+    waiting = {c["type"]: c for c in pod_conditions([ContainerRecord("c", "img")], "Pending", [], [], "T", False)}
+    assert waiting["Initialized"]["status"] == "False"
+    assert waiting["Initialized"]["reason"] == "ContainersNotInitialized"
+    done = {c["type"]: c for c in pod_conditions([running()], "Running", [], [], "T", True)}
+    assert done["Initialized"]["status"] == "True"
+
+
+def test_status_composition_and_change_detection():
+    from tidal.devcluster.nodeagent.podstatus import PodView, compose_status, same_status
+
+    pod = {"spec": {"restartPolicy": "Never"}, "status": {}}
+    init = exited(0, "setup")
+    view = PodView([init], [running()], initialized=True, init_failed=False, pod_ip="127.0.3.1", start_time="T")
+    status = compose_status(pod, view)
+    assert status["phase"] == "Running" and status["podIP"] == "127.0.3.1"
+    assert [s["name"] for s in status["initContainerStatuses"]] == ["setup"]
+    assert same_status(compose_status(pod, view), status)  # only transition times could differ
+    failing = PodView([exited(4, "setup")], [ContainerRecord("c", "img")], False, True, "127.0.3.1", "T")
+    assert compose_status(pod, failing)["phase"] == "Failed"
+    assert not same_status(compose_status(pod, failing), status)
+
+
+def test_carry_over_from_an_earlier_agent():
+    from tidal.devcluster.nodeagent.lifecycle import carry_over
+
+    record = ContainerRecord("c", "img")
+    carry_over(record, {"restartCount": 2, "state": {"running": {"startedAt": "S"}}}, "P")
+    assert record.restart_count == 2
+    assert record.last_state["terminated"]["exitCode"] == 137
+    assert record.last_state["terminated"]["startedAt"] == "S"

@@ -1,0 +1,34 @@
+"""Every invalid object in the shared table is refused by the real API server (with the chart's CRD), with its
+message and the field it names, as `kubectl create` prints it. Nothing is created."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from operator_e2e import install_operator
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "operator"))
+from invalid_objects import CASES  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def test_at_least_ten_cases():
+    assert len(CASES) >= 10
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_api_server_refuses(devcluster, case, tmp_path):
+    install_operator(devcluster)  # the CRD comes with the chart
+    obj = case.build()
+    obj["metadata"]["namespace"] = "default"
+    path = tmp_path / "obj.json"
+    path.write_text(json.dumps(obj))
+    result = devcluster.kubectl("create", "-f", str(path), check=False)
+    assert result.returncode != 0, f"{case.id} was accepted: {result.stdout}"
+    assert case.apiserver_error in result.stderr, result.stderr
+    if case.field:
+        assert case.field in result.stderr, result.stderr
+    listed = devcluster.kubectl("get", "inferencemodels.tidal.dev", "-n", "default", "-o", "name").stdout
+    assert listed.strip() == ""
