@@ -68,10 +68,10 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     want = want.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
     flops = 4 * batch * num_heads * head_dim * (length * (length + 1) // 2)  # QK^T and PV over the causal half
     shape = f"{batch}x{length} causal {num_heads}/{num_kv_heads}h d{head_dim} bs{block_size} bf16"
-    configs = [default_config(head_dim)]
+    configs = [default_config(head_dim, num_heads // num_kv_heads)]
     if sweep:
         configs += [
-            PrefillConfig(128, 64, 8, 3, q_heads=2), PrefillConfig(128, 64, 8, 3, q_heads=4),
+            PrefillConfig(128, 64, 8, 3, q_heads=1), PrefillConfig(128, 64, 8, 3, q_heads=4),
             PrefillConfig(128, 64, 8, 3, heads_first=True), PrefillConfig(128, 128, 8, 2, q_heads=2),
             PrefillConfig(64, 64, 4, 3, q_heads=2), PrefillConfig(128, 64, 8, 4, q_heads=2),
         ]  # fmt: skip
@@ -82,9 +82,9 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
             return paged_prefill_attention_triton(q, k_cache, v_cache, tables, cu, seq_lens, scale, config=config)
 
         err = relative_error(run(), want)
-        impl = (
-            "triton default " if i == 0 else "triton "
-        ) + f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages}"
+        layout = f"qh{config.q_heads}" + (" heads-first" if config.heads_first else "")
+        tiles = f"m{config.block_m} n{config.block_n} w{config.num_warps} s{config.num_stages} {layout}"
+        impl = ("triton default " if i == 0 else "triton ") + tiles
         rows.append(compute_row("prefill attention", shape, impl, bench_ms(run), flops, 0.5, f"rel err {err:.1e}"))
     ms = bench_ms(
         lambda: F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, scale=scale, enable_gqa=True)

@@ -1,5 +1,5 @@
-"""Runs every kernel benchmark on the current CUDA device, prints a markdown table and writes results.json and
-results.md (default: benchmarks/results/). Usage: python benchmarks/kernels/run_all.py [--out DIR] [--quick]."""
+"""Runs every kernel benchmark on the current CUDA device, prints a markdown table and writes kernels.json and
+kernels.md (default: benchmarks/results/). Usage: python benchmarks/kernels/run_all.py [--out DIR] [--quick]."""
 
 import argparse
 import pathlib
@@ -45,8 +45,8 @@ def main() -> None:
     table = format_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     header = f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}\n\n"
-    (args.out / "results.md").write_text(header + table + "\n")
-    (args.out / "results.json").write_text(to_json(rows, env))
+    (args.out / "kernels.md").write_text(header + table + "\n")
+    (args.out / "kernels.json").write_text(to_json(rows, env))
     print(table)
 
 
