@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,14 @@ def _start_time(pid: int) -> str | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return stat[stat.rfind(")") + 2 :].split()[19]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat[stat.rfind(")") + 2] == "Z"
 
 
 def exit_code_of(returncode: int) -> int:
@@ -89,6 +98,11 @@ def kill_orphan(pidfile: Path) -> bool:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
             killed = True
+        # Not our child, so no wait(): watch /proc until it is gone (or a zombie), so that what it held (its
+        # port above all) is free before the container starts again.
+        deadline = time.monotonic() + 5.0
+        while _start_time(pid) == started and not _is_zombie(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
     pidfile.unlink(missing_ok=True)
     return killed
 
