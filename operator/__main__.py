@@ -38,8 +38,10 @@ def main() -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    for noisy in ("kopf", "httpx", "kubernetes"):
-        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
+    # kopf logs every handler call at INFO ("Handler ... succeeded"): with a handler per pod event that drowns the
+    # operator's own lines, which say what was done and why.
+    for noisy in ("kopf.objects", "httpx"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     api_client = _api_client()
     metrics = OperatorMetrics(CollectorRegistry())
     health = Health()

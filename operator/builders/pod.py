@@ -113,8 +113,9 @@ def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]
         ],
         "resources": _resources(spec),
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": mount_path(spec.model.volume), "readOnly": True}],
-        # Loading a large model can take many minutes; liveness only starts once /health answered.
-        "startupProbe": _probe("/health", period=10, failures=180),
+        # Loading a large model can take many minutes (up to 30 here); liveness only starts once /health answered.
+        # A short period lets a small model count as started within a couple of seconds of being loaded.
+        "startupProbe": _probe("/health", period=2, failures=900),
         "livenessProbe": _probe("/health", period=10, failures=6),
         "readinessProbe": _probe("/ready", period=5, failures=3),
         "securityContext": {"allowPrivilegeEscalation": False},

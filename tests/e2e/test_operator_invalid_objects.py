@@ -9,7 +9,7 @@ import pytest
 from operator_e2e import install_operator
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit" / "operator"))
-from invalid_objects import CASES  # noqa: E402
+from invalid_objects import CASES
 
 pytestmark = pytest.mark.e2e
 
