@@ -96,14 +96,21 @@ class WeightsUpdateRequest(_Model):
 
 
 class StreamStartRequest(_Model):
-    """`POST /weights/stream/start`: begin a streamed update; chunks of safetensors bytes follow."""
+    """`POST /weights/stream/start`: begin a streamed update (a newer start discards an unfinished one). Then
+    `POST /weights/stream/{upload_id}/chunk?file=NAME&offset=N` with raw bytes (application/octet-stream), in order,
+    for each safetensors file (and model.safetensors.index.json when sharded); then `finish`."""
 
-    version: Version
     allow_extra_tensors: bool = False
 
 
 class StreamStartResponse(_Model):
     upload_id: str
+
+
+class StreamChunkResult(_Model):
+    upload_id: str
+    file: str
+    received_bytes: int = Field(ge=0, description="bytes of this file received so far: the next chunk's offset")
 
 
 class StreamFinishRequest(_Model):
@@ -129,6 +136,7 @@ class CollectiveUpdateRequest(_Model):
     world_size: int = Field(ge=2)
     backend: Literal["gloo", "nccl"] = "gloo"
     tensors: list[TensorSpec] = Field(min_length=1, description="what the trainer broadcasts, in order")
+    allow_extra_tensors: bool = Field(False, description="receive and drop tensors the model does not use")
     version: Version
     mode: DrainMode = DrainMode.DRAIN
     drain_timeout_s: float = Field(60.0, gt=0, le=3600)
@@ -143,9 +151,11 @@ class CollectiveUpdateRequest(_Model):
 
 class WeightsUpdateResult(_Model):
     version: str
-    checksum: str = Field(description="overall digest of the weights now served")
-    duration_s: float = Field(ge=0)
+    checksum: str = Field(description="overall digest of the weights now served (as GET /weights/checksum)")
+    duration_s: float = Field(ge=0, description="from the call until the new weights serve (checksum not included)")
     bytes_loaded: int = Field(ge=0)
+    paused_s: float = Field(0.0, ge=0, description="time new requests were held (drain or abort, then the copy)")
+    checksum_s: float = Field(0.0, ge=0, description="time the checksum took, after serving resumed")
 
 
 class WeightsChecksum(_Model):
@@ -153,8 +163,8 @@ class WeightsChecksum(_Model):
 
     version: str | None
     algorithm: Literal["sha256"] = "sha256"
-    overall: str
-    tensors: dict[str, str]
+    overall: str = Field(description="sha256 over the sorted 'name digest' lines")
+    tensors: dict[str, str] = Field(description="name -> sha256 over dtype, shape and the raw bytes (row-major)")
 
 
 class GroupMember(_Model):

@@ -1,0 +1,138 @@
+"""The control API app: state, sleep/wake, weight updates (disk, streamed, collective) and checksums.
+
+Every route requires the bearer token (401 and no effect otherwise); bodies and answers are the models of
+`tidal.worker.control.schema`, and every failure is a `ControlError` with a stable code. Served on its own port
+(TIDAL_CONTROL_PORT), beside the OpenAI API, from the same process and event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import SecretStr
+from starlette.exceptions import HTTPException
+
+from tidal.worker.control.auth import is_authorized
+from tidal.worker.control.schema import (
+    CollectiveUpdateRequest,
+    ControlError,
+    SleepRequest,
+    StreamChunkResult,
+    StreamFinishRequest,
+    StreamStartRequest,
+    StreamStartResponse,
+    TransitionResult,
+    WakeUpRequest,
+    WeightsChecksum,
+    WeightsUpdateRequest,
+    WeightsUpdateResult,
+    WorkerState,
+)
+from tidal.worker.lifecycle.errors import LifecycleError
+from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.server.errors import describe_validation_errors
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 1 << 30
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ControlError(code=code, message=message).model_dump(), status_code=status, headers=headers)
+
+
+def build_control_app(manager: LifecycleManager, token: SecretStr) -> FastAPI:
+    async def require_token(request: Request) -> None:
+        if not is_authorized(request.headers.get("authorization"), token):
+            raise _Unauthorized()
+
+    app = FastAPI(title="Tidal worker control API", dependencies=[Depends(require_token)])
+    _install_error_handlers(app)
+    app.include_router(_router(manager))
+    return app
+
+
+def _router(manager: LifecycleManager) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/state")
+    async def state() -> WorkerState:
+        return manager.state()
+
+    @router.post("/sleep")
+    async def sleep(body: SleepRequest) -> TransitionResult:
+        return await manager.sleep(body)
+
+    @router.post("/wake_up")
+    async def wake_up(body: WakeUpRequest | None = None) -> TransitionResult:
+        return await manager.wake_up(body or WakeUpRequest())
+
+    @router.post("/weights/update")
+    async def update(body: WeightsUpdateRequest) -> WeightsUpdateResult:
+        return await manager.update_from_disk(body)
+
+    @router.post("/weights/stream/start")
+    async def stream_start(body: StreamStartRequest | None = None) -> StreamStartResponse:
+        upload = await manager.stream_start((body or StreamStartRequest()).allow_extra_tensors)
+        return StreamStartResponse(upload_id=upload.upload_id)
+
+    @router.post("/weights/stream/{upload_id}/chunk")
+    async def stream_chunk(
+        upload_id: str, request: Request, file: Annotated[str, Query()], offset: Annotated[int, Query(ge=0)]
+    ) -> StreamChunkResult:
+        data = await request.body()
+        if len(data) > MAX_CHUNK_BYTES:
+            raise LifecycleError(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
+        upload = await manager.stream_chunk(upload_id, file, offset, data)
+        return StreamChunkResult(upload_id=upload_id, file=file, received_bytes=upload.received[file])
+
+    @router.post("/weights/stream/{upload_id}/finish")
+    async def stream_finish(upload_id: str, body: StreamFinishRequest) -> WeightsUpdateResult:
+        return await manager.stream_finish(upload_id, body)
+
+    @router.delete("/weights/stream/{upload_id}", status_code=204)
+    async def stream_discard(upload_id: str) -> None:
+        await manager.stream_discard(upload_id)
+
+    @router.post("/weights/collective")
+    async def collective(body: CollectiveUpdateRequest) -> WeightsUpdateResult:
+        return await manager.update_collective(body)
+
+    @router.get("/weights/checksum")
+    async def checksum() -> WeightsChecksum:
+        return await manager.checksum()
+
+    return router
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_unauthorized(_: Request, __: _Unauthorized) -> JSONResponse:
+        return _error(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+    async def on_lifecycle_error(_: Request, exc: LifecycleError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message)
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, _ = describe_validation_errors(exc.errors())
+        return _error(400, "invalid_request", message)
+
+    async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("control call %s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+
+    app.add_exception_handler(_Unauthorized, on_unauthorized)  # type: ignore[arg-type]
+    app.add_exception_handler(LifecycleError, on_lifecycle_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)

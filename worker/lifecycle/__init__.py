@@ -1,0 +1,4 @@
+"""The worker's lifecycle: sleep and wake, in-place weight updates (disk, streamed, collective) and checksums.
+
+`manager.LifecycleManager` is the one entry point; the control API (tidal.worker.control) calls it.
+"""

@@ -1,0 +1,98 @@
+"""Receiving weights from a trainer's broadcast over a process group made for this one transfer.
+
+The trainer is rank 0 and hosts the rendezvous store at (address, port); each worker joins with the rank and world
+size it was given, receives the named tensors in the announced order, and leaves. The group is private (not
+torch.distributed's default group), so it never disturbs any other group the worker belongs to. gloo moves CPU
+tensors straight into the host buffer; NCCL receives on the GPU, one tensor at a time, then copies to the host.
+
+`send_weights` is the trainer's side, for trainers and tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from tidal.worker.lifecycle.errors import CollectiveError
+
+log = logging.getLogger(__name__)
+
+
+def _local_address_towards(address: str, port: int) -> str:
+    """The address of the interface that reaches `address` (what gloo must bind to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, port))  # UDP: no packet is sent, only a route is chosen
+        return s.getsockname()[0]
+
+
+def join_group(
+    address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(address, port))]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def leave_group(group: dist.ProcessGroup) -> None:
+    shutdown = getattr(group, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except RuntimeError as err:  # leaving must not fail an update that already succeeded
+            log.warning("leaving the weights group: %s", err)
+
+
+def receive_into(
+    group: dist.ProcessGroup, destinations: Iterator[tuple[str, torch.Tensor]], device: torch.device
+) -> int:
+    """Receive one broadcast from rank 0 per destination, in order. -> bytes received."""
+    num_bytes = 0
+    for name, dest in destinations:
+        target = dest if device.type == "cpu" else torch.empty(dest.shape, dtype=dest.dtype, device=device)
+        try:
+            group.broadcast([target], _root0()).wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"receiving {name} failed: {err}") from err
+        if target is not dest:
+            dest.copy_(target)
+        num_bytes += dest.numel() * dest.element_size()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return num_bytes
+
+
+def _root0() -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return options
+
+
+def send_weights(
+    address: str,
+    port: int,
+    world_size: int,
+    tensors: list[tuple[str, torch.Tensor]],
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> None:
+    """The trainer's side: host the rendezvous as rank 0 and broadcast `tensors` in order (the same order and
+    specs as the `tensors` list of the workers' `POST /weights/collective`)."""
+    group = join_group(address, port, 0, world_size, backend, timeout_s)
+    try:
+        for _, tensor in tensors:
+            group.broadcast([tensor.contiguous()], _root0()).wait()
+    finally:
+        leave_group(group)

@@ -1,0 +1,149 @@
+"""Device memory that can be given back to the device and taken again: one region per kind (weights, KV cache).
+
+A region is one flat uint8 tensor; the weights and the KV cache live as views into it, so a release frees them all
+at once and the views stay valid Python objects. On CUDA the region is reserved through the driver's virtual memory
+API (`VmmRegion`): a restore maps new physical memory at the same addresses, so CUDA graphs captured before a sleep
+replay correctly after it. Elsewhere (CPU, or where the driver API is not usable) `TorchRegion` resizes the tensor's
+storage to nothing and back; its addresses may change, and the owner recaptures what depends on them.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+
+from tidal.worker.lifecycle import cuda_vmm
+
+log = logging.getLogger(__name__)
+
+# Physical memory is created in pieces of this size: a large cache need not find one contiguous piece.
+VMM_CHUNK_BYTES = 2 * 2**30
+
+
+class DeviceRegion(ABC):
+    """`tensor` (uint8 [nbytes]) may be read and written only while `is_resident`."""
+
+    stable_addresses: bool = False
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.is_resident = True
+
+    @property
+    @abstractmethod
+    def tensor(self) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _release(self) -> None: ...
+
+    @abstractmethod
+    def _restore(self) -> None: ...
+
+    def release(self) -> None:
+        """Give the memory back to the device (the content is lost)."""
+        if not self.is_resident:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing may still read or write it
+        self._release()
+        self.is_resident = False
+
+    def restore(self) -> None:
+        """Take memory again (uninitialised content)."""
+        if self.is_resident:
+            return
+        self._restore()
+        self.is_resident = True
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+class TorchRegion(DeviceRegion):
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        super().__init__(nbytes, device)
+        self._tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def _release(self) -> None:
+        self._tensor.untyped_storage().resize_(0)
+
+    def _restore(self) -> None:
+        self._tensor.untyped_storage().resize_(self.nbytes)
+
+
+class _CudaPointer:
+    """Lets torch.as_tensor wrap device memory it does not own (the CUDA array interface)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+            "strides": None,
+        }
+
+
+class VmmRegion(DeviceRegion):
+    stable_addresses = True
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        super().__init__(nbytes, device)
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.device(self._index):
+            torch.cuda.synchronize()  # makes the primary context current on this thread for the driver calls
+            gran = cuda_vmm.granularity(self._index)
+            self._chunk = max(gran, VMM_CHUNK_BYTES // gran * gran)
+            self._size = -(-max(nbytes, 1) // gran) * gran
+            self._base = cuda_vmm.reserve(self._size, gran)
+            self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece
+            try:
+                self._map_all()
+                self._tensor = torch.as_tensor(_CudaPointer(self._base, nbytes))
+            except Exception:
+                self._unmap_all()
+                cuda_vmm.free_reservation(self._base, self._size)
+                raise
+        if self._tensor.data_ptr() != self._base:
+            raise RuntimeError("torch wrapped the reserved range at another address")
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._tensor
+
+    def _map_all(self) -> None:
+        for start in range(0, self._size, self._chunk):
+            size = min(self._chunk, self._size - start)
+            handle = cuda_vmm.create_and_map(self._base + start, size, self._index)
+            self._handles.append((self._base + start, size, handle))
+
+    def _unmap_all(self) -> None:
+        for address, size, handle in self._handles:
+            cuda_vmm.unmap_and_release(address, size, handle)
+        self._handles = []
+
+    def _release(self) -> None:
+        with torch.cuda.device(self._index):
+            self._unmap_all()
+
+    def _restore(self) -> None:
+        with torch.cuda.device(self._index):
+            torch.cuda.synchronize()
+            self._map_all()
+
+
+def allocate_region(nbytes: int, device: torch.device, prefer_stable: bool = True) -> DeviceRegion:
+    """A VmmRegion on CUDA when the driver API works, else a TorchRegion (logged: its addresses can move)."""
+    if device.type == "cuda" and prefer_stable:
+        try:
+            return VmmRegion(nbytes, device)
+        except (cuda_vmm.CudaDriverError, RuntimeError, TypeError) as err:
+            log.warning("CUDA virtual memory unavailable (%s): addresses will move across sleep", err)
+    return TorchRegion(nbytes, device)

@@ -1,0 +1,49 @@
+"""Prometheus metrics of sleep, wake and weight updates, registered on the worker's registry (passed in)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from tidal.worker.metrics import PREFIX
+
+OPERATIONS = ("sleep", "wake_up", "update")
+_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class LifecycleMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.sleep_level = Gauge(
+            f"{PREFIX}_sleep_level", "0 while awake, else the level of the current sleep", registry=registry
+        )
+        self.weights_version = Info(
+            f"{PREFIX}_weights_version", "Version of the weights being served", registry=registry
+        )
+        self.operations = Counter(
+            f"{PREFIX}_lifecycle_operations", "Sleep, wake-up and weight-update calls by outcome",
+            ["operation", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.duration = Histogram(
+            f"{PREFIX}_lifecycle_duration_seconds", "Duration of successful sleep, wake-up and weight updates",
+            ["operation"], buckets=_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.bytes_moved = Counter(
+            f"{PREFIX}_lifecycle_bytes_moved", "Bytes copied between host and device or read for weight updates",
+            ["operation"], registry=registry,
+        )  # fmt: skip
+        for op in OPERATIONS:
+            self.duration.labels(operation=op)
+            self.bytes_moved.labels(operation=op)
+            for outcome in ("ok", "error"):
+                self.operations.labels(operation=op, outcome=outcome)
+
+    def record(self, operation: str, seconds: float, num_bytes: int) -> None:
+        self.operations.labels(operation=operation, outcome="ok").inc()
+        self.duration.labels(operation=operation).observe(seconds)
+        self.bytes_moved.labels(operation=operation).inc(num_bytes)
+
+    def record_failure(self, operation: str) -> None:
+        self.operations.labels(operation=operation, outcome="error").inc()
+
+    def set_state(self, sleep_level: int, version: str | None) -> None:
+        self.sleep_level.set(sleep_level)
+        self.weights_version.info({"version": version or ""})

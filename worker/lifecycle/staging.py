@@ -1,0 +1,73 @@
+"""Putting a whole new checkpoint into the host buffer: from safetensors files (a local directory or a finished
+upload) or from a trainer's broadcast. Every check happens before the first byte is written."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidal.worker.lifecycle.errors import CheckpointRejectedError
+from tidal.worker.lifecycle.safetensors_reader import FileTensor, read_header, read_into
+from tidal.worker.lifecycle.validation import Candidate, Expected, find_problems
+from tidal.worker.loader.errors import ModelLoadError
+from tidal.worker.loader.safetensors_files import checkpoint_files
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageReport:
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+
+
+def checkpoint_tensors(source: Path) -> list[FileTensor]:
+    """Every tensor of the checkpoint in `source` (one file, shards with an index, or all *.safetensors)."""
+    if not source.is_dir():
+        raise CheckpointRejectedError([f"{source} is not a directory"])
+    try:
+        files = checkpoint_files(source)
+    except ModelLoadError as err:
+        raise CheckpointRejectedError([str(err)]) from err
+    found: dict[str, FileTensor] = {}
+    for path in files:
+        for tensor in read_header(path):
+            if tensor.name in found:
+                raise CheckpointRejectedError(
+                    [f"{tensor.name} is in both {found[tensor.name].path.name} and {path.name}"]
+                )
+            found[tensor.name] = tensor
+    return list(found.values())
+
+
+def check_file_tensors(
+    tensors: list[FileTensor], expected: dict[str, Expected], allow_extra: bool, is_ignored: Callable[[str], bool]
+) -> list[FileTensor]:
+    """-> the tensors to load (the model's), or CheckpointRejectedError with every problem found."""
+    candidate = {t.name: Candidate(t.shape, t.dtype_name) for t in tensors}
+    problems = find_problems(expected, candidate, allow_extra, is_ignored)
+    if problems:
+        raise CheckpointRejectedError(problems)
+    return [t for t in tensors if t.name in expected]
+
+
+def stage_file_tensors(tensors: list[FileTensor], host_views: dict[str, torch.Tensor]) -> StageReport:
+    """Read each tensor into its host view: raw bytes when the dtypes match, else read then converted."""
+    start = time.monotonic()
+    direct = [(t, host_views[t.name]) for t in tensors if t.dtype == host_views[t.name].dtype]
+    num_bytes = read_into(direct)
+    for t in tensors:
+        view = host_views[t.name]
+        if t.dtype != view.dtype and t.dtype is not None:
+            raw = torch.empty(t.shape, dtype=t.dtype)
+            num_bytes += read_into([(t, raw)])
+            view.copy_(raw)
+    seconds = time.monotonic() - start
+    log.info("staged %d tensors (%.2f GiB) in %.2fs", len(tensors), num_bytes / 2**30, seconds)
+    return StageReport(len(tensors), num_bytes, seconds)

@@ -1,0 +1,88 @@
+"""Streamed weight uploads: a trainer sends safetensors files in chunks; they are spooled to a private directory
+and, at `finish`, go through exactly the checks and the copy of an update from disk.
+
+One upload at a time: a new `start` discards an unfinished one (a trainer that restarts starts over). Chunks of a
+file are appended in order; each names its byte offset, so a chunk sent twice or out of order is refused with the
+offset expected instead of corrupting the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tidal.worker.lifecycle.errors import BadRequestError, UploadNotFoundError, UploadOffsetError
+
+log = logging.getLogger(__name__)
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(safetensors|json)$")
+
+
+@dataclass
+class Upload:
+    upload_id: str
+    version: str
+    allow_extra_tensors: bool
+    directory: Path
+    received: dict[str, int] = field(default_factory=dict)  # file name -> bytes so far
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.received.values())
+
+
+class Uploads:
+    def __init__(self, spool_dir: Path | None = None) -> None:
+        self._spool_dir = spool_dir
+        self._current: Upload | None = None
+
+    def start(self, version: str, allow_extra_tensors: bool) -> Upload:
+        self.discard_current()
+        directory = Path(tempfile.mkdtemp(prefix="tidal-upload-", dir=self._spool_dir))
+        self._current = Upload(secrets.token_hex(8), version, allow_extra_tensors, directory)
+        return self._current
+
+    def get(self, upload_id: str) -> Upload:
+        if self._current is None or not secrets.compare_digest(self._current.upload_id, upload_id):
+            raise UploadNotFoundError(f"no upload {upload_id!r} in progress (a newer start replaces an older upload)")
+        return self._current
+
+    def write_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes) -> Upload:
+        """Append `data` to `file_name` of the upload; blocking file I/O (call it off the event loop)."""
+        upload = self.get(upload_id)
+        if not _FILE_NAME.match(file_name):
+            raise BadRequestError(f"file name {file_name!r} must be a plain *.safetensors or *.json name")
+        have = upload.received.get(file_name, 0)
+        if offset != have:
+            raise UploadOffsetError(f"{file_name}: chunk at offset {offset}, but {have} bytes were received so far")
+        with (upload.directory / file_name).open("ab") as f:
+            f.write(data)
+        upload.received[file_name] = have + len(data)
+        return upload
+
+    def finish(self, upload_id: str) -> Upload:
+        """Detach the upload for applying; the caller removes its directory with `remove()`."""
+        upload = self.get(upload_id)
+        if not upload.received:
+            raise BadRequestError(f"upload {upload_id} received no files")
+        self._current = None
+        return upload
+
+    def discard(self, upload_id: str) -> None:
+        self.get(upload_id)
+        self.discard_current()
+
+    def discard_current(self) -> None:
+        if self._current is not None:
+            log.info("discarding unfinished upload %s (version %s)", self._current.upload_id, self._current.version)
+            self.remove(self._current)
+            self._current = None
+
+    @staticmethod
+    def remove(upload: Upload) -> None:
+        shutil.rmtree(upload.directory, ignore_errors=True)
