@@ -96,15 +96,18 @@ def build_servers(config: WorkerConfig) -> WorkerServers:
     """Everything the process serves, around one engine. Another API (e.g. the control API) is one more
     `Listener`, on its own port, built from the same runtime."""
     # Imported here so that `--help` and configuration errors answer without loading torch.
-    from tidal.worker.engine.async_engine import AsyncEngine
+    from tidal.worker.control.wiring import build_control
     from tidal.worker.server.app import Listener, WorkerServers, build_api_app
     from tidal.worker.server.runtime import WorkerRuntime
 
     engine_config = config.engine_config()
-    runtime = WorkerRuntime(lambda: AsyncEngine.from_config(engine_config))
-    metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
+    registry = CollectorRegistry()
+    lifecycle, control_listener = build_control(config, registry)
+    runtime = WorkerRuntime(lambda: lifecycle.load_engine(engine_config))
+    metrics = WorkerMetrics(registry, runtime.stats)
     api = Listener("serving", build_api_app(runtime, metrics, config.stream_write_timeout_s), config.host, config.port)
-    return WorkerServers(runtime, [api], log_level=config.log_level)
+    listeners = [api] if control_listener is None else [api, control_listener]
+    return WorkerServers(runtime, listeners, log_level=config.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,7 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    servers = build_servers(config)
+    try:
+        servers = build_servers(config)
+    except ValueError as exc:  # a setting only checkable when assembling (e.g. the control token)
+        print(f"tidal-worker: invalid configuration:\n  {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     try:
         servers.bind()
     except OSError as exc:

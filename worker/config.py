@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidal.worker.engine.config import EngineConfig
@@ -39,6 +39,26 @@ class WorkerConfig(BaseSettings, EngineConfig):
         gt=0.0,
         description="A streaming client that accepts no data for this long is dropped and its request aborted.",
     )
+
+    # ----- the control API and the lifecycle (tidal.worker.control, tidal.worker.lifecycle) -----
+    control_port: int = Field(
+        default=8001, ge=0, le=65535, description="Port of the control API; it starts only when a token is set."
+    )
+    control_token: SecretStr | None = Field(default=None, description="Bearer token of the control API.")
+    control_token_file: Path | None = Field(default=None, description="File holding the control API's token.")
+    weights_version: str = Field(
+        default="base", min_length=1, max_length=128, description="Version name of the weights loaded at start."
+    )
+    weights_path: Path | None = Field(
+        default=None, description="Load these weights at start instead of the model directory's own."
+    )
+    asleep_requests: Literal["reject", "wake"] = Field(
+        default="reject", description="Requests while asleep: 'reject' (503 + Retry-After) or 'wake' the model."
+    )
+    asleep_retry_after_s: int = Field(default=30, ge=1, description="Retry-After of requests refused while asleep.")
+    upload_dir: Path | None = Field(default=None, description="Where streamed weight uploads are spooled.")
+    rank: int = Field(default=0, ge=0, description="This worker's rank in its group.")
+    world_size: int = Field(default=1, ge=1, description="Ranks in this worker's group.")
 
     @field_validator("log_level", mode="before")
     @classmethod

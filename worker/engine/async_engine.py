@@ -188,6 +188,15 @@ class AsyncEngine:
     def is_holding(self) -> bool:
         return self._holding
 
+    def fail_queued(self, error: BaseException) -> int:
+        """End every request still waiting for admission with `error` (e.g. the worker fell asleep while they
+        waited). -> how many."""
+        with self._lock:
+            queued, self._inbox.new = self._inbox.new, []
+        for request_id, _, _ in queued:
+            self._deliver(request_id, error)
+        return len(queued)
+
     @contextlib.contextmanager
     def quiesced(self) -> Iterator[LLMEngine]:
         """Exclusive use of the LLMEngine while held (see hold()): the loop touches it only between such uses."""

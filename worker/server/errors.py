@@ -45,22 +45,38 @@ class ErrorResponse(BaseModel):
 class ApiError(Exception):
     """Raised by handlers for a failure the caller should see as-is."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorBody(
         message=message,
         type=_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
         param=param,
         code=code,
     )
-    return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=status)
+    return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=status, headers=headers)
 
 
 # Tags pydantic puts in an error's location for union members and validators; they are not field names.
@@ -103,7 +119,7 @@ def install_error_handlers(app: FastAPI, metrics: WorkerMetrics) -> None:
         return error_response(400, message, param=param)
 
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from tidal.worker.engine.async_engine import EngineNotRunningError
+from tidal.worker.engine.async_engine import EngineNotRunningError, RequestInterruptedError
 from tidal.worker.engine.errors import PromptTooLongError
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.errors import ApiError
@@ -59,10 +59,15 @@ class Generation:
         except StopAsyncIteration:
             self._account("error")
             raise ApiError(500, "the engine ended the request without any output") from None
-        except EngineNotRunningError as exc:  # shutting down: the caller may retry elsewhere
+        except EngineNotRunningError as exc:  # shutting down or asleep: the caller may retry (here or elsewhere)
             self._engine_done = True
             self._account("rejected")
-            raise ApiError(503, "the engine is not running", code="not_ready") from exc
+            retry = {"Retry-After": str(round(exc.retry_after_s))} if exc.retry_after_s is not None else None
+            raise ApiError(503, str(exc), code=exc.code, headers=retry) from exc
+        except RequestInterruptedError as exc:  # ended before its first token (sleep or weight update, mode abort)
+            self._engine_done = True
+            self._account("abort")
+            raise ApiError(503, str(exc), code="interrupted") from exc
         except ValueError as exc:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
             self._engine_done = True
@@ -88,6 +93,10 @@ class Generation:
         except StopAsyncIteration:
             self._account("error")
             raise ApiError(500, "the engine ended the request without a finish reason") from None
+        except RequestInterruptedError as exc:  # ended on purpose (sleep or weight update, mode abort): say why
+            self._engine_done = True
+            self._account("abort")
+            raise ApiError(503, str(exc), code="interrupted") from exc
         except Exception:
             log.exception("request %s failed in the engine", self.request_id)
             self._account("error")
