@@ -103,8 +103,10 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)  # [T]
         positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # [T]
-        width = max(len(t) for t in plan.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]  # padding entries are never read
+        # Padding entries are never read. A power-of-two width keeps the number of distinct shapes (and so of
+        # Triton specialisations compiled on the way) logarithmic in the context length.
+        width = 1 << (max(len(t) for t in plan.block_tables) - 1).bit_length()
+        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]
         batch = AttentionBatch(
             slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),  # [B, max_blocks]
