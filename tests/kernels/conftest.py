@@ -1,9 +1,10 @@
 """Kernel tests run the Triton kernels through the interpreter on CPU, or compiled on a GPU when one is present.
 
-Triton picks interpreted or compiled when a `@triton.jit` function is defined, i.e. when a tidal.kernels module is
-imported, so the switch is set here at import time and any kernel module that another test folder imported earlier
-is reloaded. With CUDA present nothing changes: the same tests then run the compiled kernels on the GPU. On CPU the
-variable stays set for the rest of the process; other folders' code only reaches the torch references on CPU tensors.
+Triton picks interpreted or compiled when a `@triton.jit` function is defined, i.e. when a module defining kernels is
+imported, so the switch is set here at import time; kernel modules that another test folder imported earlier are
+imported again, and triton.language's own helpers are swapped for interpreted ones if triton came in first. With CUDA
+present nothing changes: the same tests run the compiled kernels on the GPU. On CPU the variable stays set for the
+rest of the process; other folders' code only reaches the torch references on CPU tensors.
 """
 
 import importlib
@@ -29,11 +30,34 @@ def _let_interpreter_scalars_bound_loops() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpret_preloaded_triton_helpers() -> None:
+    """When another test folder imported transformers first, torch._dynamo has already imported triton without the
+    interpreter switch, so triton.language's own @jit helpers (tl.zeros, tl.sum, ...) are compiled-mode functions that
+    refuse to run inside an interpreted kernel. Swap them for interpreted twins."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    twins: dict[int, InterpretedFunction] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("triton.language") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                twin = twins.setdefault(id(value), InterpretedFunction(value.fn))
+                setattr(module, attr, twin)
+
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    for name in [m for m in sys.modules if m.startswith("tidal.kernels.")]:
-        importlib.reload(sys.modules[name])
+    # Drop every kernel module first and import them afresh, so that kernels calling helper kernels from another
+    # module (exact_dot) get the interpreted helpers too; reloading one by one would leave stale references.
+    stale = [name for name in sys.modules if name.startswith("tidal.kernels.")]
+    for name in stale:
+        del sys.modules[name]
+    for name in stale:
+        importlib.import_module(name)
     _let_interpreter_scalars_bound_loops()
+    _interpret_preloaded_triton_helpers()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
