@@ -163,8 +163,9 @@ def worker_state(dc: DevCluster, namespace: str, name: str, pod: str, port: int 
 
 def complete(dc: DevCluster, namespace: str, pod: str, prompt: str | list[int], max_tokens: int = 12) -> str:
     """Greedy completion from one rank's serving port (the devcluster has no Service VIPs)."""
-    ip = dc.core.read_namespaced_pod(pod, namespace).status.pod_ip
-    body = {"model": "ignored", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    found = dc.core.read_namespaced_pod(pod, namespace)
+    ip, model = found.status.pod_ip, found.metadata.labels[c.LABEL_MODEL]  # the served name defaults to the model's
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     resp = httpx.post(f"http://{ip}:8000/v1/completions", json=body, timeout=60)
     resp.raise_for_status()
     return resp.json()["choices"][0]["text"]

@@ -1,0 +1,167 @@
+"""Sleep/wake and in-place weight rolls through the operator, checked against the workers themselves and against
+transformers: same greedy output after a wake, new weights without pod restarts, a broken checkpoint held as
+Degraded while the old version keeps serving, and an operator restart in the middle of a roll."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from operator_e2e import (
+    OPERATOR_NS,
+    complete,
+    condition,
+    create_model,
+    install_operator,
+    lease_holder,
+    model_manifest,
+    model_pods,
+    operator_pods,
+    patch_spec,
+    phase_is,
+    wait_model,
+    wait_until,
+    worker_state,
+    write_models,
+)
+from transformers import AutoTokenizer
+
+from tidal.devcluster.testing import DevCluster, is_ready
+from tidal.worker.testing.hf_reference import load_reference_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PROMPT = "The tide comes in twice a day, and"
+NEW_TOKENS = 12
+
+
+@pytest.fixture
+def models(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    install_operator(devcluster)
+    return write_models(devcluster, tmp_path_factory.getbasetemp() / "tidal-models")
+
+
+@torch.no_grad()
+def transformers_text(model_dir: Path, prompt: list[int]) -> str:
+    model = load_reference_model(model_dir)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )  # [1, len(prompt) + NEW_TOKENS]
+    return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
+
+
+def pod_identity(dc: DevCluster, namespace: str, name: str) -> dict[str, tuple[str, int]]:
+    pods = model_pods(dc, namespace, name)
+    return {n: (p.metadata.uid, p.status.container_statuses[0].restart_count) for n, p in pods.items()}
+
+
+def synced_to(version: str):
+    def check(obj: dict) -> bool:
+        status = obj.get("status") or {}
+        synced = condition(obj, "WeightsSynced").get("status") == "True"
+        return phase_is("Ready")(obj) and synced and status.get("weightsVersion") == version
+
+    return check
+
+
+def test_sleep_then_wake_serves_the_same_greedy_output(devcluster, namespace, models):
+    create_model(devcluster, namespace, model_manifest("sleepy", models))
+    wait_model(devcluster, namespace, "sleepy", phase_is("Ready"), timeout_s=120, what="Ready")
+    before = complete(devcluster, namespace, "sleepy-r0-0", PROMPT, NEW_TOKENS)
+
+    patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Asleep"}})
+    obj = wait_model(devcluster, namespace, "sleepy", phase_is("Sleeping"), timeout_s=60, what="Sleeping")
+    obj = wait_model(
+        devcluster, namespace, "sleepy", lambda o: condition(o, "Sleeping").get("status") == "True", timeout_s=60,
+        what="Sleeping=True",
+    )  # fmt: skip
+    assert condition(obj, "Sleeping")["reason"] == "Requested"
+    assert obj["status"]["sleepState"] == "Asleep" and [r["state"] for r in obj["status"]["ranks"]] == ["Asleep"]
+    assert condition(obj, "Ready")["status"] == "False" and condition(obj, "Ready")["reason"] == "Asleep"
+    state = worker_state(devcluster, namespace, "sleepy", "sleepy-r0-0")
+    assert state["sleep_state"] == "asleep" and state["sleep_level"] == 1
+
+    patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Awake"}})
+    obj = wait_model(devcluster, namespace, "sleepy", phase_is("Ready"), timeout_s=90, what="Ready after wake")
+    assert condition(obj, "Sleeping")["status"] == "False"
+    assert worker_state(devcluster, namespace, "sleepy", "sleepy-r0-0")["sleep_state"] == "awake"
+    assert complete(devcluster, namespace, "sleepy-r0-0", PROMPT, NEW_TOKENS) == before
+
+
+def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, namespace, models):
+    create_model(devcluster, namespace, model_manifest("rolling", models, {"replicas": 2}))
+    wait_model(devcluster, namespace, "rolling", phase_is("Ready"), timeout_s=150, what="Ready")
+    pods_before = pod_identity(devcluster, namespace, "rolling")
+    assert len(pods_before) == 2
+    prompt = AutoTokenizer.from_pretrained(models / "tiny-llama-b")(PROMPT)["input_ids"]
+    text_a = complete(devcluster, namespace, "rolling-r0-0", prompt, NEW_TOKENS)
+
+    patch_spec(devcluster, namespace, "rolling", {"weights": {"version": "b", "source": "tiny-llama-b"}})
+    obj = wait_model(devcluster, namespace, "rolling", synced_to("b"), timeout_s=120, what="synced to b")
+    assert [r["weightsVersion"] for r in obj["status"]["ranks"]] == ["b", "b"]
+    # In place: the same pods (UIDs) that never restarted.
+    assert pod_identity(devcluster, namespace, "rolling") == pods_before
+    expected = transformers_text(models / "tiny-llama-b", prompt)
+    assert expected != text_a  # the two versions really differ
+    for pod in pods_before:
+        assert worker_state(devcluster, namespace, "rolling", pod)["weights_version"] == "b"
+        assert complete(devcluster, namespace, pod, prompt, NEW_TOKENS) == expected
+
+    # A checkpoint the worker refuses: Degraded with the worker's reason, the roll stopped, b still served.
+    patch_spec(devcluster, namespace, "rolling", {"weights": {"version": "broken", "source": "broken"}})
+    obj = wait_model(
+        devcluster, namespace, "rolling", lambda o: condition(o, "Degraded").get("status") == "True", timeout_s=60,
+        what="Degraded",
+    )  # fmt: skip
+    degraded = condition(obj, "Degraded")
+    assert degraded["reason"] == "WeightsUpdateFailed" and "broken" in degraded["message"], degraded
+    assert obj["status"]["weightsVersion"] == "b" and obj["status"]["phase"] == "Degraded"
+    assert obj["status"]["weightsRollout"]["failedVersion"] == "broken"
+    assert condition(obj, "WeightsSynced")["reason"] == "UpdateFailed"
+    for pod in pods_before:
+        assert worker_state(devcluster, namespace, "rolling", pod)["weights_version"] == "b"
+        assert complete(devcluster, namespace, pod, prompt, NEW_TOKENS) == expected
+    assert pod_identity(devcluster, namespace, "rolling") == pods_before
+
+    # Pointing back at a good version clears it.
+    patch_spec(devcluster, namespace, "rolling", {"weights": {"version": "b", "source": "tiny-llama-b"}})
+    obj = wait_model(devcluster, namespace, "rolling", synced_to("b"), timeout_s=60, what="back to b")
+    assert condition(obj, "Degraded")["status"] == "False" and "weightsRollout" not in obj["status"]
+
+
+def test_operator_restart_in_the_middle_of_a_roll_finishes_it_without_repeating(devcluster, namespace, models):
+    spec = {"replicas": 2, "updateStrategy": {"maxUnavailable": 2}}
+    create_model(devcluster, namespace, model_manifest("midroll", models, spec))
+    wait_model(devcluster, namespace, "midroll", phase_is("Ready"), timeout_s=150, what="Ready")
+    pods_before = pod_identity(devcluster, namespace, "midroll")
+
+    # Replica 1 stops answering (SIGSTOP), so the roll can update replica 0 only and must wait for replica 1.
+    devcluster.inject_fault(namespace, "midroll-r1-0", "freeze")
+    devcluster.wait_pod(namespace, "midroll-r1-0", lambda p: not is_ready(p), timeout_s=40, what="not ready")
+    patch_spec(devcluster, namespace, "midroll", {"weights": {"version": "b", "source": "tiny-llama-b"}})
+
+    def ranks(obj: dict) -> dict[str, str | None]:
+        return {r["pod"]: r.get("weightsVersion") for r in (obj.get("status") or {}).get("ranks", [])}
+
+    obj = wait_model(
+        devcluster, namespace, "midroll", lambda o: ranks(o).get("midroll-r0-0") == "b", timeout_s=60,
+        what="replica 0 on b",
+    )  # fmt: skip
+    assert condition(obj, "WeightsSynced")["status"] == "False" and obj["status"]["weightsVersion"] == "base"
+
+    # Restart the operator mid-roll; replica 1 comes back while the new operator starts.
+    (old,) = [p for p in operator_pods(devcluster) if p.metadata.name == lease_holder(devcluster)]
+    devcluster.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS)
+    devcluster.inject_fault(namespace, "midroll-r1-0", "thaw")
+    new = wait_until(
+        lambda: next((p for p in operator_pods(devcluster) if p.metadata.name == lease_holder(devcluster)), None)
+        if lease_holder(devcluster) not in (None, old.metadata.name) else None,
+        90, "a new operator holding the lease",
+    )  # fmt: skip
+    obj = wait_model(devcluster, namespace, "midroll", synced_to("b"), timeout_s=120, what="synced to b")
+    assert [r["weightsVersion"] for r in obj["status"]["ranks"]] == ["b", "b"]
+    assert pod_identity(devcluster, namespace, "midroll") == pods_before
+
+    # The new operator updated replica 1 only: replica 0 had already finished.
+    log = devcluster.pod_log(OPERATOR_NS, new.metadata.name, "operator")
+    assert "update weights of midroll-r1-0 to b" in log, log
+    assert "update weights of midroll-r0-0" not in log, log
