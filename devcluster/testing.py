@@ -32,6 +32,7 @@ class DevCluster:
         self.rbac = client.RbacAuthorizationV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
         self.extensions = client.ApiextensionsV1Api(self.api_client)
+        self._cfg = cfg
         self._bins = resolve_binaries(cfg, ("kubectl",))
         self._helm_home = info.state_dir / "helm-home"
 
@@ -55,9 +56,7 @@ class DevCluster:
         return self._run([str(self._bins["kubectl"]), *args], check, timeout)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        helm = self._bins["kubectl"].parent / "helm"
-        if not helm.exists():
-            raise FileNotFoundError(f"helm is not in {helm.parent}; build it with `bash hack/build-binaries.sh`")
+        helm = resolve_binaries(self._cfg, ("helm",))["helm"]  # RuntimeError with the build hint if missing
         return self._run([str(helm), *args], check, timeout)
 
     def _run(self, argv: list[str], check: bool, timeout: float) -> subprocess.CompletedProcess[str]:
