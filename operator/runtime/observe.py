@@ -43,9 +43,10 @@ def read_token(secret: dict[str, Any] | None) -> SecretStr | None:
     if not raw:
         return None
     try:
-        return SecretStr(base64.b64decode(raw).decode())
+        token = base64.b64decode(raw, validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return None
+    return SecretStr(token) if token else None
 
 
 def owned_by(pod: dict[str, Any], uid: str) -> bool:

@@ -1,0 +1,137 @@
+"""The runtime's pure-ish parts without a cluster: the coalescing reconcile queue and the Lease elector (against an
+in-memory Lease API with real compare-and-swap on resourceVersion)."""
+
+import asyncio
+import copy
+import json
+from types import SimpleNamespace
+
+from kubernetes.client.exceptions import ApiException
+
+from tidal.operator.kube.lease import LeaseElector
+from tidal.operator.runtime.queue import ReconcileQueue
+
+
+def test_requests_during_a_pass_coalesce_into_one_more_pass():
+    async def main() -> list[int]:
+        runs: list[int] = []
+        gate = asyncio.Event()
+
+        async def reconcile(key):
+            runs.append(len(runs))
+            if len(runs) == 1:
+                await gate.wait()
+            return None
+
+        queue = ReconcileQueue(reconcile)
+        first = asyncio.create_task(queue.request(("ns", "m")))
+        await asyncio.sleep(0)
+        others = [asyncio.create_task(queue.request(("ns", "m"))) for _ in range(5)]
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *others)
+        return runs
+
+    assert asyncio.run(main()) == [0, 1]  # the first pass, then one pass for all five requests
+
+
+def test_requeue_timer_brings_the_model_back_and_forget_stops_it():
+    async def main() -> tuple[int, int]:
+        calls = {"a": 0, "b": 0}
+
+        async def reconcile(key):
+            calls[key[1]] += 1
+            return 0.01
+
+        queue = ReconcileQueue(reconcile)
+        await queue.request(("ns", "a"))
+        await queue.request(("ns", "b"))
+        queue.forget(("ns", "b"))
+        await asyncio.sleep(0.1)
+        await queue.close()
+        return calls["a"], calls["b"]
+
+    a, b = asyncio.run(main())
+    assert a >= 3 and b == 1
+
+
+def test_an_earlier_timer_wins():
+    async def main() -> int:
+        calls = []
+
+        async def reconcile(key):
+            calls.append(key)
+            return None
+
+        queue = ReconcileQueue(reconcile)
+        await queue.request(("ns", "a"))
+        queue.schedule(("ns", "a"), 0.02)
+        queue.schedule(("ns", "a"), 30)  # later: ignored
+        await asyncio.sleep(0.1)
+        await queue.close()
+        return len(calls)
+
+    assert asyncio.run(main()) == 2
+
+
+class FakeLeases:
+    """Just enough of CoordinationV1Api: read, create, replace with resourceVersion compare-and-swap."""
+
+    def __init__(self) -> None:
+        self.obj: dict | None = None
+        self.version = 0
+
+    def _resp(self, obj):
+        return SimpleNamespace(data=json.dumps(obj).encode())
+
+    def read_namespaced_lease(self, name, namespace, **_):
+        if self.obj is None:
+            raise ApiException(status=404)
+        return self._resp(self.obj)
+
+    def create_namespaced_lease(self, namespace, body, **_):
+        if self.obj is not None:
+            raise ApiException(status=409)
+        self.version += 1
+        self.obj = copy.deepcopy(body)
+        self.obj["metadata"]["resourceVersion"] = str(self.version)
+        return self._resp(self.obj)
+
+    def replace_namespaced_lease(self, name, namespace, body, **_):
+        if body["metadata"].get("resourceVersion") != self.obj["metadata"]["resourceVersion"]:
+            raise ApiException(status=409)
+        self.version += 1
+        self.obj = copy.deepcopy(body)
+        self.obj["metadata"]["resourceVersion"] = str(self.version)
+        return self._resp(self.obj)
+
+
+def test_one_leader_at_a_time_and_takeover_after_expiry():
+    api, now = FakeLeases(), [0.0]
+    a = LeaseElector(api, "sys", "lease", "a", 15, clock=lambda: now[0])
+    b = LeaseElector(api, "sys", "lease", "b", 15, clock=lambda: now[0])
+    assert a.try_acquire_or_renew() and not b.try_acquire_or_renew()
+    now[0] = 10
+    assert a.try_acquire_or_renew()  # renewed: b saw a change, its expiry clock restarts
+    now[0] = 20
+    assert not b.try_acquire_or_renew()
+    now[0] = 36  # a stopped renewing 26 s ago; b has seen the same record for 16 s
+    assert b.try_acquire_or_renew()
+    assert api.obj["spec"]["holderIdentity"] == "b" and api.obj["spec"]["leaseTransitions"] == 1
+    assert not a.try_acquire_or_renew()  # a is not leader any more
+
+
+def test_release_hands_over_at_once_and_stale_writes_lose():
+    api = FakeLeases()
+    a = LeaseElector(api, "sys", "lease", "a", 15, clock=lambda: 0.0)
+    b = LeaseElector(api, "sys", "lease", "b", 15, clock=lambda: 0.0)
+    assert a.try_acquire_or_renew()
+    a.release()
+    assert b.try_acquire_or_renew()
+    stale = copy.deepcopy(api.obj)
+    stale["metadata"]["resourceVersion"] = "0"
+    try:
+        api.replace_namespaced_lease("lease", "sys", stale)
+        raise AssertionError("a stale write must fail")
+    except ApiException as exc:
+        assert exc.status == 409

@@ -1,0 +1,189 @@
+"""The worker control client against an in-process fake worker (httpx.MockTransport), the fleet's memory of checksums
+and failed updates, and the executor's order of work, all without a cluster."""
+
+import asyncio
+import base64
+import json
+
+import httpx
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from tidal.operator.api.status import InferenceModelStatus, WeightsRolloutStatus
+from tidal.operator.metrics import OperatorMetrics
+from tidal.operator.planner.actions import CreatePod, EmitEvent, PatchStatus, SleepRank, UpdateWeights
+from tidal.operator.runtime.execute import Context, execute, status_patch
+from tidal.operator.runtime.observe import owned_by, read_token, targets_of
+from tidal.operator.runtime.workers import Target, WorkerFleet
+from tidal.operator.workerclient import WorkerCallError, WorkerClient
+
+TOKEN = SecretStr("s" * 40)
+
+
+def _state(version: str = "base", asleep: bool = False) -> dict:
+    return {
+        "sleep_state": "asleep" if asleep else "awake", "sleep_level": 1 if asleep else None,
+        "resident": [] if asleep else ["weights", "kv_cache"], "weights_version": version, "model_loaded": True,
+        "rank": 0, "world_size": 1, "group_epoch": 0, "leader_rank": 0, "group_formed": True,
+        "in_flight_requests": 0, "seconds_since_last_request": None,
+    }  # fmt: skip
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.version = "base"
+        self.calls: list[str] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append(f"{request.method} {request.url.path}")
+        if request.headers.get("Authorization") != f"Bearer {TOKEN.get_secret_value()}":
+            return httpx.Response(401, json={"code": "unauthorized", "message": "bad token"})
+        if request.url.path == "/state":
+            return httpx.Response(200, json=_state(self.version))
+        if request.url.path == "/weights/checksum":
+            return httpx.Response(200, json={"version": self.version, "overall": f"sum-{self.version}", "tensors": {}})
+        if request.url.path == "/weights/update":
+            body = json.loads(request.content)
+            if body["source"].endswith("broken"):
+                return httpx.Response(400, json={"code": "bad_checkpoint", "message": "truncated file"})
+            self.version = body["version"]
+            return httpx.Response(
+                200, json={"version": self.version, "checksum": f"sum-{self.version}", "duration_s": 0.1,
+                           "bytes_loaded": 10},
+            )  # fmt: skip
+        return httpx.Response(404, json={"code": "not_found", "message": request.url.path})
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_client_sends_the_token_and_raises_the_workers_error():
+    worker = FakeWorker()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker.handle)) as http:
+            state = await WorkerClient(http, "10.0.0.1", 8001, TOKEN).state()
+            assert state.weights_version == "base"
+            try:
+                await WorkerClient(http, "10.0.0.1", 8001, SecretStr("wrong-token-" * 4)).state()
+                raise AssertionError("expected 401")
+            except WorkerCallError as exc:
+                assert exc.code == "unauthorized"
+            try:
+                await WorkerClient(http, "10.0.0.1", 8001, TOKEN).update_weights("/m/broken", "v2")
+                raise AssertionError("expected a refusal")
+            except WorkerCallError as exc:
+                assert (exc.code, exc.message) == ("bad_checkpoint", "truncated file")
+
+    _run(main())
+
+
+def test_unreachable_worker_is_an_error_with_its_own_code():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http:
+            try:
+                await WorkerClient(http, "10.0.0.1", 8001, TOKEN).state()
+            except WorkerCallError as exc:
+                return exc.code
+
+    assert _run(main()) == "unreachable"
+
+
+def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
+    worker = FakeWorker()
+    metrics = OperatorMetrics(CollectorRegistry())
+    key, targets = ("ns", "m"), {"m-r0-0": Target("10.0.0.1", "uid-1")}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker.handle)) as http:
+            fleet = WorkerFleet(http, metrics)
+            first = await fleet.observe(key, targets, 8001, TOKEN)
+            await fleet.observe(key, targets, 8001, TOKEN)
+            assert first["m-r0-0"].checksum == "sum-base"
+            assert worker.calls.count("GET /weights/checksum") == 1  # cached for (uid, version)
+            failed = await fleet.update_weights(
+                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/broken", version="v2")], targets, 8001, TOKEN
+            )
+            assert [f.message for f in failed] == ["truncated file"]
+            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            assert seen["m-r0-0"].update_failure.version == "v2"
+            assert "bad_checkpoint" in seen["m-r0-0"].update_failure.message
+            ok = await fleet.update_weights(
+                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/good", version="v3")], targets, 8001, TOKEN
+            )
+            assert ok == []
+            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            assert seen["m-r0-0"].update_failure is None and seen["m-r0-0"].checksum == "sum-v3"
+            assert worker.calls.count("GET /weights/checksum") == 1  # the update's answer carried it
+
+    _run(main())
+
+
+def test_status_patch_removes_cleared_fields_but_keeps_lists_free_of_nulls():
+    status = InferenceModelStatus.model_validate(
+        {"phase": "Ready", "ranks": [{"pod": "p", "replica": 0, "rank": 0, "state": "Pending"}]}
+    )
+    patch = status_patch(status)
+    assert patch["weightsRollout"] is None and patch["weightsVersion"] is None
+    assert patch["ranks"] == [{"pod": "p", "replica": 0, "rank": 0, "state": "Pending"}]
+    held = status.model_copy(update={"weights_rollout": WeightsRolloutStatus(failed_version="x", message="m")})
+    assert status_patch(held)["weightsRollout"] == {"failedVersion": "x", "message": "m"}
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    async def create(self, manifest):
+        self.log.append(f"create {manifest['metadata']['name']}")
+        return True
+
+    async def patch_status(self, namespace, name, status):
+        self.log.append("status")
+
+    async def post_event(self, body, type_, reason, message):
+        self.log.append(f"event {reason}")
+
+
+class RecordingFleet:
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+
+    async def transition(self, key, actions, targets, port, token):
+        self.kube.log += [f"sleep {a.pod}" for a in actions]
+        return []
+
+    async def update_weights(self, key, actions, targets, port, token):
+        return []
+
+
+def test_executor_acts_on_kubernetes_then_writes_status_then_calls_workers():
+    kube = FakeKube()
+    actions = [
+        SleepRank(pod="m-r0-0", level=1),
+        CreatePod(manifest={"kind": "Pod", "metadata": {"name": "m-r1-0", "namespace": "ns"}}, reason="missing"),
+        PatchStatus(status=InferenceModelStatus()),
+        EmitEvent(type="Normal", reason="Synced", message="m"),
+    ]
+    ctx = Context({"metadata": {"name": "m", "namespace": "ns"}}, "ns", "m", 8001, {}, TOKEN)
+    done = _run(execute(kube, RecordingFleet(kube), ctx, actions))
+    assert kube.log == ["create m-r1-0", "status", "event Synced", "sleep m-r0-0"]
+    assert done.acted
+
+
+def test_observe_helpers():
+    secret = {"data": {"token": base64.b64encode(b"t" * 40).decode()}}
+    assert read_token(secret).get_secret_value() == "t" * 40
+    assert read_token(None) is None and read_token({"data": {"token": "!!"}}) is None
+    pod = {
+        "metadata": {"name": "m-r0-0", "uid": "u1", "ownerReferences": [{"uid": "model-uid", "controller": True}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.5"},
+    }
+    assert owned_by(pod, "model-uid") and not owned_by(pod, "other")
+    assert targets_of([pod]) == {"m-r0-0": Target("127.0.0.5", "u1")}
+    pending = {**pod, "status": {"phase": "Pending"}}
+    assert targets_of([pending]) == {}
