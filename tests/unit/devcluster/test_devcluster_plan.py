@@ -83,3 +83,15 @@ def test_config_is_validated_with_clear_errors(tmp_path):
 def test_missing_binaries_name_the_build_command(tmp_path):
     with pytest.raises(RuntimeError, match=r"kube-apiserver.*hack/build-binaries.sh"):
         resolve_binaries(ClusterConfig(bin_dir=tmp_path))
+
+
+def test_busy_loopback_subnets_come_from_listening_sockets():
+    from tidal.devcluster.ports import busy_loopback_subnets
+
+    proc_net_tcp = (
+        "  sl  local_address rem_address   st tx_queue rx_queue\n"
+        "   0: 018F007F:1F90 00000000:0000 0A 00000000:00000000\n"  # 127.0.143.1:8080 listening
+        "   1: 0100007F:1F91 00000000:0000 0A 00000000:00000000\n"  # 127.0.0.1 (the control plane)
+        "   2: 0105007F:1F92 0100007F:D431 01 00000000:00000000\n"  # 127.0.5.1, established only
+    )
+    assert busy_loopback_subnets(proc_net_tcp) == {143, 0}
