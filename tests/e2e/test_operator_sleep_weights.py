@@ -2,6 +2,7 @@
 transformers: same greedy output after a wake, new weights without pod restarts, a broken checkpoint held as
 Degraded while the old version keeps serving, and an operator restart in the middle of a roll."""
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -128,15 +129,35 @@ def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, names
     assert condition(obj, "Degraded")["status"] == "False" and "weightsRollout" not in obj["status"]
 
 
+GATE = "e2e.tidal.dev/open"
+
+
+def set_gate(dc: DevCluster, namespace: str, pod: str, open_: bool) -> None:
+    """Open or close a pod's readiness gate (the node agent honours gates like the kubelet): a rank that is not ready
+    on demand, at once, without freezing or killing its process."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cond = {"type": GATE, "status": "True" if open_ else "False", "lastTransitionTime": now}
+    dc.core.patch_namespaced_pod_status(
+        pod, namespace, {"status": {"conditions": [cond]}}, _content_type="application/strategic-merge-patch+json"
+    )
+
+
 def test_operator_restart_in_the_middle_of_a_roll_finishes_it_without_repeating(devcluster, namespace, models):
-    spec = {"replicas": 2, "updateStrategy": {"maxUnavailable": 2}}
+    spec = {
+        "replicas": 2,
+        "updateStrategy": {"maxUnavailable": 2},
+        "worker": {"podTemplate": {"spec": {"readinessGates": [{"conditionType": GATE}]}}},
+    }
     create_model(devcluster, namespace, model_manifest("midroll", models, spec))
+    for pod in ("midroll-r0-0", "midroll-r1-0"):
+        devcluster.wait_pod(namespace, pod, lambda p: p.get("status", {}).get("phase") == "Running", timeout_s=60)
+        set_gate(devcluster, namespace, pod, True)
     wait_model(devcluster, namespace, "midroll", phase_is("Ready"), timeout_s=150, what="Ready")
     pods_before = pod_identity(devcluster, namespace, "midroll")
 
-    # Replica 1 stops answering (SIGSTOP), so the roll can update replica 0 only and must wait for replica 1.
-    devcluster.inject_fault(namespace, "midroll-r1-0", "freeze")
-    devcluster.wait_pod(namespace, "midroll-r1-0", lambda p: not is_ready(p), timeout_s=40, what="not ready")
+    # Replica 1 goes out of service, so the roll updates replica 0 and must then wait for replica 1.
+    set_gate(devcluster, namespace, "midroll-r1-0", False)
+    devcluster.wait_pod(namespace, "midroll-r1-0", lambda p: not is_ready(p), timeout_s=30, what="not ready")
     patch_spec(devcluster, namespace, "midroll", {"weights": {"version": "b", "source": "tiny-llama-b"}})
 
     def ranks(obj: dict) -> dict[str, str | None]:
@@ -146,17 +167,20 @@ def test_operator_restart_in_the_middle_of_a_roll_finishes_it_without_repeating(
         devcluster, namespace, "midroll", lambda o: ranks(o).get("midroll-r0-0") == "b", timeout_s=60,
         what="replica 0 on b",
     )  # fmt: skip
+    assert ranks(obj)["midroll-r1-0"] == "base"
     assert condition(obj, "WeightsSynced")["status"] == "False" and obj["status"]["weightsVersion"] == "base"
 
-    # Restart the operator mid-roll; replica 1 comes back while the new operator starts.
-    (old,) = [p for p in operator_pods(devcluster) if p.metadata.name == lease_holder(devcluster)]
-    devcluster.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NS)
-    devcluster.inject_fault(namespace, "midroll-r1-0", "thaw")
-    new = wait_until(
-        lambda: next((p for p in operator_pods(devcluster) if p.metadata.name == lease_holder(devcluster)), None)
-        if lease_holder(devcluster) not in (None, old.metadata.name) else None,
-        90, "a new operator holding the lease",
-    )  # fmt: skip
+    # Restart the operator mid-roll; replica 1 comes back once the old operator is gone for good.
+    old = lease_holder(devcluster)
+    devcluster.core.delete_namespaced_pod(old, OPERATOR_NS)
+    devcluster.wait_pod_gone(OPERATOR_NS, old, timeout_s=60)
+    set_gate(devcluster, namespace, "midroll-r1-0", True)
+
+    def new_leader():
+        holder = lease_holder(devcluster)
+        return next((p for p in operator_pods(devcluster) if p.metadata.name == holder and holder != old), None)
+
+    new = wait_until(new_leader, 90, "a new operator holding the lease")
     obj = wait_model(devcluster, namespace, "midroll", synced_to("b"), timeout_s=120, what="synced to b")
     assert [r["weightsVersion"] for r in obj["status"]["ranks"]] == ["b", "b"]
     assert pod_identity(devcluster, namespace, "midroll") == pods_before
