@@ -69,7 +69,7 @@ def plan(inp: PlanInput) -> Plan:
     previous = inp.model.status
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
     pods = plan_pods(facts)
-    sleep = decide_sleep(facts)
+    sleep = decide_sleep(facts, inp.now)
     sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
     work = pods.actions + sleep_actions + rollout.actions

@@ -1,8 +1,10 @@
 """Sleep and wake: every rank that is off the desired state gets its call in the same pass (they run in parallel)."""
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
+from tidal.operator.api.conditions import find_condition
 from tidal.operator.planner.actions import Action, SleepRank, WakeRank
 from tidal.operator.planner.facts import Facts
 from tidal.worker.control.schema import SleepState
@@ -16,12 +18,14 @@ class SleepDecision:
     reason: SleepReason
 
 
-def decide_sleep(facts: Facts) -> SleepDecision:
+def decide_sleep(facts: Facts, now: datetime) -> SleepDecision:
     """Asleep when the spec says so, or when idleTimeoutSeconds passed on every rank with nothing in flight.
 
     Level-based: the worker counts requests that arrive while it sleeps (it answers them 503), so a request resets
     `seconds_since_last_request` and the next pass wakes the model. A rank that never saw a request reports None
-    and is never counted as idle.
+    and is never counted as idle. The previous Sleeping condition supplies the rest: a model that fell asleep for
+    idleness is woken by any change of its spec (`kubectl patch`, a new generation), and a model that is awake again
+    stays awake for at least the timeout (its workers' idle clocks did not move while it slept).
     """
     sleep = facts.model.spec.sleep
     if sleep.state == "Asleep":
@@ -29,6 +33,13 @@ def decide_sleep(facts: Facts) -> SleepDecision:
     timeout = sleep.idle_timeout_seconds
     states = [s.state for s in facts.slots]
     if timeout is None or not states or any(st is None for st in states):
+        return SleepDecision(False, "Requested")
+    status = facts.model.status
+    previous = find_condition(status.conditions, "Sleeping") if status is not None else None
+    if previous is not None and previous.status == "True":
+        if previous.reason != "IdleTimeout" or previous.observed_generation != facts.model.metadata.generation:
+            return SleepDecision(False, "Requested")
+    elif previous is not None and (now - previous.last_transition_time).total_seconds() < timeout:
         return SleepDecision(False, "Requested")
     idle = all(
         st is not None

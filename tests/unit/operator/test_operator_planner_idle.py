@@ -1,0 +1,46 @@
+"""Idle sleep over several passes: a model woken after an idle sleep stays awake for the timeout, and a spec change
+(`kubectl patch`) wakes a model that fell asleep for idleness, as a request does."""
+
+from operator_fixtures import healthy, make_model, run, with_status, worker
+
+from tidal.operator.api.conditions import find_condition
+from tidal.operator.planner.actions import SleepRank, WakeRank
+
+
+def _sleeps(result) -> int:
+    return sum(1 for a in result.actions if isinstance(a, SleepRank))
+
+
+def _wakes(result) -> int:
+    return sum(1 for a in result.actions if isinstance(a, WakeRank))
+
+
+def test_idle_sleep_then_a_patch_wakes_it_and_it_stays_awake_for_the_timeout():
+    spec = {"sleep": {"idleTimeoutSeconds": 600}}
+    model = make_model(spec)
+    pods, _ = healthy(model)
+    name = pods[0].name
+    awake_idle = {name: worker(seconds_since_last_request=900.0)}
+    first = run(model, pods, awake_idle)
+    model = with_status(model, first)
+    # Awake since the first pass: 10 minutes later it may sleep.
+    result = run(model, pods, awake_idle, minutes=11)
+    assert _sleeps(result) == 1
+    model = with_status(model, result)
+    asleep = {name: worker(asleep=True, level=1, seconds_since_last_request=1600.0)}
+    result = run(model, pods, asleep, minutes=12)
+    assert _wakes(result) == 0
+    assert find_condition(result.status.conditions, "Sleeping").reason == "IdleTimeout"
+    model = with_status(model, result)
+
+    # kubectl patch: a new generation wakes it although no request came.
+    patched = with_status(make_model(spec, generation=2), result)
+    result = run(patched, pods, asleep, minutes=13)
+    assert _wakes(result) == 1
+    model = with_status(patched, result)
+    awake_again = {name: worker(seconds_since_last_request=1700.0)}
+    result = run(model, pods, awake_again, minutes=14)  # the wake is seen: Sleeping flips to False now
+    assert _sleeps(result) == 0
+    model = with_status(model, result)
+    assert _sleeps(run(model, pods, awake_again, minutes=20)) == 0  # awake for 6 of the 10 minutes
+    assert _sleeps(run(model, pods, awake_again, minutes=25)) == 1  # 11 minutes awake with no request
