@@ -107,8 +107,9 @@ def _router(manager: LifecycleManager) -> APIRouter:
         return await manager.update_collective(body)
 
     @router.get("/weights/checksum")
-    async def checksum() -> WeightsChecksum:
-        return await manager.checksum()
+    async def checksum(recompute: bool = False) -> WeightsChecksum:
+        """Cached per version unless `recompute` (hashing a large model takes a second or more)."""
+        return await manager.checksum(recompute)
 
     return router
 

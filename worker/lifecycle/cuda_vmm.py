@@ -73,6 +73,20 @@ def _prop(device_index: int) -> _AllocationProp:
     return prop
 
 
+@functools.cache
+def _primary_context(device_index: int) -> int:
+    ctx = ctypes.c_void_p()
+    _check(
+        _driver().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), ctypes.c_int(device_index)), "cuDevicePrimaryCtxRetain"
+    )
+    return int(ctx.value or 0)
+
+
+def make_current(device_index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread, without synchronising."""
+    _check(_driver().cuCtxSetCurrent(ctypes.c_void_p(_primary_context(device_index))), "cuCtxSetCurrent")
+
+
 def granularity(device_index: int) -> int:
     value = ctypes.c_size_t()
     prop = _prop(device_index)

@@ -106,13 +106,17 @@ class VmmRegion(DeviceRegion):
             self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece
             try:
                 self._map_all()
-                self._tensor = torch.as_tensor(_CudaPointer(self._base, nbytes))
+                # The device must be named: without it as_tensor copies the data to the default (CPU) device.
+                self._tensor = torch.as_tensor(
+                    _CudaPointer(self._base, nbytes), device=torch.device("cuda", self._index)
+                )
+                if self._tensor.data_ptr() != self._base:
+                    raise RuntimeError("torch wrapped the reserved range at another address")
             except Exception:
+                self._tensor = None
                 self._unmap_all()
                 cuda_vmm.free_reservation(self._base, self._size)
                 raise
-        if self._tensor.data_ptr() != self._base:
-            raise RuntimeError("torch wrapped the reserved range at another address")
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -130,13 +134,13 @@ class VmmRegion(DeviceRegion):
         self._handles = []
 
     def _release(self) -> None:
-        with torch.cuda.device(self._index):
-            self._unmap_all()
+        cuda_vmm.make_current(self._index)
+        self._unmap_all()
 
     def _restore(self) -> None:
-        with torch.cuda.device(self._index):
-            torch.cuda.synchronize()
-            self._map_all()
+        # No synchronisation: mapping can overlap a copy already queued into another region.
+        cuda_vmm.make_current(self._index)
+        self._map_all()
 
 
 def allocate_region(nbytes: int, device: torch.device, prefer_stable: bool = True) -> DeviceRegion:

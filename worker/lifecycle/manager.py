@@ -269,9 +269,9 @@ class LifecycleManager:
             stage = functools.partial(self._stage_from_group, request)
             return await self._update(stage, request.version, None, request.mode, request.drain_timeout_s)
 
-    async def checksum(self) -> WeightsChecksum:
+    async def checksum(self, recompute: bool = False) -> WeightsChecksum:
         async with self._exclusive("checksum"):
-            if self._checksum is None or self._checksum.version != self._version:
+            if recompute or self._checksum is None or self._checksum.version != self._version:
                 self._checksum = await asyncio.to_thread(self._checksum_blocking)
             return self._checksum
 
@@ -327,9 +327,10 @@ class LifecycleManager:
                 if not self._host_valid:
                     num_bytes += self._reload_served_version()
                 self.weights.restore()
-                num_bytes += self.weights.to_device()
+                num_bytes += self.weights.to_device(wait=False)
             if ResidentTag.KV_CACHE in tags and not self.kv.is_resident:
-                self.kv.restore()
+                self.kv.restore()  # maps while the weights copy runs
+            self.weights.synchronize()
             if not (self.weights.is_resident and self.kv.is_resident):
                 return num_bytes  # still asleep: serving needs both
             self._recapture_graphs_if_moved()
@@ -453,12 +454,13 @@ class LifecycleManager:
 
     def _checksum_blocking(self) -> WeightsChecksum:
         assert self.weights is not None
-        if self.weights.is_resident:
-            tensors = self.weights.device_views()
-        elif self._host_valid:
-            tensors = self.weights.host_views()
-        else:
+        if self.weights.is_resident and not self._host_valid:
+            # One fast copy into the (idle) host buffer beats many small device reads from the hashing threads.
+            self.weights.to_host()
+            self._host_valid = True
+        if not self._host_valid:
             raise WeightsUnavailableError("the weights were dropped by a level-2 sleep: nothing to checksum")
+        tensors = self.weights.host_views()
         digests = weights_digests(tensors)
         return WeightsChecksum(version=self._version, overall=overall_digest(digests), tensors=digests)
 

@@ -59,7 +59,7 @@ class ResidentWeights:
     def __init__(self, model: CausalLM, device: torch.device, make_region: RegionFactory) -> None:
         self.model = model
         self.device = device
-        params = [p for p in model.parameters() if p.device == device]
+        params = list(model.parameters())
         sizes = [p.numel() * p.element_size() for p in params]
         offsets, total = pack(sizes)
         self.region = make_region(total, device)
@@ -104,13 +104,15 @@ class ResidentWeights:
     def to_host(self) -> int:
         """Device -> host buffer; -> bytes copied."""
         self.host.copy_(self.region.tensor, non_blocking=True)
-        self._sync()
+        self.synchronize()
         return self.nbytes
 
-    def to_device(self) -> int:
-        """Host buffer -> device (every byte: the slots tile the region); -> bytes copied."""
+    def to_device(self, wait: bool = True) -> int:
+        """Host buffer -> device (every byte: the slots tile the region); -> bytes copied. `wait=False` returns
+        once the copy is queued (call `synchronize()` before relying on it)."""
         self.region.tensor.copy_(self.host, non_blocking=True)
-        self._sync()
+        if wait:
+            self.synchronize()
         return self.nbytes
 
     def release(self) -> None:
@@ -123,7 +125,7 @@ class ResidentWeights:
     def is_resident(self) -> bool:
         return self.region.is_resident
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -1,0 +1,234 @@
+"""Sleep, wake and in-place weight updates, measured on one device.
+
+    python benchmarks/lifecycle.py --shape llama3-8b            # an H200: Llama-3-8B-shaped bf16, random weights
+    python benchmarks/lifecycle.py --shape tiny --device cpu     # the same steps on a tiny model (minutes -> seconds)
+
+Writes a model directory with random weights (--dir, default a temporary one), builds the engine through the
+lifecycle manager (weights and KV cache in releasable memory, CUDA graphs captured there), then prints: the device
+memory freed by sleep levels 1 and 2 and what stays held; sleep and wake seconds per level; the host<->device copy
+rate of the weights; whether greedy outputs (which replay the CUDA graphs captured before the first sleep) are
+unchanged after each wake; the update-from-disk time and rate with the files in the page cache and evicted from it
+(posix_fadvise DONTNEED); the checksum time; and what recapturing the CUDA graphs would cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tidal.worker.control.schema import SleepRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.lifecycle.config import LifecycleConfig
+from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.models.registry import resolve_model_class
+from tidal.worker.testing.tiny_models import tiny_config
+from tidal.worker.testing.tiny_tokenizer import BOS, EOS, IM_END, PAD, save_tokenizer
+
+SHAPES = {
+    "llama3-8b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 8192, "vocab_size": 128256,
+    },
+    "tiny": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 1024, "vocab_size": 512,
+    },
+}  # fmt: skip
+SHARD_BYTES = 4 * 2**30
+GiB = 2**30
+
+
+def write_model(out: Path, shape: dict, device: torch.device, seed: int = 0) -> Path:
+    """config.json + tokenizer + bf16 random weights in shards (made on `device`, which is fast on a GPU)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = save_tokenizer(out)
+    special = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END, PAD)}
+    overrides = {k: v for k, v in shape.items() if k != "vocab_size"}
+    config = tiny_config("llama", shape["vocab_size"], special, False, overrides)
+    config.dtype = "bfloat16"
+    config.save_pretrained(out)
+    with torch.device("meta"):
+        model = resolve_model_class(config.architectures).from_hf_config(config, torch.bfloat16, torch.device("meta"))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    num = 0
+
+    def flush() -> None:
+        nonlocal shard, num
+        if shard:
+            name = f"model-{num:05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            shard, num = {}, num + 1
+
+    for name, meta in sorted(model.checkpoint_weights().items()):
+        t = torch.randn(meta.shape, generator=gen, device=device, dtype=torch.float32)
+        t = (1.0 + 0.05 * t) if name.endswith("norm.weight") else t * (0.5 / meta.shape[-1] ** 0.5)
+        shard[name] = t.to(torch.bfloat16).cpu()
+        if sum(x.numel() * 2 for x in shard.values()) >= SHARD_BYTES:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return out
+
+
+def device_used_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / GiB
+
+
+def largest_cuda_tensors(limit: int = 4) -> str:
+    """What still holds device memory while asleep (diagnostics)."""
+    sizes = []
+    for obj in gc.get_objects():
+        with contextlib.suppress(Exception):
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                sizes.append((obj.untyped_storage().nbytes(), tuple(obj.shape), str(obj.dtype)))
+    sizes.sort(reverse=True)
+    return ", ".join(f"{n / 2**20:.0f} MiB {shape} {dtype}" for n, shape, dtype in sizes[:limit])
+
+
+def evict_page_cache(model_dir: Path) -> None:
+    for path in model_dir.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+async def greedy(manager: LifecycleManager, prompts: list[list[int]], n: int) -> list[list[int]]:
+    assert manager.engine is not None
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in manager.engine.generate(f"bench-{time.monotonic_ns()}-{i}", prompt, params):  # type: ignore[union-attr]
+            tokens += out.new_token_ids
+        return tokens
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def line(label: str, value: str) -> None:
+    print(f"{label:<52} {value}", flush=True)
+
+
+async def run(args: argparse.Namespace) -> None:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape = SHAPES[args.shape]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="tidal-lifecycle-bench-"))
+    start = time.monotonic()
+    model_dir = write_model(root / "model", shape, device)
+    line("model written", f"{time.monotonic() - start:.1f}s at {model_dir}")
+
+    manager = LifecycleManager(LifecycleConfig(weights_version="a"))
+    kv_size = {"gpu_memory_fraction": args.kv_fraction} if device.type == "cuda" else {"num_kv_blocks": 256}
+    config = EngineConfig(
+        model_path=model_dir, dtype="bfloat16", device=str(device), max_num_seqs=8, max_num_batched_tokens=2048,
+        max_model_len=1024, **kv_size,
+    )  # fmt: skip
+    start = time.monotonic()
+    engine = await asyncio.to_thread(manager.load_engine, config)
+    await engine.start()
+    assert manager.weights is not None and manager.kv is not None
+    w, kv = manager.weights, manager.kv
+    line("engine loaded + moved to releasable memory", f"{time.monotonic() - start:.1f}s")
+    line("weights / KV cache", f"{w.nbytes / GiB:.2f} GiB / {kv.nbytes / GiB:.2f} GiB ({type(w.region).__name__})")
+    line("CUDA graphs captured", str(manager._llm.runner.decode_graphs is not None))
+
+    # The raw copy rates of exactly these bytes (pinned host buffer <-> device).
+    t = time.perf_counter()
+    w.to_host()
+    d2h = time.perf_counter() - t
+    t = time.perf_counter()
+    w.to_device()
+    h2d = time.perf_counter() - t
+    line("weights device->host / host->device", f"{d2h:.3f}s ({w.nbytes / d2h / 1e9:.1f} GB/s) / "
+         f"{h2d:.3f}s ({w.nbytes / h2d / 1e9:.1f} GB/s)")  # fmt: skip
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=gen).tolist() for n in (5, 17, 40, 100)]
+    reference = await greedy(manager, prompts, args.new_tokens)
+    used_awake = device_used_gib(device)
+    if used_awake is not None:
+        line("device memory used, awake", f"{used_awake:.2f} GiB")
+    addresses = (w.region.data_ptr(), kv.region.data_ptr())
+
+    for level in (1, 2):
+        slept = await manager.sleep(SleepRequest(level=level))
+        used = device_used_gib(device)
+        if used is not None and used_awake is not None:
+            line(f"level {level}: freed / still held", f"{used_awake - used:.2f} GiB / {used:.2f} GiB")
+        line(f"level {level}: sleep", f"{slept.duration_s:.3f}s")
+        if device.type == "cuda":
+            allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+            line(f"level {level}: torch allocated / reserved", f"{allocated / GiB:.2f} / {reserved / GiB:.2f} GiB")
+            line(f"level {level}: largest live CUDA tensors", largest_cuda_tensors())
+        woke = await manager.wake_up(WakeUpRequest())
+        note = " (includes re-reading the checkpoint from disk)" if level == 2 else ""
+        line(f"level {level}: wake", f"{woke.duration_s:.3f}s{note}")
+        if level == 1:
+            line("level 1: wake / (weights bytes at measured H2D rate)", f"{woke.duration_s / h2d:.2f}x")
+        same = await greedy(manager, prompts, args.new_tokens) == reference
+        stable = (w.region.data_ptr(), kv.region.data_ptr()) == addresses
+        line(f"level {level}: outputs equal / addresses unchanged", f"{same} / {stable}")
+
+    for label, cold in (("update from disk, page cache", False), ("update from disk, evicted (cold)", True)):
+        if cold:
+            evict_page_cache(model_dir)
+        result = await manager.update_from_disk(
+            WeightsUpdateRequest(source=str(model_dir), version="cold" if cold else "warm")
+        )
+        line(label, f"{result.duration_s:.3f}s, {result.bytes_loaded / result.duration_s / 1e9:.1f} GB/s, "
+             f"serving held {result.paused_s:.3f}s; checksum {result.checksum_s:.2f}s")  # fmt: skip
+    line(
+        "outputs equal after updating to the same bytes",
+        str(await greedy(manager, prompts, args.new_tokens) == reference),
+    )
+
+    if device.type == "cuda" and manager._llm is not None:
+        llm = manager._llm
+        t = time.perf_counter()
+        await asyncio.to_thread(llm.runner.capture_cuda_graphs, llm.config.max_num_seqs, llm.max_model_len)
+        line("CUDA graph recapture (not needed: stable addresses)", f"{time.perf_counter() - t:.2f}s")
+        await manager.sleep(SleepRequest(level=2))
+        line("level 2 again: still held", f"{device_used_gib(device):.2f} GiB")
+        llm.runner.decode_graphs = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        line("  ... of which CUDA graphs held", f"{device_used_gib(device):.2f} GiB held without them")
+        stats = torch.cuda.memory_stats(device)
+        reserved, allocated = torch.cuda.memory_reserved(device) / GiB, torch.cuda.memory_allocated(device) / GiB
+        segments = stats.get("segment.all.current")
+        line("  torch segments / reserved / allocated", f"{segments} / {reserved:.2f} / {allocated:.2f} GiB")
+    await engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dir", default=None, help="where to write the model (default: a temporary directory)")
+    parser.add_argument("--kv-fraction", type=float, default=0.9, help="share of free GPU memory for the KV cache")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

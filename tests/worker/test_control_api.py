@@ -1,0 +1,65 @@
+"""The control API over HTTP: the bearer token guards every call, the contract's models come back, token settings."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import SecretStr
+
+from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
+from tidal.worker.control.schema import WorkerState
+from tidal.worker.control.testing import TEST_TOKEN, ControlledWorker
+
+
+def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):
+    with ControlledWorker(model_path=tiny_model("llama"), num_kv_blocks=64) as worker:
+        assert worker.control is not None
+        for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong-token-wrong-token-x"},
+                        {"Authorization": f"Basic {TEST_TOKEN}"}):  # fmt: skip
+            for method, path, body in (("GET", "/state", None), ("POST", "/sleep", {"level": 2}),
+                                       ("POST", "/weights/update", {"source": "/nowhere", "version": "x"}),
+                                       ("GET", "/weights/checksum", None)):  # fmt: skip
+                response = worker.control.request(method, path, json=body, headers=headers)
+                assert response.status_code == 401, (headers, path)
+                assert response.json()["code"] == "unauthorized"
+                assert TEST_TOKEN not in response.text
+        state = WorkerState.model_validate(worker.control.get("/state").json())
+        assert state.sleep_state == "awake" and state.model_loaded and state.weights_version == "base"
+        assert state.resident == ["weights", "kv_cache"] and state.rank == 0 and state.world_size == 1
+        assert worker.complete("Hello").status_code == 200
+
+
+def test_bad_requests_are_400_with_a_reason(tiny_model):
+    with ControlledWorker(model_path=tiny_model("llama"), num_kv_blocks=64) as worker:
+        response = worker.post("/sleep", {"level": 3})
+        assert response.status_code == 400 and response.json()["code"] == "invalid_request"
+        response = worker.post("/weights/update", {"source": "/x", "version": "bad version"})
+        assert response.status_code == 400
+
+
+def test_token_sources(tmp_path):
+    assert resolve_control_token(None, None) is None
+    token_file = tmp_path / "token"
+    token_file.write_text(TEST_TOKEN + "\n")
+    assert resolve_control_token(None, token_file).get_secret_value() == TEST_TOKEN
+    assert resolve_control_token(SecretStr(TEST_TOKEN), None).get_secret_value() == TEST_TOKEN
+    with pytest.raises(ControlTokenError, match="only one"):
+        resolve_control_token(SecretStr(TEST_TOKEN), token_file)
+    with pytest.raises(ControlTokenError, match="shorter") as err:
+        resolve_control_token(SecretStr("short"), None)
+    assert "short" not in str(err.value).replace("shorter", "")
+    with pytest.raises(ControlTokenError, match="cannot read"):
+        resolve_control_token(None, tmp_path / "missing")
+    secret = SecretStr(TEST_TOKEN)
+    assert is_authorized(f"Bearer {TEST_TOKEN}", secret) and is_authorized(f"bearer {TEST_TOKEN}", secret)
+    assert not is_authorized(None, secret) and not is_authorized(TEST_TOKEN, secret)
+
+
+def test_no_token_means_no_control_listener(tiny_model):
+    from prometheus_client import CollectorRegistry
+
+    from tidal.worker.config import WorkerConfig
+    from tidal.worker.control.wiring import build_control
+
+    config = WorkerConfig(model_path=tiny_model("llama"), device="cpu")
+    _, listener = build_control(config, CollectorRegistry())
+    assert listener is None

@@ -1,0 +1,113 @@
+"""Sleep and wake on the CPU with the tiny models: identical outputs after both levels, requests while asleep,
+sleep while requests run (drain and abort), metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from tidal.worker.control.schema import DrainMode, SleepRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
+from tidal.worker.lifecycle.errors import WeightsUnavailableError
+from tidal.worker.testing.hf_reference import prompt_ids
+from tidal.worker.testing.tiny_models import write_tiny_model
+
+
+def test_outputs_identical_after_wake_from_both_levels(tiny_model):
+    model_dir = tiny_model("qwen3")
+    prompts = prompt_ids(model_dir)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            before = await greedy(manager, prompts)
+            assert (await manager.sleep(SleepRequest(level=1))).state.resident == []
+            assert manager.weights is not None and not manager.weights.is_resident
+            await manager.wake_up(WakeUpRequest())
+            assert await greedy(manager, prompts) == before
+            await manager.sleep(SleepRequest(level=2))
+            # Level 2 dropped the weights; an update from disk first, then the wake serves it.
+            await manager.update_from_disk(WeightsUpdateRequest(source=str(model_dir), version="a2"))
+            woke = await manager.wake_up(WakeUpRequest(tags=["weights"]))
+            assert woke.state.sleep_state == "asleep" and woke.state.resident == ["weights"]
+            woke = await manager.wake_up(WakeUpRequest(tags=["kv_cache"]))
+            assert woke.state.sleep_state == "awake" and manager.version == "a2"
+            assert await greedy(manager, prompts) == before
+            # Level 2 then a plain wake re-reads the served version from its directory.
+            await manager.sleep(SleepRequest(level=2))
+            await manager.wake_up(WakeUpRequest())
+            assert await greedy(manager, prompts) == before
+
+    asyncio.run(scenario())
+
+
+def test_level2_wake_refuses_weights_that_cannot_be_reloaded(tiny_model, tmp_path):
+    model_dir = tiny_model("llama")
+    stream_dir = write_tiny_model("llama", tmp_path / "b", seed=1)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            upload = await manager.stream_start(False)
+            data = (stream_dir / "model.safetensors").read_bytes()
+            await manager.stream_chunk(upload.upload_id, "model.safetensors", 0, data)
+            from tidal.worker.control.schema import StreamFinishRequest
+
+            await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="streamed"))
+            await manager.sleep(SleepRequest(level=2))
+            try:
+                await manager.wake_up(WakeUpRequest())
+                raise AssertionError("the wake should have been refused")
+            except WeightsUnavailableError as err:
+                assert "weight update" in str(err)
+            assert manager.state().sleep_state == "asleep"
+
+    asyncio.run(scenario())
+
+
+def test_requests_while_asleep_get_503_with_retry_after_or_wake_the_model(tiny_model):
+    model_dir = tiny_model("llama")
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64) as worker:
+        expected = worker.text("Hello")
+        assert worker.post("/sleep", {"level": 1}).status_code == 200
+        refused = worker.complete("Hello")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "30"
+        assert refused.json()["error"]["code"] == "asleep"
+        assert worker.post("/wake_up").json()["state"]["sleep_state"] == "awake"
+        assert worker.text("Hello") == expected
+        metrics = worker.api.get("/metrics").text  # type: ignore[union-attr]
+        assert 'tidal_lifecycle_operations_total{operation="sleep",outcome="ok"} 1.0' in metrics
+        assert 'tidal_weights_version_info{version="base"} 1.0' in metrics
+        assert "tidal_sleep_level 0.0" in metrics
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64, asleep_requests="wake") as worker:
+        assert worker.post("/sleep", {"level": 2}).status_code == 200
+        assert worker.text("Hello") == expected  # woke on demand, reloading the weights from disk
+        assert worker.control.get("/state").json()["sleep_state"] == "awake"  # type: ignore[union-attr]
+
+
+def test_sleep_drains_running_requests_or_aborts_them_with_a_reason(tiny_model):
+    model_dir = tiny_model("llama")
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=256) as worker:
+        full = worker.text("The tide", max_tokens=200)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(worker.complete, "The tide", 200) for _ in range(3)]
+            _wait_for_in_flight(worker, 3)
+            slept = worker.post("/sleep", {"level": 1, "mode": DrainMode.DRAIN.value})
+            assert slept.status_code == 200
+            for future in running:  # drained: each finished whole before the sleep
+                assert future.result().json()["choices"][0]["text"] == full
+        worker.post("/wake_up")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            running = [pool.submit(worker.complete, "The tide", 200) for _ in range(3)]
+            _wait_for_in_flight(worker, 3)
+            assert worker.post("/sleep", {"level": 1, "mode": "abort"}).status_code == 200
+            for future in running:
+                response = future.result()
+                assert response.status_code == 503 and "goes to sleep" in response.json()["error"]["message"]
+
+
+def _wait_for_in_flight(worker: ControlledWorker, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while worker.control.get("/state").json()["in_flight_requests"] < n:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

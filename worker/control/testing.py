@@ -1,0 +1,102 @@
+"""A whole worker (serving API + control API, wired as the CLI does) on a background thread, for tests and demos."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tidal.worker.cli import build_servers
+from tidal.worker.config import WorkerConfig
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.lifecycle.config import LifecycleConfig
+from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.server.background import BackgroundServers
+
+_ids = itertools.count()
+
+TEST_TOKEN = "test-control-token-0123456789abcdef"
+
+
+class ControlledWorker:
+    def __init__(self, **config: Any) -> None:
+        settings = {"host": "127.0.0.1", "port": 0, "control_port": 0, "control_token": TEST_TOKEN, "device": "cpu"}
+        self.config = WorkerConfig(**{**settings, **config})
+        self.servers = build_servers(self.config)
+        self.background = BackgroundServers(self.servers)
+        self.api: httpx.Client | None = None
+        self.control: httpx.Client | None = None
+
+    def __enter__(self) -> ControlledWorker:
+        self.background.start()
+        ports = {lst.name: lst.bound_port for lst in self.servers.listeners}
+        self.api = httpx.Client(base_url=f"http://127.0.0.1:{ports['serving']}", timeout=120)
+        headers = {"Authorization": f"Bearer {TEST_TOKEN}"}
+        self.control = httpx.Client(base_url=f"http://127.0.0.1:{ports['control']}", headers=headers, timeout=120)
+        deadline = time.monotonic() + 120
+        while self.api.get("/ready").status_code != 200:
+            if time.monotonic() > deadline or self.background.exit_code is not None:
+                raise RuntimeError("the worker did not become ready")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for client in (self.api, self.control):
+            if client is not None:
+                client.close()
+        self.background.stop()
+
+    def checksum(self) -> dict[str, Any]:
+        """Recomputed from the served bytes, not the cached value."""
+        assert self.control is not None
+        response = self.control.get("/weights/checksum", params={"recompute": "true"})
+        response.raise_for_status()
+        return response.json()
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 12) -> httpx.Response:
+        assert self.api is not None
+        body = {"model": self.config.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return self.api.post("/v1/completions", json={**body, "ignore_eos": True})
+
+    def text(self, prompt: str | list[int], max_tokens: int = 12) -> str:
+        response = self.complete(prompt, max_tokens)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        assert self.control is not None
+        return self.control.post(path, json=body if body is not None else {})
+
+
+@contextlib.asynccontextmanager
+async def running_manager(model_dir: Path, **lifecycle: Any) -> AsyncIterator[LifecycleManager]:
+    """A lifecycle manager and its started engine on the CPU (fp32), without HTTP: for token-level checks."""
+    manager = LifecycleManager(LifecycleConfig(**{"weights_version": "a", **lifecycle}))
+    config = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=128)
+    engine = await asyncio.to_thread(manager.load_engine, config)
+    await engine.start()
+    try:
+        yield manager
+    finally:
+        await engine.shutdown()
+
+
+async def greedy(manager: LifecycleManager, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    """Greedy token ids of each prompt, all in flight together."""
+    assert manager.engine is not None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    async def one(prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in manager.engine.generate(f"greedy-{next(_ids)}", prompt, params):  # type: ignore[union-attr]
+            tokens += out.new_token_ids
+        return tokens
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
