@@ -97,7 +97,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    # One thread by default: on a shared, oversubscribed CPU, OpenMP barriers between many small ops stall for whole
+    # scheduler slices and the numbers swing by 10x; one thread gives repeatable numbers. 0 = torch's default.
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
