@@ -14,6 +14,7 @@ from tidal.worker.engine.block_manager import BlockManager
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
 from tidal.worker.engine.engine_setup import (
+    EngineConfigError,
     decide_num_kv_blocks,
     fit_max_model_len,
     resolve_device,
@@ -30,7 +31,7 @@ from tidal.worker.engine.step_plan import build_step_plan
 from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
-from tidal.worker.loader.model_loader import load_model, load_tokenizer
+from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,16 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Self:
         device = resolve_device(config.device)
-        loaded = load_model(config.model_path, config.dtype, device)
+        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device))
+
+    @classmethod
+    def from_loaded_model(cls, config: EngineConfig, loaded: LoadedModel) -> Self:
+        """An engine around a model whose weights are already on `config.device` (benchmarks fill random weights
+        in memory); the tokenizer and EOS ids still come from `config.model_path`."""
+        device = resolve_device(config.device)
+        weights_device = next(loaded.model.parameters()).device
+        if weights_device.type != device.type:
+            raise EngineConfigError(f"the model's weights are on {weights_device}, the engine runs on {device}")
         tokenizer = load_tokenizer(config.model_path)
         max_model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
         runner = ModelRunner(loaded.model, loaded.dtype, device, config.block_size)
