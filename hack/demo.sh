@@ -31,7 +31,7 @@ python -m tidal.worker.testing.tiny_models --arch llama --out "$MODELS/tiny-llam
 
 step "kubectl apply -f examples/tiny-model.yaml"
 kubectl -n "$NS" apply -f examples/tiny-model.yaml
-if ! kubectl -n "$NS" wait --for=condition=Ready inferencemodel.tidal.dev/tiny --timeout=5m; then
+if ! kubectl -n "$NS" wait --for=jsonpath='{.status.phase}'=Ready inferencemodel.tidal.dev/tiny --timeout=5m; then
     kubectl -n "$NS" describe inferencemodel.tidal.dev/tiny
     kubectl -n "$OPERATOR_NS" logs deploy/"$RELEASE"-operator --tail 50 || true
     exit 1

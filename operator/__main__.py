@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from tidal.operator.config import OperatorConfig, OperatorConfigError
 from tidal.operator.health import Health, serve_health
+from tidal.operator.kube.client import API_CONCURRENCY
 from tidal.operator.kube.lease import LeaseElector
 from tidal.operator.main import register
 from tidal.operator.metrics import OperatorMetrics
@@ -22,11 +23,13 @@ log = logging.getLogger("tidal.operator")
 
 def _api_client() -> client.ApiClient:
     """In a cluster: the pod's ServiceAccount; elsewhere (and on the local dev cluster): $KUBECONFIG."""
+    settings = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=settings)
     except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        config.load_kube_config(client_configuration=settings)
+    settings.connection_pool_maxsize = API_CONCURRENCY  # urllib3 keeps this many connections to the API server
+    return client.ApiClient(settings)
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ class OperatorApp:
         self.health = health
         self._api_client = api_client
         self._http: httpx.AsyncClient | None = None
+        self._kube: KubeApi | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self.reconciler: Reconciler | None = None
         self.queue = ReconcileQueue(self._reconcile)
@@ -36,7 +37,7 @@ class OperatorApp:
         """Inside kopf's event loop (the HTTP client must belong to it)."""
         # Keep-alive connections to hundreds of ranks are not worth keeping; each pass opens what it needs.
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
-        kube = KubeApi(self._api_client, reporting_instance=self.config.pod_name)
+        self._kube = kube = KubeApi(self._api_client, reporting_instance=self.config.pod_name)
         self.reconciler = Reconciler(kube, WorkerFleet(self._http, self.metrics), self.metrics, self.config)
         self._heartbeat = asyncio.create_task(self._beat())
 
@@ -63,3 +64,5 @@ class OperatorApp:
                 await self._heartbeat
         if self._http is not None:
             await self._http.aclose()
+        if self._kube is not None:
+            self._kube.close()

@@ -5,6 +5,7 @@ Degraded while the old version keeps serving, and an operator restart in the mid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from operator_e2e import (
@@ -189,3 +190,23 @@ def test_operator_restart_in_the_middle_of_a_roll_finishes_it_without_repeating(
     log = devcluster.pod_log(OPERATOR_NS, new.metadata.name, "operator")
     assert "update weights of midroll-r1-0 to b" in log, log
     assert "update weights of midroll-r0-0" not in log, log
+
+
+def test_idle_timeout_sleeps_the_model_and_a_request_wakes_it(devcluster, namespace, models):
+    create_model(devcluster, namespace, model_manifest("idle", models, {"sleep": {"idleTimeoutSeconds": 60}}))
+    wait_model(devcluster, namespace, "idle", phase_is("Ready"), timeout_s=120, what="Ready")
+    before = complete(devcluster, namespace, "idle-r0-0", PROMPT, NEW_TOKENS)  # starts the worker's idle clock
+
+    obj = wait_model(
+        devcluster, namespace, "idle", lambda o: condition(o, "Sleeping").get("status") == "True", timeout_s=120,
+        what="asleep for idleness",
+    )  # fmt: skip
+    assert condition(obj, "Sleeping")["reason"] == "IdleTimeout" and obj["status"]["phase"] == "Sleeping"
+    assert worker_state(devcluster, namespace, "idle", "idle-r0-0")["sleep_state"] == "asleep"
+
+    # A request while asleep is refused (503) but counted; the next pass wakes the model.
+    ip = devcluster.core.read_namespaced_pod("idle-r0-0", namespace).status.pod_ip
+    body = {"model": "idle", "prompt": PROMPT, "max_tokens": 4}
+    assert httpx.post(f"http://{ip}:8000/v1/completions", json=body, timeout=30).status_code == 503
+    wait_model(devcluster, namespace, "idle", phase_is("Ready"), timeout_s=60, what="woken by the request")
+    assert complete(devcluster, namespace, "idle-r0-0", PROMPT, NEW_TOKENS) == before
