@@ -1,0 +1,198 @@
+"""In-place weight updates on the CPU with the tiny models: B's outputs equal transformers' with B's weights, bad
+checkpoints change nothing, requests in flight finish wholly on one version, and the disk, streamed and collective
+paths reach one checksum."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tidal.worker.control.schema import WeightsUpdateRequest
+from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
+from tidal.worker.lifecycle.errors import CheckpointRejectedError
+from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
+from tidal.worker.testing.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def version_b(tmp_path_factory):
+    return write_tiny_model("llama", tmp_path_factory.mktemp("b") / "b", sharded=True, seed=7)
+
+
+def test_update_to_b_gives_transformers_output_with_b(tiny_model, version_b):
+    model_dir = tiny_model("llama")
+    prompts = prompt_ids(model_dir)
+    expected_b = transformers_greedy(version_b, prompts, 12)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            before = await greedy(manager, prompts)
+            assert before != expected_b
+            result = await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
+            assert result.version == "b" == manager.version and result.bytes_loaded > 0
+            assert await greedy(manager, prompts) == expected_b
+            # The prefix cache was flushed: a repeated prompt is not served from KV computed with A.
+            assert await greedy(manager, prompts) == expected_b
+
+    asyncio.run(scenario())
+
+
+def _broken(source, out, change):
+    """A copy of `source`'s single-file checkpoint with `change(tensors)` applied."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(source / "model.safetensors")
+    change(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "reason"),
+    [
+        ("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing tensors"),
+        ("shape", lambda t: t.update({"model.norm.weight": torch.ones(65)}), "wrong shapes"),
+        ("dtype", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].half()}), "wrong dtypes"),
+        ("extra", lambda t: t.update({"model.extra.weight": torch.ones(3)}), "does not have"),
+    ],
+)
+def test_a_bad_checkpoint_changes_nothing(tiny_model, version_b, tmp_path, case, change, reason):
+    model_dir = tiny_model("llama")
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64) as worker:
+        before_text, before_sum = worker.text("Hello"), worker.checksum()
+        bad = _broken(model_dir, tmp_path / case, change)
+        response = worker.post("/weights/update", {"source": str(bad), "version": "broken"})
+        assert response.status_code == 422, response.text
+        body = response.json()
+        assert body["code"] == "bad_checkpoint" and reason in body["message"] and "nothing changed" in body["message"]
+        assert worker.checksum() == before_sum and worker.text("Hello") == before_text
+        assert worker.control.get("/state").json()["weights_version"] == "base"  # type: ignore[union-attr]
+        if case == "extra":  # allowed on request: the extra tensor is skipped
+            ok = worker.post("/weights/update", {"source": str(bad), "version": "x", "allow_extra_tensors": True})
+            assert ok.status_code == 200 and ok.json()["checksum"] == before_sum["overall"]
+
+
+def test_truncated_file_is_rejected_before_anything_is_read(tiny_model, tmp_path):
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    data = (tiny_model("llama") / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) - 100])
+
+    async def scenario() -> None:
+        async with running_manager(tiny_model("llama")) as manager:
+            with pytest.raises(CheckpointRejectedError, match="past the end"):
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(bad), version="t"))
+            assert manager.version == "a"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["drain", "abort"])
+def test_requests_during_an_update_finish_wholly_on_one_version(tiny_model, version_b, mode):
+    model_dir = tiny_model("llama")
+    prompt, n = "The tide comes in", 120
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=512) as worker:
+        text_a = worker.text(prompt, n)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            before = [pool.submit(worker.complete, prompt, n) for _ in range(4)]
+            _wait_for_in_flight(worker, 4)
+            update = pool.submit(
+                worker.post, "/weights/update", {"source": str(version_b), "version": "b", "mode": mode}
+            )
+            time.sleep(0.05)
+            during = [pool.submit(worker.complete, prompt, n) for _ in range(3)]  # held, then served by B
+            assert update.result().status_code == 200
+            text_b = worker.text(prompt, n)
+            assert text_a != text_b
+            for future in before:
+                response = future.result()
+                if mode == "drain":
+                    assert response.json()["choices"][0]["text"] == text_a
+                else:
+                    assert response.status_code == 503 and "version b" in response.json()["error"]["message"]
+            for future in during:
+                assert future.result().json()["choices"][0]["text"] == text_b
+
+
+def test_streamed_and_collective_updates_reach_the_disk_checksum(tiny_model, version_b, tmp_path):
+    model_dir = tiny_model("llama")
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64) as worker:
+        disk = worker.post("/weights/update", {"source": str(version_b), "version": "b"}).json()["checksum"]
+        text_b = worker.text("Hello")
+        worker.post("/weights/update", {"source": str(model_dir), "version": "a"})
+
+        # Streamed: every shard and the index, in chunks of 1000 bytes.
+        upload_id = worker.post("/weights/stream/start").json()["upload_id"]
+        for path in sorted(version_b.glob("model*")):
+            data = path.read_bytes()
+            for offset in range(0, len(data), 1000):
+                chunk = worker.control.post(  # type: ignore[union-attr]
+                    f"/weights/stream/{upload_id}/chunk", params={"file": path.name, "offset": offset},
+                    content=data[offset : offset + 1000],
+                )  # fmt: skip
+                assert chunk.status_code == 200, chunk.text
+            again = worker.control.post(  # type: ignore[union-attr]
+                f"/weights/stream/{upload_id}/chunk", params={"file": path.name, "offset": 0}, content=b"x"
+            )
+            assert again.status_code == 409 and again.json()["code"] == "bad_offset"
+        finished = worker.post(f"/weights/stream/{upload_id}/finish", {"version": "b-streamed"})
+        assert finished.status_code == 200 and finished.json()["checksum"] == disk
+        assert worker.text("Hello") == text_b
+        worker.post("/weights/update", {"source": str(model_dir), "version": "a"})
+
+        # Collective: a trainer process broadcasts B's tensors over gloo.
+        tensors = {}
+        for path in sorted(version_b.glob("*.safetensors")):
+            tensors.update(load_file(path))
+        names = sorted(tensors)
+        specs = [{"name": n, "shape": list(tensors[n].shape), "dtype": "float32"} for n in names]
+        port = _free_port()
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, str(version_b), str(port), json.dumps(names)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            body = {"master_address": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2,
+                    "backend": "gloo", "tensors": specs, "version": "b-broadcast", "timeout_s": 60}  # fmt: skip
+            response = worker.post("/weights/collective", body)
+            assert response.status_code == 200, response.text
+            assert response.json()["checksum"] == disk
+            assert trainer.wait(timeout=60) == 0, trainer.stdout.read()  # type: ignore[union-attr]
+        finally:
+            trainer.kill()
+        assert worker.text("Hello") == text_b
+        bad = worker.post("/weights/collective", {**body, "tensors": specs[:-1]})
+        assert bad.status_code == 422 and "missing tensors" in bad.json()["message"]
+
+
+_TRAINER = """
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file
+from tidal.worker.lifecycle.collective import send_weights
+tensors = {}
+for path in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    tensors.update(load_file(path))
+send_weights("127.0.0.1", int(sys.argv[2]), 2, [(n, tensors[n]) for n in json.loads(sys.argv[3])], timeout_s=60)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_in_flight(worker: ControlledWorker, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while worker.control.get("/state").json()["in_flight_requests"] < n:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
