@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -89,17 +88,6 @@ def device_used_gib(device: torch.device) -> float | None:
         return None
     free, total = torch.cuda.mem_get_info(device)
     return (total - free) / GiB
-
-
-def largest_cuda_tensors(limit: int = 4) -> str:
-    """What still holds device memory while asleep (diagnostics)."""
-    sizes = []
-    for obj in gc.get_objects():
-        with contextlib.suppress(Exception):
-            if isinstance(obj, torch.Tensor) and obj.is_cuda:
-                sizes.append((obj.untyped_storage().nbytes(), tuple(obj.shape), str(obj.dtype)))
-    sizes.sort(reverse=True)
-    return ", ".join(f"{n / 2**20:.0f} MiB {shape} {dtype}" for n, shape, dtype in sizes[:limit])
 
 
 def evict_page_cache(model_dir: Path) -> None:
@@ -179,7 +167,6 @@ async def run(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
             line(f"level {level}: torch allocated / reserved", f"{allocated / GiB:.2f} / {reserved / GiB:.2f} GiB")
-            line(f"level {level}: largest live CUDA tensors", largest_cuda_tensors())
         woke = await manager.wake_up(WakeUpRequest())
         note = " (includes re-reading the checkpoint from disk)" if level == 2 else ""
         line(f"level {level}: wake", f"{woke.duration_s:.3f}s{note}")
