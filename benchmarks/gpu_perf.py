@@ -1,0 +1,189 @@
+"""Tidal's engine vs transformers' generate() on one device: decode, time to first token, offline throughput,
+the batch-1 decode against the memory-bandwidth bound, and greedy agreement. Writes JSON + markdown.
+
+    python benchmarks/gpu_perf.py --preset llama3-8b --device cuda      # the issue's run (~3-4 min on an H200)
+    python benchmarks/gpu_perf.py --preset tiny --device cpu [--smoke]  # the same run on a CPU, in seconds
+
+Both sides run the same random weights (drawn on the device, no checkpoint on disk), the same prompts, greedy,
+exactly N new tokens per row. Results: benchmarks/results/perf-<preset>-<gpu|cpu>[-smoke].{json,md}; the JSON is
+rewritten after each phase, so a run cut short still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from perf import device as devinfo
+from perf import engine_side, transformers_side
+from perf.presets import PRESETS, Workload, default_workload, random_prompts, write_model_dir
+from perf.random_model import build_random_model
+from perf.report import agreement, bandwidth_bound, comparison, result_stem, targets, to_markdown, write_report
+from perf.timing import DecodeRun, median
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+T0 = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {message}", flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    parser.add_argument("--skip-transformers", action="store_true", help="only the engine (no baseline, no ratios)")
+    parser.add_argument("--smoke", action="store_true", help="the smallest workload (tests)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available")
+    return args
+
+
+def run_engine(engine, workload: Workload, vocab: int, out: dict[str, Any]) -> dict[int, DecodeRun]:
+    runs = {}
+    for batch in workload.decode_batches:
+        prompts = random_prompts(batch, workload.decode_prompt_len, vocab, seed=1000 + batch)
+        runs[batch] = run = engine_side.measure_decode(
+            engine, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens
+        )
+        out["decode"].append(run.figures())
+        progress(
+            f"tidal decode batch {batch}: {run.ms_per_step:.3f} ms/step, {run.tokens_per_s:.1f} tokens/s "
+            f"(forward alone {run.forward_ms or float('nan'):.3f} ms)"
+        )
+    prompt = random_prompts(1, workload.ttft_prompt_len, vocab, seed=7)[0]
+    times = engine_side.measure_ttft(engine, prompt, workload.ttft_repeats)
+    out["ttft_ms"] = {"median": median(times), "runs": times}
+    progress(f"tidal TTFT ({workload.ttft_prompt_len} tokens): {median(times):.2f} ms")
+    prompts = random_prompts(workload.offline_requests, workload.offline_input_len, vocab, seed=99)
+    out["offline"] = engine_side.measure_offline(engine, prompts, workload.offline_output_len).figures()
+    progress(
+        f"tidal offline: {out['offline']['output_tokens_per_s']:.0f} output tokens/s "
+        f"({out['offline']['seconds']:.2f} s)"
+    )
+    return runs
+
+
+def run_transformers(loaded, device, workload: Workload, vocab: int, out: dict[str, Any]) -> dict[int, DecodeRun]:
+    start = time.monotonic()
+    model = transformers_side.load_transformers_model(loaded, device)
+    out["load_seconds"] = time.monotonic() - start
+    out["attn_implementation"] = model.config._attn_implementation
+    progress(f"transformers loaded in {out['load_seconds']:.1f} s ({out['attn_implementation']} attention)")
+    runs = {}
+    for batch in workload.transformers_decode_batches:
+        prompts = random_prompts(batch, workload.decode_prompt_len, vocab, seed=1000 + batch)
+        runs[batch] = run = transformers_side.measure_decode(
+            model, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens
+        )
+        out["decode"].append(run.figures())
+        progress(f"transformers decode batch {batch}: {run.ms_per_step:.3f} ms/step, {run.tokens_per_s:.1f} tokens/s")
+    prompt = random_prompts(1, workload.ttft_prompt_len, vocab, seed=7)[0]
+    times = transformers_side.measure_ttft(model, prompt, workload.ttft_repeats)
+    out["ttft_ms"] = {"median": median(times), "runs": times}
+    progress(f"transformers TTFT: {median(times):.2f} ms")
+    prompts = random_prompts(workload.offline_requests, workload.offline_input_len, vocab, seed=99)
+    out["offline"] = transformers_side.measure_offline(model, prompts, workload.offline_output_len).figures()
+    progress(
+        f"transformers offline: {out['offline']['output_tokens_per_s']:.0f} output tokens/s "
+        f"({out['offline']['seconds']:.2f} s)"
+    )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    # The engine logs its memory sizing (free memory after the profiling run, the KV cache's share) at INFO.
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("tidal.worker.loader").setLevel(logging.WARNING)  # one line per tensor otherwise
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    preset, workload = PRESETS[args.preset], default_workload(device.type, args.smoke)
+    env = devinfo.environment(device)
+    progress(f"{env}")
+    report: dict[str, Any] = {
+        "benchmark": "benchmarks/gpu_perf.py",
+        "preset": preset.name,
+        "smoke": args.smoke,
+        "environment": env,
+        "workload": workload.model_dump(),
+        "engine": {"decode": []},
+        "transformers": None if args.skip_transformers else {"decode": []},
+        "comparison": {},
+    }
+    stem = result_stem(preset.name, env, args.smoke)
+
+    def save() -> None:
+        ours = report["engine"].get("decode", [])
+        b1 = next((d["ms_per_step"] for d in ours if d["batch"] == 1), None)
+        measured = report.get("ceilings", {}).get("device_copy_tbs")
+        report["bandwidth"] = bandwidth_bound(report["model"]["weight_bytes"], b1, devinfo.ISSUE_COPY_TBS, measured)
+        report["comparison"] = comparison(report["engine"], report["transformers"])
+        report["targets"] = targets(preset.name, device.type, report)
+        write_report(report, args.out, stem)
+
+    with tempfile.TemporaryDirectory(prefix="tidal-perf-") as tmp:
+        model_dir = write_model_dir(preset, Path(tmp) / preset.name)
+        loaded = build_random_model(model_dir, dtype, device, args.seed)
+        vocab = loaded.model.vocab_size
+        report["model"] = {
+            "architecture": loaded.hf_config.architectures[0],
+            "dtype": str(dtype).removeprefix("torch."),
+            "num_parameters": sum(p.numel() for p in loaded.model.parameters()),
+            "weight_bytes": loaded.report.num_bytes,
+            "vocab_size": vocab,
+            "seed": args.seed,
+            "random_weights_seconds": loaded.report.seconds,
+        }
+        gb, seconds = loaded.report.num_bytes / 1e9, loaded.report.seconds
+        progress(f"random {preset.name} weights: {gb:.2f} GB in {seconds:.1f} s")
+        if device.type == "cuda":
+            report["ceilings"] = devinfo.measure_bandwidths(device)
+            progress(f"ceilings: {report['ceilings']}")
+
+        config = engine_side.engine_config(model_dir, loaded, device, workload, args.gpu_memory_fraction)
+        engine, report["engine"]["setup"] = engine_side.build_engine(config, loaded)
+        if device.type == "cuda":
+            report["engine"]["memory_after_setup"] = devinfo.memory_gib(device)
+        progress(f"engine ready: {report['engine']['setup']}")
+        ours = run_engine(engine, workload, vocab, report["engine"])
+        save()
+        del engine  # frees the KV cache and the graphs' pool; the weights stay (transformers copies them)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        theirs: dict[int, DecodeRun] = {}
+        if not args.skip_transformers:
+            try:
+                theirs = run_transformers(loaded, device, workload, vocab, report["transformers"])
+            except Exception as err:  # the engine's figures are worth writing even if the baseline breaks
+                traceback.print_exc()
+                report["transformers"]["error"] = f"{type(err).__name__}: {err}"
+            report["agreement"] = agreement(
+                {b: r.outputs for b, r in ours.items()}, {b: r.outputs for b, r in theirs.items()}
+            )
+        save()
+    json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
+    print(to_markdown(report), flush=True)
+    progress(f"wrote {json_path} and {md_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Tidal's engine on the workload: steady-state decode, the forward alone, time to first token, offline batch.
+
+Every figure goes through `LLMEngine.step()`/`generate()` — scheduling, step plans, the (graphed) forward,
+sampling and detokenization — since that is what a request pays. `forward_ms` times `ModelRunner.execute` alone on
+a synthetic decode plan of the same shape, so the report can show how much of a step is host work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from perf.presets import Workload
+from perf.timing import DecodeRun, OfflineRun, now, steady_ms_per_step
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.step_plan import StepPlan
+from tidal.worker.loader.model_loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def engine_config(
+    model_dir: Path, loaded: LoadedModel, device: torch.device, workload: Workload, gpu_memory_fraction: float
+) -> EngineConfig:
+    """Every decode batch's prompts fit one step (so its rows decode in lock step), and no prefix cache: a
+    repeated prompt must cost a full prefill every time."""
+    return EngineConfig(
+        model_path=model_dir,
+        dtype=DTYPE_NAMES[loaded.dtype],
+        device=str(device),
+        max_num_seqs=workload.max_num_seqs,
+        max_num_batched_tokens=max(
+            2048, max(workload.decode_batches) * workload.decode_prompt_len, workload.ttft_prompt_len
+        ),
+        enable_prefix_caching=False,
+        gpu_memory_fraction=gpu_memory_fraction,
+    )
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, dict]:
+    """-> the engine and its setup facts (KV cache size, captured batch sizes, seconds)."""
+    start = time.monotonic()
+    engine = LLMEngine.from_loaded_model(config, loaded)
+    runner = engine.runner
+    facts = {
+        "setup_seconds": time.monotonic() - start,
+        "num_kv_blocks": runner.num_kv_blocks,
+        "block_size": config.block_size,
+        "kv_cache_bytes": runner.num_kv_blocks * runner.bytes_per_block,
+        "kv_cache_tokens": runner.num_kv_blocks * config.block_size,
+        "max_model_len": engine.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "gpu_memory_fraction": config.gpu_memory_fraction if runner.device.type == "cuda" else None,
+        "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
+    }
+    return engine, facts
+
+
+def measure_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, warmup: int) -> DecodeRun:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    marks: list[float] = []  # marks[k]: when every row had k + 1 tokens
+    while engine.has_unfinished_requests():
+        outputs = engine.step()  # returns after sampling, so the device is done with the step
+        stamp = time.perf_counter()
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        slowest = min(len(t) for t in tokens.values())
+        marks.extend([stamp] * (slowest - len(marks)))
+    run = DecodeRun(
+        batch=len(prompts),
+        prompt_len=len(prompts[0]),
+        new_tokens=new_tokens,
+        timed_steps=new_tokens - warmup,
+        ms_per_step=steady_ms_per_step(marks, warmup),
+        outputs=[tokens[i] for i in ids],
+    )
+    run.forward_ms = forward_ms(engine, run.batch, run.prompt_len + (new_tokens + warmup) // 2)
+    return run
+
+
+def forward_ms(engine: LLMEngine, batch: int, context_len: int, iters: int = 20) -> float | None:
+    """ms of `ModelRunner.execute` (inputs to logits, CUDA graph where one applies) for a decode step of `batch`
+    sequences of `context_len` tokens, on cache blocks no request holds now. None if the cache is too small."""
+    runner, block_size = engine.runner, engine.config.block_size
+    blocks_per_seq = -(-context_len // block_size)
+    if engine.has_unfinished_requests() or batch * blocks_per_seq > runner.num_kv_blocks:
+        return None
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    plan = StepPlan(
+        seq_ids=list(range(batch)),
+        input_ids=[10] * batch,
+        positions=[context_len - 1] * batch,
+        slot_mapping=[t[-1] * block_size + (context_len - 1) % block_size for t in tables],
+        cu_seqlens_q=list(range(batch + 1)),
+        seq_lens=[context_len] * batch,
+        block_tables=tables,
+        sample_indices=list(range(batch)),
+        sample_seq_ids=list(range(batch)),
+    )
+    for _ in range(3):
+        runner.execute(plan)
+    start = now(runner.device)
+    for _ in range(iters):
+        runner.execute(plan)
+    return (now(runner.device) - start) * 1000.0 / iters
+
+
+def measure_ttft(engine: LLMEngine, prompt: list[int], repeats: int) -> list[float]:
+    """ms from add_request to the first token, `repeats` times after one untimed run."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for r in range(repeats + 1):
+        start = now(engine.runner.device)
+        engine.add_request(f"ttft-{r}", prompt, params)
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        times.append((time.perf_counter() - start) * 1000.0)
+    return times[1:]
+
+
+def measure_offline(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> OfflineRun:
+    """All prompts at once through `generate`; an untimed short run first compiles every prefill shape."""
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=min(4, output_len), ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = now(engine.runner.device)
+    results = engine.generate(prompts, params)
+    seconds = now(engine.runner.device) - start
+    return OfflineRun(
+        requests=len(prompts),
+        input_len=len(prompts[0]),
+        output_len=output_len,
+        seconds=seconds,
+        output_tokens=sum(len(r.output_token_ids) for r in results),
+    )

@@ -1,0 +1,225 @@
+"""Derived figures (ratios, the bandwidth bound, token agreement, the issue's targets) and the report files.
+
+Pure: plain dicts in, plain dicts and text out, so it is unit-tested without a model or a device.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# The issue's targets for the Llama-3-8B shape in bf16 on one H200; other presets and devices get none.
+TARGET_PRESET, TARGET_DEVICE = "llama3-8b", "cuda"
+BATCH1_BOUND_FRACTION = 0.85
+OFFLINE_OUTPUT_TOKENS_PER_S = 12000.0
+SPEEDUP_AT = {1: 15.0, 32: 10.0}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(engine_outputs: dict[int, list[list[int]]], hf_outputs: dict[int, list[list[int]]]) -> dict[str, Any]:
+    """Per batch size both sides ran (same prompts, greedy): how many leading tokens of each row agree."""
+    per_batch = []
+    for batch in sorted(set(engine_outputs) & set(hf_outputs)):
+        prefixes = [common_prefix(a, b) for a, b in zip(engine_outputs[batch], hf_outputs[batch], strict=True)]
+        lengths = [len(row) for row in hf_outputs[batch]]
+        per_batch.append(
+            {
+                "batch": batch,
+                "rows": len(prefixes),
+                "tokens_per_row": max(lengths),
+                "rows_identical": sum(p == n for p, n in zip(prefixes, lengths, strict=True)),
+                "rows_first_token_equal": sum(p >= 1 for p in prefixes),
+                "min_common_prefix": min(prefixes),
+                "mean_common_prefix": sum(prefixes) / len(prefixes),
+            }
+        )
+    rows = sum(b["rows"] for b in per_batch)
+    return {
+        "rows": rows,
+        "rows_identical": sum(b["rows_identical"] for b in per_batch),
+        "all_identical": rows > 0 and all(b["rows_identical"] == b["rows"] for b in per_batch),
+        "per_batch": per_batch,
+    }
+
+
+def bandwidth_bound(weight_bytes: int, batch1_ms: float | None, copy_tbs: float, measured_tbs: float | None) -> dict:
+    """Batch-1 decode must read every weight once per step: weight_bytes / copy bandwidth bounds ms per step."""
+    bound_ms = weight_bytes / (copy_tbs * 1e12) * 1000.0
+    out: dict[str, Any] = {
+        "weight_bytes": weight_bytes,
+        "copy_tbs": copy_tbs,
+        "bound_ms_per_step": bound_ms,
+        "bound_tokens_per_s": 1000.0 / bound_ms,
+        "batch1_ms_per_step": batch1_ms,
+        "batch1_fraction_of_bound": bound_ms / batch1_ms if batch1_ms else None,
+        "measured_copy_tbs": measured_tbs,
+        "batch1_fraction_of_measured_copy": None,
+    }
+    if batch1_ms and measured_tbs:
+        out["batch1_fraction_of_measured_copy"] = weight_bytes / (measured_tbs * 1e12) * 1000.0 / batch1_ms
+    return out
+
+
+def comparison(engine: dict[str, Any], hf: dict[str, Any] | None) -> dict[str, Any]:
+    """Tidal over transformers (>1 means Tidal is faster) wherever both measured the same thing."""
+    if not hf or hf.get("error"):
+        return {}
+    hf_decode = {d["batch"]: d for d in hf.get("decode", [])}
+    decode = [
+        {"batch": d["batch"], "speedup": d["tokens_per_s"] / hf_decode[d["batch"]]["tokens_per_s"]}
+        for d in engine.get("decode", [])
+        if d["batch"] in hf_decode
+    ]
+    out: dict[str, Any] = {"decode": decode}
+    if engine.get("ttft_ms") and hf.get("ttft_ms"):
+        out["ttft_speedup"] = hf["ttft_ms"]["median"] / engine["ttft_ms"]["median"]
+    if engine.get("offline") and hf.get("offline"):
+        out["offline_speedup"] = engine["offline"]["output_tokens_per_s"] / hf["offline"]["output_tokens_per_s"]
+    return out
+
+
+def targets(preset: str, device_type: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+    if (preset, device_type) != (TARGET_PRESET, TARGET_DEVICE):
+        return []
+    rows = []
+    fraction = report["bandwidth"]["batch1_fraction_of_bound"]
+    rows.append(_target("batch-1 decode, fraction of the bandwidth bound", fraction, BATCH1_BOUND_FRACTION))
+    offline = report["engine"].get("offline")
+    rows.append(
+        _target(
+            "offline output tokens/s",
+            offline["output_tokens_per_s"] if offline else None,
+            OFFLINE_OUTPUT_TOKENS_PER_S,
+        )
+    )
+    speedups = {d["batch"]: d["speedup"] for d in report["comparison"].get("decode", [])}
+    for batch, want in SPEEDUP_AT.items():
+        rows.append(_target(f"decode speedup over transformers at batch {batch}", speedups.get(batch), want))
+    return rows
+
+
+def _target(name: str, value: float | None, want: float) -> dict[str, Any]:
+    verdict = "not measured" if value is None else ("PASS" if value >= want else "MISS")
+    return {"name": name, "value": value, "target": want, "verdict": verdict}
+
+
+def result_stem(preset: str, environment: dict[str, Any], smoke: bool) -> str:
+    where = environment.get("gpu") or "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", where.lower()).strip("-")
+    return f"perf-{preset}-{slug}" + ("-smoke" if smoke else "")
+
+
+def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    md_path.write_text(to_markdown(report))
+    return json_path, md_path
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}e9" if n >= 1e9 else f"{n / 1e6:.2f}e6"
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    env, model, engine = report["environment"], report["model"], report["engine"]
+    hf = report.get("transformers") or {}
+    cmp_ = report.get("comparison") or {}
+    lines = [
+        f"# Tidal performance: {report['preset']} ({model['dtype']})" + (" [smoke]" if report["smoke"] else ""),
+        "",
+        f"{env['date']} — {env['gpu'] or env['cpu']}; torch {env['torch']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}, CUDA {env['cuda']}, Python {env['python']}",
+        "",
+        f"Model: {model['architecture']}, {_count(model['num_parameters'])} parameters, "
+        f"{model['weight_bytes'] / 1e9:.3g} GB of weights, vocabulary {model['vocab_size']}, "
+        f"random (seed {model['seed']}).",
+    ]
+    setup = engine.get("setup") or {}
+    if setup:
+        lines.append(
+            f"Engine: KV cache {setup['num_kv_blocks']} blocks x {setup['block_size']} tokens "
+            f"({setup['kv_cache_bytes'] / 2**30:.2f} GiB, {setup['kv_cache_tokens']} tokens), max_model_len "
+            f"{setup['max_model_len']}, CUDA graphs for batch sizes {setup['cuda_graph_batch_sizes'] or 'none'}, "
+            f"setup {setup['setup_seconds']:.1f} s."
+        )
+    if hf.get("error"):
+        lines.append(f"transformers: FAILED — {hf['error']}")
+    lines += ["", "## Decode (steady state)", ""]
+    lines += [
+        "| batch | Tidal ms/step | Tidal tokens/s | Tidal forward ms | transformers ms/step | transformers tokens/s "
+        "| speedup |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    hf_decode = {d["batch"]: d for d in hf.get("decode", [])}
+    speedup = {d["batch"]: d["speedup"] for d in cmp_.get("decode", [])}
+    for batch in sorted({d["batch"] for d in engine.get("decode", [])} | set(hf_decode)):
+        ours = next((d for d in engine.get("decode", []) if d["batch"] == batch), {})
+        theirs = hf_decode.get(batch, {})
+        lines.append(
+            f"| {batch} | {_f(ours.get('ms_per_step'))} | {_f(ours.get('tokens_per_s'), '.1f')} "
+            f"| {_f(ours.get('forward_ms'))} | {_f(theirs.get('ms_per_step'))} "
+            f"| {_f(theirs.get('tokens_per_s'), '.1f')} | {_f(speedup.get(batch), '.1f')}x |"
+        )
+    lines += ["", "## Time to first token and offline throughput", ""]
+    lines += ["| measure | Tidal | transformers | speedup |", "| --- | ---: | ---: | ---: |"]
+    w = report["workload"]
+    lines.append(
+        f"| TTFT, {w['ttft_prompt_len']}-token prompt (median ms) | {_f((engine.get('ttft_ms') or {}).get('median'))} "
+        f"| {_f((hf.get('ttft_ms') or {}).get('median'))} | {_f(cmp_.get('ttft_speedup'), '.1f')}x |"
+    )
+    lines.append(
+        f"| offline {w['offline_requests']} x ({w['offline_input_len']} in, {w['offline_output_len']} out), "
+        f"output tokens/s | {_f((engine.get('offline') or {}).get('output_tokens_per_s'), '.0f')} "
+        f"| {_f((hf.get('offline') or {}).get('output_tokens_per_s'), '.0f')} "
+        f"| {_f(cmp_.get('offline_speedup'), '.1f')}x |"
+    )
+    bw = report.get("bandwidth") or {}
+    if bw.get("batch1_ms_per_step"):
+        lines += [
+            "",
+            "## Batch-1 decode vs the memory-bandwidth bound",
+            "",
+            f"Reading {bw['weight_bytes'] / 1e9:.3g} GB at {bw['copy_tbs']} TB/s bounds a step at "
+            f"{bw['bound_ms_per_step']:.3f} ms ({bw['bound_tokens_per_s']:.0f} tokens/s); measured "
+            f"{bw['batch1_ms_per_step']:.3f} ms = **{bw['batch1_fraction_of_bound']:.1%} of the bound**"
+            + _measured_copy_note(bw),
+        ]
+    agree = report.get("agreement") or {}
+    if agree.get("per_batch"):
+        lines += ["", "## Greedy output vs transformers (same prompts)", ""]
+        lines += [
+            "| batch | rows | tokens/row | rows identical | first token equal | min / mean common prefix |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for b in agree["per_batch"]:
+            lines.append(
+                f"| {b['batch']} | {b['rows']} | {b['tokens_per_row']} | {b['rows_identical']} "
+                f"| {b['rows_first_token_equal']} | {b['min_common_prefix']} / {b['mean_common_prefix']:.1f} |"
+            )
+    if report.get("targets"):
+        lines += ["", "## The issue's targets", "", "| target | value | needed | verdict |"]
+        lines.append("| --- | ---: | ---: | --- |")
+        for t in report["targets"]:
+            lines.append(f"| {t['name']} | {_f(t['value'], '.3f')} | {t['target']} | {t['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _measured_copy_note(bw: dict[str, Any]) -> str:
+    if not bw.get("batch1_fraction_of_measured_copy"):
+        return "."
+    return f" ({bw['batch1_fraction_of_measured_copy']:.1%} of this run's own {bw['measured_copy_tbs']:.2f} TB/s copy)."

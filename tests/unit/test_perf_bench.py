@@ -1,0 +1,119 @@
+"""benchmarks/gpu_perf.py: its derived figures (pure), and its smallest run end to end on the CPU."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from perf.presets import SMOKE_WORKLOAD, Workload  # noqa: E402
+from perf.report import agreement, bandwidth_bound, common_prefix, comparison, result_stem, targets  # noqa: E402
+from perf.timing import steady_ms_per_step  # noqa: E402
+
+
+def test_common_prefix_and_agreement():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([5], [6]) == 0
+    got = agreement({1: [[1, 2, 3]], 2: [[1, 2, 3], [4, 5, 6]]}, {1: [[1, 2, 3]], 2: [[1, 9, 9], [7, 5, 6]], 8: []})
+    assert got["rows"] == 3 and got["rows_identical"] == 1 and not got["all_identical"]
+    by_batch = {b["batch"]: b for b in got["per_batch"]}
+    assert set(by_batch) == {1, 2}  # only batch sizes both sides ran
+    assert by_batch[2]["rows_first_token_equal"] == 1
+    assert by_batch[2]["min_common_prefix"] == 0 and by_batch[2]["mean_common_prefix"] == 0.5
+
+
+def test_bandwidth_bound_matches_the_issue():
+    # 16.06 GB of weights at 4.3 TB/s: 3.73 ms per step, ~268 tokens/s.
+    bw = bandwidth_bound(16_060_000_000, 4.4, 4.3, 4.27)
+    assert bw["bound_ms_per_step"] == pytest.approx(3.735, abs=1e-3)
+    assert bw["bound_tokens_per_s"] == pytest.approx(267.7, abs=0.1)
+    assert bw["batch1_fraction_of_bound"] == pytest.approx(3.735 / 4.4, abs=1e-3)
+    assert bw["batch1_fraction_of_measured_copy"] == pytest.approx(16.06 / 4.27 / 4.4, abs=1e-3)
+    assert bandwidth_bound(10, None, 4.3, None)["batch1_fraction_of_bound"] is None
+
+
+def _figures(decode: dict[int, float], offline: float) -> dict:
+    return {
+        "decode": [{"batch": b, "tokens_per_s": t} for b, t in decode.items()],
+        "ttft_ms": {"median": 10.0},
+        "offline": {"output_tokens_per_s": offline},
+    }
+
+
+def test_comparison_and_targets_only_for_the_8b_shape_on_cuda():
+    engine, hf = _figures({1: 230.0, 32: 5000.0, 64: 9000.0}, 13000.0), _figures({1: 14.0, 32: 506.0}, 1000.0)
+    hf["ttft_ms"]["median"] = 50.0
+    cmp_ = comparison(engine, hf)
+    assert [d["batch"] for d in cmp_["decode"]] == [1, 32]
+    assert cmp_["ttft_speedup"] == 5.0 and cmp_["offline_speedup"] == 13.0
+    assert comparison(engine, {"error": "boom"}) == {}
+    report = {"engine": engine, "comparison": cmp_, "bandwidth": bandwidth_bound(16_060_000_000, 4.35, 4.3, None)}
+    assert targets("tiny", "cpu", report) == [] and targets("llama3-8b", "cpu", report) == []
+    verdicts = {t["name"]: t["verdict"] for t in targets("llama3-8b", "cuda", report)}
+    assert verdicts == {
+        "batch-1 decode, fraction of the bandwidth bound": "PASS",  # 3.735 / 4.35 = 85.9%
+        "offline output tokens/s": "PASS",
+        "decode speedup over transformers at batch 1": "PASS",  # 16.4x
+        "decode speedup over transformers at batch 32": "MISS",  # 9.9x
+    }
+
+
+def test_batch1_target_threshold():
+    def verdict(ms: float) -> str:
+        report = {"engine": {}, "comparison": {}, "bandwidth": bandwidth_bound(16_060_000_000, ms, 4.3, None)}
+        return targets("llama3-8b", "cuda", report)[0]["verdict"]
+
+    assert verdict(4.39) == "PASS"  # 85.1% of the bound
+    assert verdict(4.41) == "MISS"  # 84.7%
+
+
+def test_steady_ms_per_step_skips_warmup():
+    marks = [0.0, 0.5, 0.6, 0.7, 0.8]  # token k + 1 done at marks[k]; the first decode step (to token 2) is slow
+    assert steady_ms_per_step(marks, 2) == pytest.approx(100.0)  # tokens 3..5: three steps in 0.3 s
+    with pytest.raises(ValueError):
+        steady_ms_per_step(marks[:1], 1)
+
+
+def test_workload_refuses_nothing_to_time():
+    with pytest.raises(ValueError, match="nothing would be timed"):
+        Workload.model_validate({**SMOKE_WORKLOAD.model_dump(), "decode_warmup_tokens": 6})
+    assert Workload.model_validate(SMOKE_WORKLOAD.model_dump()).max_num_seqs == 6
+
+
+def test_result_stem():
+    assert result_stem("llama3-8b", {"gpu": "NVIDIA H200"}, smoke=False) == "perf-llama3-8b-nvidia-h200"
+    assert result_stem("tiny", {"gpu": None}, smoke=True) == "perf-tiny-cpu-smoke"
+
+
+@pytest.mark.slow
+def test_smoke_run_on_cpu_writes_a_consistent_report(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_perf.py", "--preset", "tiny", "--device", "cpu", "--smoke", "--out", tmp_path],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "perf-tiny-cpu-smoke.json").read_text())
+    w = report["workload"]
+    assert report["environment"]["torch"] and report["environment"]["date"]
+    for side in ("engine", "transformers"):
+        figures = report[side]
+        assert not figures.get("error")
+        assert [d["batch"] for d in figures["decode"]] == w["decode_batches"]
+        assert all(d["ms_per_step"] > 0 and d["timed_steps"] == w["decode_new_tokens"] - 2 for d in figures["decode"])
+        assert figures["ttft_ms"]["median"] > 0 and len(figures["ttft_ms"]["runs"]) == w["ttft_repeats"]
+        assert figures["offline"]["output_tokens"] == w["offline_requests"] * w["offline_output_len"]
+    assert report["engine"]["decode"][0]["forward_ms"] > 0
+    # fp32 on the CPU: the engine's greedy output equals transformers' on every row.
+    assert report["agreement"]["all_identical"] and report["agreement"]["rows"] == sum(w["decode_batches"])
+    assert [d["batch"] for d in report["comparison"]["decode"]] == w["decode_batches"]
+    assert report["bandwidth"]["weight_bytes"] == report["model"]["weight_bytes"] > 0
+    assert report["targets"] == []
+    markdown = (tmp_path / "perf-tiny-cpu-smoke.md").read_text()
+    assert "## Decode (steady state)" in markdown and "| 1 |" in markdown
