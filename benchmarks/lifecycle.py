@@ -134,11 +134,11 @@ async def run(args: argparse.Namespace) -> None:
     start = time.monotonic()
     engine = await asyncio.to_thread(manager.load_engine, config)
     await engine.start()
-    assert manager.weights is not None and manager.kv is not None
-    w, kv = manager.weights, manager.kv
+    assert manager.residency is not None
+    w, kv, llm = manager.residency.weights, manager.residency.kv, manager.residency.llm
     line("engine loaded + moved to releasable memory", f"{time.monotonic() - start:.1f}s")
     line("weights / KV cache", f"{w.nbytes / GiB:.2f} GiB / {kv.nbytes / GiB:.2f} GiB ({type(w.region).__name__})")
-    line("CUDA graphs captured", str(manager._llm.runner.decode_graphs is not None))
+    line("CUDA graphs captured", str(llm.runner.decode_graphs is not None))
 
     # The raw copy rates of exactly these bytes (pinned host buffer <-> device).
     t = time.perf_counter()
@@ -189,8 +189,7 @@ async def run(args: argparse.Namespace) -> None:
         str(await greedy(manager, prompts, args.new_tokens) == reference),
     )
 
-    if device.type == "cuda" and manager._llm is not None:
-        llm = manager._llm
+    if device.type == "cuda":
         t = time.perf_counter()
         await asyncio.to_thread(llm.runner.capture_cuda_graphs, llm.config.max_num_seqs, llm.max_model_len)
         line("CUDA graph recapture (not needed: stable addresses)", f"{time.perf_counter() - t:.2f}s")

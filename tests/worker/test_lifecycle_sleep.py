@@ -21,7 +21,7 @@ def test_outputs_identical_after_wake_from_both_levels(tiny_model):
         async with running_manager(model_dir) as manager:
             before = await greedy(manager, prompts)
             assert (await manager.sleep(SleepRequest(level=1))).state.resident == []
-            assert manager.weights is not None and not manager.weights.is_resident
+            assert manager.residency is not None and not manager.residency.weights.is_resident
             await manager.wake_up(WakeUpRequest())
             assert await greedy(manager, prompts) == before
             await manager.sleep(SleepRequest(level=2))

@@ -67,13 +67,13 @@ def test_safetensors_header_checks_and_direct_reads(tmp_path):
 
 def test_uploads_append_in_order_and_one_at_a_time(tmp_path):
     uploads = Uploads(tmp_path)
-    first = uploads.start("", False)
+    first = uploads.start(False)
     uploads.write_chunk(first.upload_id, "model.safetensors", 0, b"abc")
     with pytest.raises(UploadOffsetError, match="3 bytes"):
         uploads.write_chunk(first.upload_id, "model.safetensors", 0, b"abc")
     with pytest.raises(BadRequestError):
         uploads.write_chunk(first.upload_id, "../escape.safetensors", 0, b"x")
-    second = uploads.start("", False)  # replaces the first, whose files are removed
+    second = uploads.start(False)  # replaces the first, whose files are removed
     assert not first.directory.exists()
     with pytest.raises(UploadNotFoundError):
         uploads.get(first.upload_id)

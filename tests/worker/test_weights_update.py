@@ -129,14 +129,14 @@ def test_streamed_and_collective_updates_reach_the_disk_checksum(tiny_model, ver
         text_b = worker.text("Hello")
         worker.post("/weights/update", {"source": str(model_dir), "version": "a"})
 
-        # Streamed: every shard and the index, in chunks of 1000 bytes.
+        # Streamed: every shard and the index, in chunks of 50 kB.
         upload_id = worker.post("/weights/stream/start").json()["upload_id"]
         for path in sorted(version_b.glob("model*")):
             data = path.read_bytes()
-            for offset in range(0, len(data), 1000):
+            for offset in range(0, len(data), 50_000):
                 chunk = worker.control.post(  # type: ignore[union-attr]
                     f"/weights/stream/{upload_id}/chunk", params={"file": path.name, "offset": offset},
-                    content=data[offset : offset + 1000],
+                    content=data[offset : offset + 50_000],
                 )  # fmt: skip
                 assert chunk.status_code == 200, chunk.text
             again = worker.control.post(  # type: ignore[union-attr]

@@ -26,7 +26,6 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(safetensors|json)$
 @dataclass
 class Upload:
     upload_id: str
-    version: str
     allow_extra_tensors: bool
     directory: Path
     received: dict[str, int] = field(default_factory=dict)  # file name -> bytes so far
@@ -41,10 +40,10 @@ class Uploads:
         self._spool_dir = spool_dir
         self._current: Upload | None = None
 
-    def start(self, version: str, allow_extra_tensors: bool) -> Upload:
+    def start(self, allow_extra_tensors: bool) -> Upload:
         self.discard_current()
         directory = Path(tempfile.mkdtemp(prefix="tidal-upload-", dir=self._spool_dir))
-        self._current = Upload(secrets.token_hex(8), version, allow_extra_tensors, directory)
+        self._current = Upload(secrets.token_hex(8), allow_extra_tensors, directory)
         return self._current
 
     def get(self, upload_id: str) -> Upload:
@@ -79,7 +78,7 @@ class Uploads:
 
     def discard_current(self) -> None:
         if self._current is not None:
-            log.info("discarding unfinished upload %s (version %s)", self._current.upload_id, self._current.version)
+            log.info("discarding unfinished upload %s", self._current.upload_id)
             self.remove(self._current)
             self._current = None
 

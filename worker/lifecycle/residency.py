@@ -1,0 +1,244 @@
+"""What of the model is on the device, and the blocking moves between those states.
+
+Weights and KV cache live in releasable regions (`resident`), and the weights have a host buffer of the same layout.
+`_host_valid` says whether that buffer holds exactly the served weights. Every update stages the whole new
+checkpoint in the buffer after checking all of it, while the old weights keep serving; only then are new requests
+held, running ones drained or interrupted, the buffer copied to the device in place and the prefix cache flushed.
+Each method blocks (copies, file reads, a collective): the manager calls them off the event loop, one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tidal.worker.control.schema import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
+from tidal.worker.engine.async_engine import AsyncEngine
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.lifecycle import collective
+from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
+from tidal.worker.lifecycle.device_memory import allocate_region
+from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.resident import ResidentKVCache, ResidentWeights, free_cached_device_memory
+from tidal.worker.lifecycle.staging import StageReport, check_file_tensors, checkpoint_tensors, stage_file_tensors
+from tidal.worker.lifecycle.validation import Expected
+
+log = logging.getLogger(__name__)
+
+ALL_TAGS = (ResidentTag.WEIGHTS, ResidentTag.KV_CACHE)
+
+
+class Residency:
+    def __init__(
+        self, llm: LLMEngine, model_path: Path, version: str, stable_memory: bool, capture_graphs: bool
+    ) -> None:
+        """Move `llm`'s weights and KV cache into releasable memory (then capture CUDA graphs there)."""
+        runner = llm.runner
+        make_region = functools.partial(allocate_region, prefer_stable=stable_memory)
+        runner.decode_graphs = None
+        runner.kv_caches = []  # the weights move first, into the room the KV cache leaves
+        free_cached_device_memory(runner.device, collect=True)
+        self.llm = llm
+        self.weights = ResidentWeights(runner.model, runner.device, make_region)
+        self.kv = ResidentKVCache(runner, make_region)
+        self.expected = expected_tensors(self.weights, model_path)
+        self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
+        self.version = version
+        self.version_source: Path | None = model_path  # where the served version can be re-read (None: not on disk)
+        self.sleep_level: int | None = None
+        self._host_valid = False
+        self._graph_addresses: tuple[int, int] | None = None
+        if capture_graphs and runner.device.type == "cuda":
+            runner.capture_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
+            self._graph_addresses = self._region_addresses()
+
+    def load_initial(self, weights_path: Path) -> None:
+        """Serve `weights_path` instead of the model directory's weights (before the engine starts)."""
+        report = self.stage_from_disk(weights_path, allow_extra=False)
+        self.weights.to_device()
+        self._host_valid = True
+        self.version_source = weights_path
+        log.info("initial weights from %s (%.2f GiB)", weights_path, report.num_bytes / 2**30)
+
+    @property
+    def resident(self) -> list[ResidentTag]:
+        flags = (self.weights.is_resident, self.kv.is_resident)
+        return [tag for tag, is_resident in zip(ALL_TAGS, flags, strict=True) if is_resident]
+
+    def is_ignored(self, name: str) -> bool:
+        return self.llm.runner.model.ignored_checkpoint_tensor(name)
+
+    # ----- sleep and wake -----
+    def sleep(self, level: int, mode: DrainMode, timeout_s: float) -> int:
+        """-> bytes copied or freed."""
+        if self.sleep_level is not None and level <= self.sleep_level:
+            return 0
+        if self.sleep_level is None:
+            self._hold(mode, timeout_s, f"the worker goes to sleep (level {level})")
+        num_bytes = 0
+        with self._quiesced() as llm:
+            if self.weights.is_resident:
+                if level == 1:
+                    num_bytes += self.weights.to_host()
+                    self._host_valid = True
+                self.weights.release()
+                num_bytes += self.weights.nbytes if level == 2 else 0
+            if level == 2:
+                self._host_valid = False
+            if self.kv.is_resident:
+                self.kv.release()
+                num_bytes += self.kv.nbytes
+            llm.reset_prefix_cache()
+            free_cached_device_memory(self.weights.device)
+        self.sleep_level = level
+        return num_bytes
+
+    def wake(self, tags: tuple[ResidentTag, ...]) -> int:
+        """Restore what `tags` name; serving resumes once weights and KV cache are both back. -> bytes copied."""
+        if self.sleep_level is None:
+            return 0
+        num_bytes = 0
+        with self._quiesced():
+            if ResidentTag.WEIGHTS in tags and not self.weights.is_resident:
+                if not self._host_valid:
+                    num_bytes += self._reload_served_version()
+                self.weights.restore()
+                num_bytes += self.weights.to_device(wait=False)
+            if ResidentTag.KV_CACHE in tags and not self.kv.is_resident:
+                self.kv.restore()  # maps while the weights copy runs
+            self.weights.synchronize()
+            if not (self.weights.is_resident and self.kv.is_resident):
+                return num_bytes  # still asleep: serving needs both
+            self._recapture_graphs_if_moved()
+        self.sleep_level = None
+        self._engine().release()
+        return num_bytes
+
+    def _reload_served_version(self) -> int:
+        if self.version_source is None:
+            raise WeightsUnavailableError(
+                f"the weights of version {self.version} were dropped by a level-2 sleep and did not come from a "
+                "directory (streamed or broadcast); send a weight update before waking the weights"
+            )
+        log.info("reloading version %s from %s after a level-2 sleep", self.version, self.version_source)
+        return self.stage_from_disk(self.version_source, allow_extra=True).num_bytes
+
+    def _recapture_graphs_if_moved(self) -> None:
+        if self._graph_addresses is None or self._graph_addresses == self._region_addresses():
+            return
+        start = time.monotonic()
+        self.llm.runner.capture_cuda_graphs(self.llm.config.max_num_seqs, self.llm.max_model_len)
+        self._graph_addresses = self._region_addresses()
+        log.info("memory moved across the sleep: CUDA graphs recaptured in %.2fs", time.monotonic() - start)
+
+    def _region_addresses(self) -> tuple[int, int]:
+        return self.weights.region.data_ptr(), self.kv.region.data_ptr()
+
+    # ----- weight updates: stage (checked, into the host buffer), then apply -----
+    def stage_from_disk(self, source: Path, allow_extra: bool) -> StageReport:
+        """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched)."""
+        tensors = check_file_tensors(checkpoint_tensors(source), self.expected, allow_extra, self.is_ignored)
+        self._host_valid = False  # from here on the buffer is overwritten
+        report = stage_file_tensors(tensors, self.weights.host_views())
+        self._host_valid = not self.weights.is_resident  # asleep: the buffer now holds the staged version
+        return report
+
+    def stage_from_group(self, request: CollectiveUpdateRequest) -> StageReport:
+        """Receive a trainer's broadcast into the host buffer (the request's specs were checked already)."""
+        start = time.monotonic()
+        views = self.weights.host_views()
+        converted: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def destinations() -> Iterator[tuple[str, torch.Tensor]]:
+            for spec in request.tensors:
+                dtype = getattr(torch, spec.dtype)
+                view = views.get(spec.name)
+                if view is not None and view.dtype == dtype:
+                    yield spec.name, view
+                    continue
+                scratch = torch.empty(spec.shape, dtype=dtype)  # an extra, or a dtype converted afterwards
+                if view is not None:
+                    converted.append((view, scratch))
+                yield spec.name, scratch
+
+        group = collective.join_group(
+            request.master_address, request.master_port, request.rank, request.world_size, request.backend,
+            request.timeout_s,
+        )  # fmt: skip
+        on = self.weights.device if request.backend == "nccl" else torch.device("cpu")
+        try:
+            self._host_valid = False
+            num_bytes = collective.receive_into(group, destinations(), on)
+        finally:
+            collective.leave_group(group)
+        for view, scratch in converted:
+            view.copy_(scratch)
+        self._host_valid = not self.weights.is_resident
+        return StageReport(len(request.tensors), num_bytes, time.monotonic() - start)
+
+    def apply_staged(self, version: str, mode: DrainMode, drain_timeout_s: float) -> float:
+        """Copy the staged buffer over the served weights, between requests. -> seconds serving was held."""
+        if not self.weights.is_resident:
+            return 0.0  # asleep: the staged buffer is what a wake brings back
+        start = time.monotonic()
+        held_here = self.sleep_level is None
+        if held_here:
+            self._hold(mode, drain_timeout_s, f"the worker switches its weights to version {version}")
+        try:
+            with self._quiesced() as llm:
+                self.weights.to_device()
+                llm.reset_prefix_cache()  # its KV was computed with the old weights
+            self._host_valid = True
+        finally:
+            if held_here:
+                self._engine().release()
+        return time.monotonic() - start
+
+    def checksum(self) -> WeightsChecksum:
+        if self.weights.is_resident and not self._host_valid:
+            # One fast copy into the (idle) host buffer beats many small device reads from the hashing threads.
+            self.weights.to_host()
+            self._host_valid = True
+        if not self._host_valid:
+            raise WeightsUnavailableError("the weights were dropped by a level-2 sleep: nothing to checksum")
+        digests = weights_digests(self.weights.host_views())
+        return WeightsChecksum(version=self.version, overall=overall_digest(digests), tensors=digests)
+
+    # ----- the engine between steps -----
+    def _engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is not bound")
+        return self.engine
+
+    def _hold(self, mode: DrainMode, timeout_s: float, why: str) -> None:
+        interrupt = f"request ended: {why}" if mode == DrainMode.ABORT else None
+        if not self._engine().hold(timeout_s, interrupt):
+            raise DrainTimeoutError(
+                f"requests were still running after {timeout_s:g}s, so nothing changed ({why}); "
+                "retry, raise drain_timeout_s, or use mode 'abort'"
+            )
+
+    @contextlib.contextmanager
+    def _quiesced(self) -> Iterator[LLMEngine]:
+        with self._engine().quiesced() as llm:
+            yield llm
+
+
+def expected_tensors(weights: ResidentWeights, model_path: Path) -> dict[str, Expected]:
+    """Each served tensor accepts its live dtype and the dtype the model's own checkpoint stores it in."""
+    stored: dict[str, str] = {}
+    with contextlib.suppress(CheckpointRejectedError):
+        stored = {t.name: t.dtype_name for t in checkpoint_tensors(model_path)}
+    out = {}
+    for name, slot in weights.slots.items():
+        dtypes = {str(slot.dtype).removeprefix("torch.")}
+        if name in stored:
+            dtypes.add(stored[name])
+        out[name] = Expected(slot.shape, frozenset(dtypes))
+    return out
