@@ -63,3 +63,11 @@ def test_no_token_means_no_control_listener(tiny_model):
     config = WorkerConfig(model_path=tiny_model("llama"), device="cpu")
     _, listener = build_control(config, CollectorRegistry())
     assert listener is None
+
+
+def test_a_bad_token_setting_exits_2_without_echoing_it(tiny_model, capsys):
+    from tidal.worker.cli import EXIT_BAD_CONFIG, main
+
+    assert main(["--model", str(tiny_model("llama")), "--control-token", "tooshort"]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert "TIDAL_CONTROL_TOKEN" in err and "tooshort" not in err

@@ -76,10 +76,13 @@ class ControlledWorker:
 
 
 @contextlib.asynccontextmanager
-async def running_manager(model_dir: Path, **lifecycle: Any) -> AsyncIterator[LifecycleManager]:
-    """A lifecycle manager and its started engine on the CPU (fp32), without HTTP: for token-level checks."""
+async def running_manager(
+    model_dir: Path, engine: dict[str, Any] | None = None, **lifecycle: Any
+) -> AsyncIterator[LifecycleManager]:
+    """A lifecycle manager and its started engine (CPU, fp32 unless `engine` says otherwise), without HTTP."""
     manager = LifecycleManager(LifecycleConfig(**{"weights_version": "a", **lifecycle}))
-    config = EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=128)
+    settings = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 128, **(engine or {})}
+    config = EngineConfig(model_path=model_dir, **settings)
     engine = await asyncio.to_thread(manager.load_engine, config)
     await engine.start()
     try:

@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,12 +40,15 @@ class Uploads:
     def __init__(self, spool_dir: Path | None = None) -> None:
         self._spool_dir = spool_dir
         self._current: Upload | None = None
+        # Chunks arrive on worker threads; the offset check and the append must not interleave.
+        self._lock = threading.Lock()
 
     def start(self, allow_extra_tensors: bool) -> Upload:
-        self.discard_current()
-        directory = Path(tempfile.mkdtemp(prefix="tidal-upload-", dir=self._spool_dir))
-        self._current = Upload(secrets.token_hex(8), allow_extra_tensors, directory)
-        return self._current
+        with self._lock:
+            self.discard_current()
+            directory = Path(tempfile.mkdtemp(prefix="tidal-upload-", dir=self._spool_dir))
+            self._current = Upload(secrets.token_hex(8), allow_extra_tensors, directory)
+            return self._current
 
     def get(self, upload_id: str) -> Upload:
         if self._current is None or not secrets.compare_digest(self._current.upload_id, upload_id):
@@ -53,28 +57,31 @@ class Uploads:
 
     def write_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes) -> Upload:
         """Append `data` to `file_name` of the upload; blocking file I/O (call it off the event loop)."""
-        upload = self.get(upload_id)
         if not _FILE_NAME.match(file_name):
             raise BadRequestError(f"file name {file_name!r} must be a plain *.safetensors or *.json name")
-        have = upload.received.get(file_name, 0)
-        if offset != have:
-            raise UploadOffsetError(f"{file_name}: chunk at offset {offset}, but {have} bytes were received so far")
-        with (upload.directory / file_name).open("ab") as f:
-            f.write(data)
-        upload.received[file_name] = have + len(data)
-        return upload
+        with self._lock:
+            upload = self.get(upload_id)
+            have = upload.received.get(file_name, 0)
+            if offset != have:
+                raise UploadOffsetError(f"{file_name}: chunk at offset {offset}, but {have} bytes were received so far")
+            with (upload.directory / file_name).open("ab") as f:
+                f.write(data)
+            upload.received[file_name] = have + len(data)
+            return upload
 
     def finish(self, upload_id: str) -> Upload:
         """Detach the upload for applying; the caller removes its directory with `remove()`."""
-        upload = self.get(upload_id)
-        if not upload.received:
-            raise BadRequestError(f"upload {upload_id} received no files")
-        self._current = None
-        return upload
+        with self._lock:
+            upload = self.get(upload_id)
+            if not upload.received:
+                raise BadRequestError(f"upload {upload_id} received no files")
+            self._current = None
+            return upload
 
     def discard(self, upload_id: str) -> None:
-        self.get(upload_id)
-        self.discard_current()
+        with self._lock:
+            self.get(upload_id)
+            self.discard_current()
 
     def discard_current(self) -> None:
         if self._current is not None:
