@@ -41,7 +41,7 @@ fi
 LEADER=$(kubectl -n "$NS" get pods -l tidal.dev/model=tiny,tidal.dev/leader=true -o jsonpath='{.items[0].metadata.name}')
 IP=$(kubectl -n "$NS" get pod "$LEADER" -o jsonpath='{.status.podIP}')
 PORT=$(kubectl -n "$NS" get inferencemodel.tidal.dev/tiny -o jsonpath='{.spec.serving.port}')
-step "POST http://$IP:$PORT/v1/completions (pod $LEADER)"
+step "POST http://$IP:$PORT/v1/completions (pod $LEADER; random tiny weights, so the text is noise)"
 curl -sS --fail-with-body "http://$IP:$PORT/v1/completions" -H 'Content-Type: application/json' \
     -d '{"model": "tiny", "prompt": "The tide comes in and", "max_tokens": 16, "temperature": 0}'
 echo
