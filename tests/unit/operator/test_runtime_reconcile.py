@@ -1,0 +1,117 @@
+"""A whole reconcile pass (observe -> plan -> execute) against an in-memory Kubernetes API: the first pass creates
+the children and the pod and writes the status once; a pass with nothing new writes nothing (the status read
+back through JSON compares equal); a deleted model is forgotten."""
+
+import asyncio
+import copy
+import json
+
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tidal.operator.config import OperatorConfig
+from tidal.operator.metrics import OperatorMetrics
+from tidal.operator.runtime.reconcile import Reconciler
+from tidal.operator.runtime.workers import WorkerFleet
+
+MODEL = {
+    "apiVersion": "tidal.dev/v1alpha1",
+    "kind": "InferenceModel",
+    "metadata": {"name": "tiny", "namespace": "ml", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
+    "spec": {"model": {"volume": {"hostPath": {"path": "/srv/models"}}, "path": "tiny-llama"}},
+}
+
+
+class MemoryKube:
+    def __init__(self) -> None:
+        self.model: dict | None = copy.deepcopy(MODEL)
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.writes: list[str] = []
+
+    async def get_model(self, namespace, name):
+        return json.loads(json.dumps(self.model)) if self.model is not None else None
+
+    async def list_model_pods(self, namespace, model):
+        return [copy.deepcopy(o) for (kind, _), o in self.objects.items() if kind == "Pod"]
+
+    async def get_child(self, kind, namespace, name):
+        obj = self.objects.get((kind, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    async def create(self, manifest):
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        if key in self.objects:
+            return False
+        obj = copy.deepcopy(manifest)
+        obj["metadata"]["uid"] = f"uid-{len(self.objects)}"
+        obj["status"] = {"phase": "Pending"} if manifest["kind"] == "Pod" else {}
+        self.objects[key] = obj
+        self.writes.append(f"create {key[0]}/{key[1]}")
+        return True
+
+    async def patch(self, manifest):
+        self.writes.append(f"patch {manifest['kind']}")
+
+    async def delete_pod(self, namespace, name):
+        self.writes.append(f"delete {name}")
+
+    async def patch_status(self, namespace, name, status):
+        self.writes.append("status")
+        current = self.model.setdefault("status", {})
+        for key, value in status.items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = value
+
+    async def post_event(self, body, type_, reason, message):
+        self.writes.append(f"event {reason}")
+
+
+CONFIG = OperatorConfig(namespace="tidal-system", pod_labels={"app.kubernetes.io/name": "tidal-operator"})
+
+
+def test_first_pass_creates_then_a_quiet_pass_writes_nothing_then_deletion_is_forgotten():
+    kube = MemoryKube()
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            first = await reconcile(("ml", "tiny"))
+            assert first == 1.0  # acted: come back soon
+            assert kube.writes == [
+                "create Secret/tiny-control-token", "create Service/tiny-group", "create Service/tiny",
+                "create NetworkPolicy/tiny-control", "create Pod/tiny-r0-0", "status",
+            ]  # fmt: skip
+            assert kube.model["status"]["phase"] == "Pending" and kube.model["status"]["ready"] == "0/1"
+            await reconcile(("ml", "tiny"))  # the pod exists now: Progressing moves from CreatingPods on
+            kube.writes.clear()
+            quiet = await reconcile(("ml", "tiny"))
+            assert kube.writes == [] and quiet == CONFIG.resync_seconds
+            kube.model = None
+            assert await reconcile(("ml", "tiny")) is None
+
+    asyncio.run(main())
+    text = generate_latest(metrics.registry).decode()
+    assert 'tidal_operator_reconciles_total{result="acted"} 1.0' in text
+    assert 'tidal_operator_reconciles_total{result="gone"} 1.0' in text
+    assert 'tidal_operator_models{phase="Pending"} 0.0' in text  # forgotten with the model
+
+
+def test_a_failing_api_backs_off_and_counts_an_error():
+    kube = MemoryKube()
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("API down")
+
+    kube.list_model_pods = broken
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            return [await reconcile(("ml", "tiny")) for _ in range(3)]
+
+    assert asyncio.run(main()) == [2.0, 4.0, 8.0]
+    assert 'tidal_operator_reconciles_total{result="error"} 3.0' in generate_latest(metrics.registry).decode()
