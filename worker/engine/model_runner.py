@@ -85,10 +85,25 @@ class ModelRunner:
             sample_indices=[c - 1 for c in cu[1:]],
             sample_seq_ids=list(range(num_seqs)),
         )
+        is_cuda = self.device.type == "cuda"
+        if is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)  # weights (+ the tiny throwaway cache)
         self._forward(plan, caches)
         del caches
-        if self.device.type == "cuda":
+        if is_cuda:
             torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            log.info(
+                "profiling run (%d tokens over %d sequences): %.2f GiB allocated before, peak %.2f GiB "
+                "(activations %.2f GiB); torch keeps %.2f GiB reserved for reuse",
+                cu[-1],
+                num_seqs,
+                before / 2**30,
+                peak / 2**30,
+                (peak - before) / 2**30,
+                torch.cuda.memory_reserved(self.device) / 2**30,
+            )
 
     def _forward(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
         # The current CUDA device is per thread (the step loop runs on its own) and Triton launches on it.
