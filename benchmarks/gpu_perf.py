@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            report["engine"]["memory_after_teardown"] = devinfo.memory_gib(device)
+            progress(f"engine released: {report['engine']['memory_after_teardown']}")
 
         theirs: dict[int, DecodeRun] = {}
         if not args.skip_transformers:

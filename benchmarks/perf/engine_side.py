@@ -65,6 +65,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
 
 
 def measure_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, warmup: int) -> DecodeRun:
+    # Untimed first, as on transformers' side: first calls of this batch's prefill shapes compile kernels.
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=min(4, new_tokens), ignore_eos=True))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
