@@ -115,6 +115,9 @@ async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list
         done.acted = True
     for failure in done.failures:
         log.warning("%s/%s: %s on %s failed: %s", *key, failure.call, failure.pod, failure.message)
-        reason = {"sleep": "SleepFailed", "wake_up": "WakeFailed"}.get(failure.call, "WeightsUpdateFailed")
+        if failure.transient:
+            reason = "WorkerUnavailable"  # asked again on the next pass
+        else:
+            reason = {"sleep": "SleepFailed", "wake_up": "WakeFailed"}.get(failure.call, "WeightsUpdateFailed")
         await kube.post_event(ctx.body, "Warning", reason, f"{failure.pod}: {failure.call}: {failure.message}")
     return done

@@ -24,6 +24,10 @@ from tidal.operator.workerclient import WorkerCallError, WorkerClient
 log = logging.getLogger("tidal.operator.workers")
 
 Key = tuple[str, str]
+# Control-API error codes that say "not now" rather than "this checkpoint is wrong".
+TRANSIENT_CODES = frozenset(
+    {"unreachable", "busy", "not_loaded", "asleep", "drain_timeout", "weights_unavailable", "bad_response"}
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,11 @@ class CallFailure:
     pod: str
     call: str
     message: str
+    code: str = "unreachable"
+
+    @property
+    def transient(self) -> bool:
+        return self.code in TRANSIENT_CODES
 
 
 class WorkerFleet:
@@ -107,7 +116,7 @@ class WorkerFleet:
                     await client.wake_up()
             except WorkerCallError as exc:
                 self._metrics.worker_call_errors.labels(call).inc()
-                return CallFailure(action.pod, call, exc.message)
+                return CallFailure(action.pod, call, exc.message, exc.code)
             return None
 
         results = await asyncio.gather(*(one(a) for a in actions))
@@ -128,14 +137,15 @@ class WorkerFleet:
                 result = await self._client(target, port, token).update_weights(action.source, action.version)
             except WorkerCallError as exc:
                 self._metrics.worker_call_errors.labels("weights_update").inc()
-                # unreachable: the rank may have died mid-call; its replacement starts on the new weights, so this
-                # is not a failure of the checkpoint and must not stop the roll.
-                if exc.code != "unreachable":
+                # Only a refusal of the checkpoint itself stops the roll. A rank that is unreachable (it may have
+                # died mid-call; its replacement starts on the new weights), busy (still applying an update that a
+                # previous operator process asked for), not loaded, asleep or draining is asked again next pass.
+                if exc.code not in TRANSIENT_CODES:
                     message = f"{exc.code}: {exc.message}"
                     self._failures.setdefault(key, {})[action.pod] = UpdateFailure(
                         version=action.version, message=message
                     )
-                return CallFailure(action.pod, "weights/update", exc.message)
+                return CallFailure(action.pod, "weights/update", exc.message, exc.code)
             self._checksums.setdefault(key, {})[(target.uid, result.version)] = result.checksum
             self._failures.get(key, {}).pop(action.pod, None)
             return None

@@ -66,27 +66,29 @@ def synced_to(version: str):
 
 
 def test_sleep_then_wake_serves_the_same_greedy_output(devcluster, namespace, models):
-    create_model(devcluster, namespace, model_manifest("sleepy", models))
-    wait_model(devcluster, namespace, "sleepy", phase_is("Ready"), timeout_s=120, what="Ready")
-    before = complete(devcluster, namespace, "sleepy-r0-0", PROMPT, NEW_TOKENS)
+    create_model(devcluster, namespace, model_manifest("sleepy", models, {"replicas": 2}))
+    wait_model(devcluster, namespace, "sleepy", phase_is("Ready"), timeout_s=150, what="Ready")
+    pods = sorted(model_pods(devcluster, namespace, "sleepy"))
+    before = [complete(devcluster, namespace, pod, PROMPT, NEW_TOKENS) for pod in pods]
 
     patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Asleep"}})
-    obj = wait_model(devcluster, namespace, "sleepy", phase_is("Sleeping"), timeout_s=60, what="Sleeping")
     obj = wait_model(
         devcluster, namespace, "sleepy", lambda o: condition(o, "Sleeping").get("status") == "True", timeout_s=60,
         what="Sleeping=True",
     )  # fmt: skip
-    assert condition(obj, "Sleeping")["reason"] == "Requested"
-    assert obj["status"]["sleepState"] == "Asleep" and [r["state"] for r in obj["status"]["ranks"]] == ["Asleep"]
+    assert condition(obj, "Sleeping")["reason"] == "Requested" and obj["status"]["phase"] == "Sleeping"
+    assert obj["status"]["sleepState"] == "Asleep" and [r["state"] for r in obj["status"]["ranks"]] == ["Asleep"] * 2
     assert condition(obj, "Ready")["status"] == "False" and condition(obj, "Ready")["reason"] == "Asleep"
-    state = worker_state(devcluster, namespace, "sleepy", "sleepy-r0-0")
-    assert state["sleep_state"] == "asleep" and state["sleep_level"] == 1
+    for pod in pods:
+        state = worker_state(devcluster, namespace, "sleepy", pod)
+        assert state["sleep_state"] == "asleep" and state["sleep_level"] == 1
 
     patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Awake"}})
     obj = wait_model(devcluster, namespace, "sleepy", phase_is("Ready"), timeout_s=90, what="Ready after wake")
     assert condition(obj, "Sleeping")["status"] == "False"
-    assert worker_state(devcluster, namespace, "sleepy", "sleepy-r0-0")["sleep_state"] == "awake"
-    assert complete(devcluster, namespace, "sleepy-r0-0", PROMPT, NEW_TOKENS) == before
+    for pod, text in zip(pods, before, strict=True):
+        assert worker_state(devcluster, namespace, "sleepy", pod)["sleep_state"] == "awake"
+        assert complete(devcluster, namespace, pod, PROMPT, NEW_TOKENS) == text
 
 
 def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, namespace, models):

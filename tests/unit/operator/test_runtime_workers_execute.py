@@ -44,6 +44,8 @@ class FakeWorker:
             return httpx.Response(200, json={"version": self.version, "overall": f"sum-{self.version}", "tensors": {}})
         if request.url.path == "/weights/update":
             body = json.loads(request.content)
+            if body["source"].endswith("busy"):
+                return httpx.Response(409, json={"code": "busy", "message": "another operation is running"})
             if body["source"].endswith("broken"):
                 return httpx.Response(400, json={"code": "bad_checkpoint", "message": "truncated file"})
             self.version = body["version"]
@@ -105,6 +107,12 @@ def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
             await fleet.observe(key, targets, 8001, TOKEN)
             assert first["m-r0-0"].checksum == "sum-base"
             assert worker.calls.count("GET /weights/checksum") == 1  # cached for (uid, version)
+            busy = await fleet.update_weights(
+                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/busy", version="v2")], targets, 8001, TOKEN
+            )
+            assert [f.message for f in busy] == ["another operation is running"]
+            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            assert seen["m-r0-0"].update_failure is None  # busy is "not now": the roll is not stopped
             failed = await fleet.update_weights(
                 key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/broken", version="v2")], targets, 8001, TOKEN
             )
