@@ -45,14 +45,7 @@ LLAMA3_8B = {
     "head_dim": 128,
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-5,
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},  # Llama-3 (3.1 added long-context scaling)
 }
 
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
