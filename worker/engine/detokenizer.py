@@ -28,11 +28,20 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
+        if full == prefix:
+            # The new tokens add nothing (skipped special tokens, ids the tokenizer lacks): read them anyway, or a
+            # long run of them would make every later push decode an ever longer window. They stay in the window's
+            # context, so text they only make together with later tokens still comes out.
+            self._advance()
+            return ""
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
+        self._advance()
+        return full[len(prefix) :]
+
+    def _advance(self) -> None:
         self._prefix_offset = max(self._prefix_offset, self._read_offset - _CONTEXT_TOKENS)
         self._read_offset = len(self._ids)
-        return full[len(prefix) :]
 
     def flush(self) -> str:
         """-> text still held back because it ends in an incomplete character (the request is ending)."""
