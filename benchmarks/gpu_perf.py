@@ -74,7 +74,7 @@ def run_engine(engine, workload: Workload, vocab: int, out: dict[str, Any]) -> d
     out["offline"] = engine_side.measure_offline(engine, prompts, workload.offline_output_len).figures()
     progress(
         f"tidal offline: {out['offline']['output_tokens_per_s']:.0f} output tokens/s "
-        f"({out['offline']['seconds']:.2f} s)"
+        f"({out['offline']['seconds']:.2f} s; forward of a full decode step {out['offline']['decode_forward_ms']} ms)"
     )
     return runs
 

@@ -139,10 +139,14 @@ def measure_offline(engine: LLMEngine, prompts: list[list[int]], output_len: int
     start = now(engine.runner.device)
     results = engine.generate(prompts, params)
     seconds = now(engine.runner.device) - start
-    return OfflineRun(
+    run = OfflineRun(
         requests=len(prompts),
         input_len=len(prompts[0]),
         output_len=output_len,
         seconds=seconds,
         output_tokens=sum(len(r.output_token_ids) for r in results),
     )
+    # The forward of a full decode step halfway through: set against the run's time, it shows the host's share.
+    batch = min(len(prompts), engine.config.max_num_seqs)
+    run.decode_forward_ms = forward_ms(engine, batch, run.input_len + output_len // 2)
+    return run

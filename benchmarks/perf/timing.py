@@ -46,9 +46,11 @@ class OfflineRun:
     output_len: int
     seconds: float
     output_tokens: int
+    decode_forward_ms: float | None = None  # engine only: the forward of one full-batch decode step
 
-    def figures(self) -> dict[str, float | int]:
+    def figures(self) -> dict[str, float | int | None]:
         return {
+            "decode_forward_ms": self.decode_forward_ms,
             "requests": self.requests,
             "input_len": self.input_len,
             "output_len": self.output_len,
