@@ -106,8 +106,12 @@ def test_crash_loop_sets_degraded_and_recovery_clears_it(devcluster, namespace, 
     degraded = condition(obj, "Degraded")
     assert degraded["reason"] == "CrashLoop" and "crashy-r0-0" in degraded["message"], degraded
     assert obj["status"]["phase"] == "Degraded" and obj["status"]["ranks"][0]["state"] == "Failed"
-    warnings = [e for e in events_of(devcluster, namespace, "crashy") if e.type == "Warning"]
-    assert any(e.reason == "CrashLoop" for e in warnings)
+
+    # The Event follows the status write that carried the flip.
+    def warned() -> bool:
+        return any(e.type == "Warning" and e.reason == "CrashLoop" for e in events_of(devcluster, namespace, "crashy"))
+
+    wait_until(warned, 30, "a Warning event CrashLoop")
 
     # Fixing the spec replaces the pod; the model recovers and the condition clears.
     patch_spec(devcluster, namespace, "crashy", {"model": {"path": "tiny-llama"}})
