@@ -18,7 +18,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,7 +29,9 @@ from perf import engine_side, transformers_side
 from perf.presets import PRESETS, Workload, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.report import agreement, bandwidth_bound, comparison, result_stem, targets, to_markdown, write_report
-from perf.timing import DecodeRun, median
+from perf.timing import median
+
+from tidal.worker.loader.model_loader import LoadedModel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,56 +58,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_engine(engine, workload: Workload, vocab: int, out: dict[str, Any]) -> dict[int, DecodeRun]:
-    runs = {}
-    for batch in workload.decode_batches:
+def run_side(
+    name: str,
+    side: ModuleType,
+    target: Any,
+    batches: list[int],
+    workload: Workload,
+    vocab: int,
+    out: dict[str, Any],
+    outputs: dict[int, list[list[int]]],
+    save: Callable[[], None],
+) -> None:
+    """The workload on one implementation (`side`: engine_side or transformers_side, `target` what it drives).
+    Figures land in `out`, decode tokens in `outputs`; the report is saved after each measurement, so a run cut
+    short keeps what it measured."""
+    for batch in batches:
         prompts = random_prompts(batch, workload.decode_prompt_len, vocab, seed=1000 + batch)
-        runs[batch] = run = engine_side.measure_decode(
-            engine, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens
-        )
+        run = side.measure_decode(target, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens)
         out["decode"].append(run.figures())
+        outputs[batch] = run.outputs
+        forward = f" (forward alone {run.forward_ms:.3f} ms)" if run.forward_ms else ""
         progress(
-            f"tidal decode batch {batch}: {run.ms_per_step:.3f} ms/step, {run.tokens_per_s:.1f} tokens/s "
-            f"(forward alone {run.forward_ms or float('nan'):.3f} ms)"
+            f"{name} decode batch {batch}: {run.ms_per_step:.3f} ms/step, {run.tokens_per_s:.1f} tokens/s{forward}"
         )
+        save()
     prompt = random_prompts(1, workload.ttft_prompt_len, vocab, seed=7)[0]
-    times = engine_side.measure_ttft(engine, prompt, workload.ttft_repeats)
+    times = side.measure_ttft(target, prompt, workload.ttft_repeats)
     out["ttft_ms"] = {"median": median(times), "runs": times}
-    progress(f"tidal TTFT ({workload.ttft_prompt_len} tokens): {median(times):.2f} ms")
+    progress(f"{name} TTFT ({workload.ttft_prompt_len}-token prompt): {median(times):.2f} ms")
+    save()
     prompts = random_prompts(workload.offline_requests, workload.offline_input_len, vocab, seed=99)
-    out["offline"] = engine_side.measure_offline(engine, prompts, workload.offline_output_len).figures()
+    out["offline"] = offline = side.measure_offline(target, prompts, workload.offline_output_len).figures()
+    forward = offline["decode_forward_ms"]
     progress(
-        f"tidal offline: {out['offline']['output_tokens_per_s']:.0f} output tokens/s "
-        f"({out['offline']['seconds']:.2f} s; forward of a full decode step {out['offline']['decode_forward_ms']} ms)"
+        f"{name} offline: {offline['output_tokens_per_s']:.0f} output tokens/s in {offline['seconds']:.2f} s"
+        + (f" (forward of one full-batch decode step {forward:.3f} ms)" if forward else "")
     )
-    return runs
-
-
-def run_transformers(loaded, device, workload: Workload, vocab: int, out: dict[str, Any]) -> dict[int, DecodeRun]:
-    start = time.monotonic()
-    model = transformers_side.load_transformers_model(loaded, device)
-    out["load_seconds"] = time.monotonic() - start
-    out["attn_implementation"] = model.config._attn_implementation
-    progress(f"transformers loaded in {out['load_seconds']:.1f} s ({out['attn_implementation']} attention)")
-    runs = {}
-    for batch in workload.transformers_decode_batches:
-        prompts = random_prompts(batch, workload.decode_prompt_len, vocab, seed=1000 + batch)
-        runs[batch] = run = transformers_side.measure_decode(
-            model, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens
-        )
-        out["decode"].append(run.figures())
-        progress(f"transformers decode batch {batch}: {run.ms_per_step:.3f} ms/step, {run.tokens_per_s:.1f} tokens/s")
-    prompt = random_prompts(1, workload.ttft_prompt_len, vocab, seed=7)[0]
-    times = transformers_side.measure_ttft(model, prompt, workload.ttft_repeats)
-    out["ttft_ms"] = {"median": median(times), "runs": times}
-    progress(f"transformers TTFT: {median(times):.2f} ms")
-    prompts = random_prompts(workload.offline_requests, workload.offline_input_len, vocab, seed=99)
-    out["offline"] = transformers_side.measure_offline(model, prompts, workload.offline_output_len).figures()
-    progress(
-        f"transformers offline: {out['offline']['output_tokens_per_s']:.0f} output tokens/s "
-        f"({out['offline']['seconds']:.2f} s)"
-    )
-    return runs
+    save()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -127,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "comparison": {},
     }
     stem = result_stem(preset.name, env, args.smoke)
+    outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:
         ours = report["engine"].get("decode", [])
@@ -134,24 +126,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured = report.get("ceilings", {}).get("device_copy_tbs")
         report["bandwidth"] = bandwidth_bound(report["model"]["weight_bytes"], b1, devinfo.ISSUE_COPY_TBS, measured)
         report["comparison"] = comparison(report["engine"], report["transformers"])
+        if not args.skip_transformers:
+            report["agreement"] = agreement(outputs["tidal"], outputs["transformers"])
         report["targets"] = targets(preset.name, device.type, report)
         write_report(report, args.out, stem)
 
     with tempfile.TemporaryDirectory(prefix="tidal-perf-") as tmp:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
         loaded = build_random_model(model_dir, dtype, device, args.seed)
-        vocab = loaded.model.vocab_size
-        report["model"] = {
-            "architecture": loaded.hf_config.architectures[0],
-            "dtype": str(dtype).removeprefix("torch."),
-            "num_parameters": sum(p.numel() for p in loaded.model.parameters()),
-            "weight_bytes": loaded.report.num_bytes,
-            "vocab_size": vocab,
-            "seed": args.seed,
-            "random_weights_seconds": loaded.report.seconds,
-        }
-        gb, seconds = loaded.report.num_bytes / 1e9, loaded.report.seconds
-        progress(f"random {preset.name} weights: {gb:.2f} GB in {seconds:.1f} s")
+        report["model"] = model_facts(loaded, args.seed)
+        progress(
+            f"random {preset.name} weights: {loaded.report.num_bytes / 1e9:.2f} GB in {loaded.report.seconds:.1f} s"
+        )
         if device.type == "cuda":
             report["ceilings"] = devinfo.measure_bandwidths(device)
             progress(f"ceilings: {report['ceilings']}")
@@ -161,8 +147,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             report["engine"]["memory_after_setup"] = devinfo.memory_gib(device)
         progress(f"engine ready: {report['engine']['setup']}")
-        ours = run_engine(engine, workload, vocab, report["engine"])
-        save()
+        vocab = loaded.model.vocab_size
+        ours = report["engine"]
+        run_side("tidal", engine_side, engine, workload.decode_batches, workload, vocab, ours, outputs["tidal"], save)
         del engine  # frees the KV cache and the graphs' pool; the weights stay (transformers copies them)
         gc.collect()
         if device.type == "cuda":
@@ -170,21 +157,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["engine"]["memory_after_teardown"] = devinfo.memory_gib(device)
             progress(f"engine released: {report['engine']['memory_after_teardown']}")
 
-        theirs: dict[int, DecodeRun] = {}
         if not args.skip_transformers:
+            hf = report["transformers"]
             try:
-                theirs = run_transformers(loaded, device, workload, vocab, report["transformers"])
+                start = time.monotonic()
+                model = transformers_side.load_transformers_model(loaded, device)
+                hf["load_seconds"] = time.monotonic() - start
+                hf["attn_implementation"] = model.config._attn_implementation
+                progress(f"transformers loaded in {hf['load_seconds']:.1f} s ({hf['attn_implementation']} attention)")
+                batches = workload.transformers_decode_batches
+                theirs = outputs["transformers"]
+                run_side("transformers", transformers_side, model, batches, workload, vocab, hf, theirs, save)
             except Exception as err:  # the engine's figures are worth writing even if the baseline breaks
                 traceback.print_exc()
-                report["transformers"]["error"] = f"{type(err).__name__}: {err}"
-            report["agreement"] = agreement(
-                {b: r.outputs for b, r in ours.items()}, {b: r.outputs for b, r in theirs.items()}
-            )
+                hf["error"] = f"{type(err).__name__}: {err}"
         save()
-    json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
     print(to_markdown(report), flush=True)
-    progress(f"wrote {json_path} and {md_path}")
+    progress(f"wrote {args.out / stem}.json and .md")
     return report
+
+
+def model_facts(loaded: LoadedModel, seed: int) -> dict[str, Any]:
+    return {
+        "architecture": loaded.hf_config.architectures[0],
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "num_parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "weight_bytes": loaded.report.num_bytes,
+        "vocab_size": loaded.model.vocab_size,
+        "seed": seed,
+        "random_weights_seconds": loaded.report.seconds,
+    }
 
 
 if __name__ == "__main__":
