@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from perf.presets import SMOKE_WORKLOAD, Workload  # noqa: E402
+from perf.presets import PRESETS, SMOKE_WORKLOAD, Workload, write_model_dir  # noqa: E402
 from perf.report import agreement, bandwidth_bound, common_prefix, comparison, result_stem, targets  # noqa: E402
 from perf.timing import steady_ms_per_step  # noqa: E402
 
@@ -87,6 +87,20 @@ def test_workload_refuses_nothing_to_time():
 def test_result_stem():
     assert result_stem("llama3-8b", {"gpu": "NVIDIA H200"}, smoke=False) == "perf-llama3-8b-nvidia-h200"
     assert result_stem("tiny", {"gpu": None}, smoke=True) == "perf-tiny-cpu-smoke"
+
+
+def test_llama3_8b_preset_has_the_issues_shape(tmp_path):
+    import torch
+
+    from tidal.worker.loader.hf_config import load_hf_config
+    from tidal.worker.models.registry import resolve_model_class
+
+    config = load_hf_config(write_model_dir(PRESETS["llama3-8b"], tmp_path))
+    with torch.device("meta"):
+        model = resolve_model_class(config.architectures).from_hf_config(config, torch.bfloat16, torch.device("meta"))
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert round(num_bytes / 1e9, 2) == 16.06  # the issue's bound: 16.06 GB read per batch-1 step
+    assert (config.vocab_size, config.num_key_value_heads, config.max_position_embeddings) == (128256, 8, 8192)
 
 
 @pytest.mark.slow
