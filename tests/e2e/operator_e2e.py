@@ -161,6 +161,14 @@ def worker_state(dc: DevCluster, namespace: str, name: str, pod: str, port: int 
     return resp.json()
 
 
+def worker_checksum(dc: DevCluster, namespace: str, name: str, pod: str, port: int = 8001) -> str:
+    ip = dc.core.read_namespaced_pod(pod, namespace).status.pod_ip
+    headers = {"Authorization": f"Bearer {control_token(dc, namespace, name)}"}
+    resp = httpx.get(f"http://{ip}:{port}/weights/checksum", headers=headers, timeout=60)
+    resp.raise_for_status()
+    return resp.json()["overall"]
+
+
 def complete(dc: DevCluster, namespace: str, pod: str, prompt: str | list[int], max_tokens: int = 12) -> str:
     """Greedy completion from one rank's serving port (the devcluster has no Service VIPs)."""
     found = dc.core.read_namespaced_pod(pod, namespace)

@@ -22,6 +22,7 @@ from operator_e2e import (
     phase_is,
     wait_model,
     wait_until,
+    worker_checksum,
     worker_state,
     write_models,
 )
@@ -96,6 +97,7 @@ def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, names
     wait_model(devcluster, namespace, "rolling", phase_is("Ready"), timeout_s=150, what="Ready")
     pods_before = pod_identity(devcluster, namespace, "rolling")
     assert len(pods_before) == 2
+    sums_a = {worker_checksum(devcluster, namespace, "rolling", pod) for pod in pods_before}
     prompt = AutoTokenizer.from_pretrained(models / "tiny-llama-b")(PROMPT)["input_ids"]
     text_a = complete(devcluster, namespace, "rolling-r0-0", prompt, NEW_TOKENS)
 
@@ -109,6 +111,8 @@ def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, names
     for pod in pods_before:
         assert worker_state(devcluster, namespace, "rolling", pod)["weights_version"] == "b"
         assert complete(devcluster, namespace, pod, prompt, NEW_TOKENS) == expected
+    sums_b = {worker_checksum(devcluster, namespace, "rolling", pod) for pod in pods_before}
+    assert len(sums_a) == 1 and len(sums_b) == 1 and sums_a != sums_b  # ranks agree, and the weights changed
 
     # A checkpoint the worker refuses: Degraded with the worker's reason, the roll stopped, b still served.
     patch_spec(devcluster, namespace, "rolling", {"weights": {"version": "broken", "source": "broken"}})
