@@ -111,6 +111,10 @@ def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, names
     for pod in pods_before:
         assert worker_state(devcluster, namespace, "rolling", pod)["weights_version"] == "b"
         assert complete(devcluster, namespace, pod, prompt, NEW_TOKENS) == expected
+    # Replica by replica (maxUnavailable 1): replica 0's update was asked for, and answered, before replica 1's.
+    log = devcluster.pod_log(OPERATOR_NS, lease_holder(devcluster), "operator")
+    lines = [line for line in log.splitlines() if f"{namespace}/rolling: update weights of" in line]
+    assert [line.split("update weights of ")[1].split()[0] for line in lines] == ["rolling-r0-0", "rolling-r1-0"]
     sums_b = {worker_checksum(devcluster, namespace, "rolling", pod) for pod in pods_before}
     assert len(sums_a) == 1 and len(sums_b) == 1 and sums_a != sums_b  # ranks agree, and the weights changed
 
