@@ -11,10 +11,8 @@ OPERATOR_NS=tidal-system
 
 step() { printf '\n==> %s\n' "$*"; }
 
-if tidal-devcluster status --dir "$DEMO_DIR" >/dev/null 2>&1; then
-    step "a demo cluster is already running in $DEMO_DIR; stopping it first (make demo-down does this alone)"
-    tidal-devcluster down --dir "$DEMO_DIR"
-fi
+# `up` refuses to start over a running cluster: stop an earlier demo first (a no-op when none runs).
+tidal-devcluster down --dir "$DEMO_DIR"
 
 step "starting the local control plane in $DEMO_DIR"
 tidal-devcluster up --dir "$DEMO_DIR"
