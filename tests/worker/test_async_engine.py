@@ -132,3 +132,46 @@ def test_shutdown_ends_running_streams_with_abort(model_dir):
         assert not engine.is_running
 
     asyncio.run(main())
+
+
+def test_a_request_aborted_while_held_never_runs(model_dir):
+    async def main():
+        engine = AsyncEngine.from_config(config(model_dir))
+        await engine.start()
+        try:
+            assert await asyncio.to_thread(engine.hold, 10.0)
+            stream = engine.generate("held", [7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True))
+            waiting = asyncio.create_task(anext(stream))
+            await wait_until(lambda: engine.stats().num_waiting == 1)
+            waiting.cancel()  # the client leaves while the request waits for admission
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            engine.release()
+            await collect(engine, "after", [4, 5], SamplingParams(temperature=0, max_tokens=2))
+            # The loop admits its inbox in order: had "held" been admitted, it would have been counted by now.
+            assert engine.stats().num_prompt_tokens == 2
+            assert engine.stats().num_running == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_by_id_ends_a_held_request(model_dir):
+    async def main():
+        engine = AsyncEngine.from_config(config(model_dir))
+        await engine.start()
+        try:
+            assert await asyncio.to_thread(engine.hold, 10.0)
+            stream = engine.generate("held", [7, 8, 9], GREEDY)
+            waiting = asyncio.create_task(anext(stream))
+            await wait_until(lambda: engine.stats().num_waiting == 1)
+            engine.abort("held")
+            first = await asyncio.wait_for(waiting, 10.0)
+            assert first.finish_reason == "abort" and first.new_token_ids == []
+            assert engine.stats().num_waiting == 0
+            engine.release()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

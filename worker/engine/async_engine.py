@@ -52,6 +52,14 @@ class _Inbox:
     aborts: list[str] = field(default_factory=list)
 
 
+def _never_admitted(request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
+    """The final output of a request aborted before the engine took it."""
+    return RequestOutput(
+        request_id=request_id, new_token_ids=[], new_text="", finish_reason="abort",
+        num_prompt_tokens=len(prompt_token_ids), num_output_tokens=0,
+    )  # fmt: skip
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
@@ -147,8 +155,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request and free its cache blocks (no-op for an unknown or finished request). Thread-safe."""
         with self._wake:
-            self._inbox.aborts.append(request_id)
-            self._wake.notify()
+            # One still waiting for admission (held) ends here: the loop must never admit it later.
+            queued = [item for item in self._inbox.new if item[0] == request_id]
+            if not queued:
+                self._inbox.aborts.append(request_id)
+                self._wake.notify()
+                return
+            self._inbox.new = [item for item in self._inbox.new if item[0] != request_id]
+        _, prompt, _ = queued[0]
+        self._deliver(request_id, _never_admitted(request_id, prompt))
 
     def stats(self) -> EngineStats:
         with self._lock:
