@@ -175,3 +175,18 @@ def test_abort_by_id_ends_a_held_request(model_dir):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_shutdown_ends_requests_still_waiting_for_admission(model_dir):
+    async def main():
+        engine = AsyncEngine.from_config(config(model_dir))
+        await engine.start()
+        assert await asyncio.to_thread(engine.hold, 10.0)
+        stream = engine.generate("held", [7, 8, 9], GREEDY)
+        waiting = asyncio.create_task(anext(stream))
+        await wait_until(lambda: engine.stats().num_waiting == 1)
+        await engine.shutdown()
+        with pytest.raises(EngineNotRunningError):
+            await asyncio.wait_for(waiting, 10.0)
+
+    asyncio.run(main())

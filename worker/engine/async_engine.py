@@ -108,7 +108,8 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Stop the loop; requests still running end with finish_reason "abort"."""
+        """Stop the loop; requests still running end with finish_reason "abort", those still waiting for admission
+        with EngineNotRunningError."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -234,7 +235,7 @@ class AsyncEngine:
                     self._idle.notify_all()
                     self._wake.wait()
                 self._is_idle = False
-                if self._holding:  # queued requests stay queued; aborts still apply
+                if self._holding and not self._stopping:  # queued requests stay queued; aborts still apply
                     inbox, self._inbox.aborts = _Inbox(aborts=self._inbox.aborts), []
                 else:
                     inbox, self._inbox = self._inbox, _Inbox()
@@ -251,6 +252,9 @@ class AsyncEngine:
         deliveries: list[tuple[str, _Item]] = []
         if stopping:
             deliveries += [(out.request_id, out) for out in engine.abort_all()]
+            # Never admitted (e.g. held by a sleep): they would otherwise wait for an output that never comes.
+            refused = EngineNotRunningError("the engine shut down before this request started")
+            deliveries += [(request_id, refused) for request_id, _, _ in inbox.new]
             self._stats = engine.stats()
             self._deliver_all(deliveries)
             return False
