@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from pydantic import ValidationError
 
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
@@ -57,3 +59,12 @@ def test_forget_restarts_a_seeded_stream():
     first = [sampler.sample(LOGITS.clone(), [params], [0])[0] for _ in range(10)]
     sampler.forget(0)
     assert [sampler.sample(LOGITS.clone(), [params], [0])[0] for _ in range(10)] == first
+
+
+def test_every_seed_and_top_k_the_params_accept_can_be_sampled():
+    # A value accepted here but unusable by torch would fail the step of the whole batch, not just this request.
+    for params in (SamplingParams(seed=2**64 - 1), SamplingParams(top_k=2**63 - 1)):
+        assert Sampler(CPU, 0).sample(LOGITS.clone(), [params], [0])[0] in range(6)
+    for field, value in (("seed", 2**64), ("top_k", 2**63)):
+        with pytest.raises(ValidationError, match=field):
+            SamplingParams(**{field: value})

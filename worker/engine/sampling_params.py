@@ -12,9 +12,11 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass kept (1 = off).")
-    top_k: int = Field(default=-1, description="Most likely tokens kept; -1 = off.")
+    # The upper bounds are what torch takes (an int64 tensor, a uint64 seed): a value past them would fail the
+    # step of the whole batch rather than this one request.
+    top_k: int = Field(default=-1, le=2**63 - 1, description="Most likely tokens kept; -1 = off.")
     max_tokens: int | None = Field(default=16, ge=1, description="Most tokens generated; None = up to max_model_len.")
-    seed: int | None = Field(default=None, description="Makes this request's sampling reproducible.")
+    seed: int | None = Field(default=None, le=2**64 - 1, description="Makes this request's sampling reproducible.")
     stop: list[str] = Field(default_factory=list, description="Generation ends when the text contains one of these.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Generation ends on one of these tokens.")
     ignore_eos: bool = Field(default=False, description="Keep generating past the model's end-of-sequence tokens.")
