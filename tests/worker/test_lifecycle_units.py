@@ -77,6 +77,8 @@ def test_uploads_append_in_order_and_one_at_a_time(tmp_path):
     assert not first.directory.exists()
     with pytest.raises(UploadNotFoundError):
         uploads.get(first.upload_id)
+    with pytest.raises(UploadNotFoundError):  # an id from the URL path may be any text: a 404, not a 500
+        uploads.write_chunk("caf\u00e9", "model.safetensors", 0, b"x")
     with pytest.raises(BadRequestError, match="no files"):
         uploads.finish(second.upload_id)
 

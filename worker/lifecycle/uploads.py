@@ -51,9 +51,11 @@ class Uploads:
             return self._current
 
     def get(self, upload_id: str) -> Upload:
-        if self._current is None or not secrets.compare_digest(self._current.upload_id, upload_id):
+        # Bytes: compare_digest refuses non-ASCII str, and the id comes from a URL path that may hold anything.
+        current = self._current
+        if current is None or not secrets.compare_digest(current.upload_id.encode(), upload_id.encode()):
             raise UploadNotFoundError(f"no upload {upload_id!r} in progress (a newer start replaces an older upload)")
-        return self._current
+        return current
 
     def write_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes) -> Upload:
         """Append `data` to `file_name` of the upload; blocking file I/O (call it off the event loop)."""
