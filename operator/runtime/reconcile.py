@@ -31,6 +31,7 @@ Key = tuple[str, str]
 # After acting, look again soon: pods and workers move on their own, and not every move is a pod event.
 ACTED_REQUEUE_S = 1.0
 MAX_ERROR_BACKOFF_S = 30.0
+MAX_ERROR_STREAK = 16  # 2**16 s is far past the cap already
 
 
 def now_utc() -> datetime:
@@ -56,7 +57,8 @@ class Reconciler:
         except Exception:
             log.exception("%s/%s: reconcile failed", *key)
             result = "error"
-            count = self._errors[key] = self._errors.get(key, 0) + 1
+            # The count stops growing at the cap: 2.0**count overflows a float after 1023 failures.
+            count = self._errors[key] = min(self._errors.get(key, 0) + 1, MAX_ERROR_STREAK)
             delay = min(MAX_ERROR_BACKOFF_S, 2.0**count)
         self._metrics.reconciles.labels(result).inc()
         self._metrics.reconcile_seconds.observe(time.monotonic() - started)

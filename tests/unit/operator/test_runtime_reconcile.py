@@ -115,3 +115,23 @@ def test_a_failing_api_backs_off_and_counts_an_error():
 
     assert asyncio.run(main()) == [2.0, 4.0, 8.0]
     assert 'tidal_operator_reconciles_total{result="error"} 3.0' in generate_latest(metrics.registry).decode()
+
+
+def test_back_off_stays_capped_after_many_failures():
+    # 2.0 ** count overflows a float after 1023 failures (about 8.5 hours at 30 s): the pass must still return the
+    # cap, or the exception escapes the queue and the model is never scheduled again.
+    kube = MemoryKube()
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("API down")
+
+    kube.list_model_pods = broken
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            reconcile._errors[("ml", "tiny")] = 1100
+            return await reconcile(("ml", "tiny"))
+
+    assert asyncio.run(main()) == 30.0
