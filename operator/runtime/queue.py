@@ -25,6 +25,7 @@ class _Entry:
     waiting: bool = False
     timer: asyncio.TimerHandle | None = None
     due: float = 0.0
+    forgotten: bool = False  # forget() came during a pass: that pass schedules nothing
 
 
 class ReconcileQueue:
@@ -41,12 +42,12 @@ class ReconcileQueue:
         entry.waiting = True
         async with entry.lock:
             entry.waiting = False
-            try:
-                delay = await self._reconcile(key)
-            except asyncio.CancelledError:
-                raise
-            if key in self._entries:
+            entry.forgotten = False  # a pass that starts now reads the world after the forget
+            delay = await self._reconcile(key)
+            if not entry.forgotten:
                 self.schedule(key, delay)
+            elif not entry.waiting and self._entries.get(key) is entry:
+                del self._entries[key]
 
     def schedule(self, key: Key, delay: float | None) -> None:
         """Come back to `key` after `delay` seconds; an earlier timer already set wins."""
@@ -79,10 +80,19 @@ class ReconcileQueue:
             entry.timer = None
 
     def forget(self, key: Key) -> None:
-        """The model is gone: no more timers for it."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._cancel(entry)
+        """The model is gone: no more timers for it.
+
+        An entry whose pass is running stays (marked), so that a request arriving meanwhile (the model re-created,
+        a pod event) waits on the same lock instead of starting a second pass beside the running one.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        self._cancel(entry)
+        if entry.lock.locked() or entry.waiting:
+            entry.forgotten = True
+        else:
+            del self._entries[key]
 
     def keys(self) -> list[Key]:
         return list(self._entries)

@@ -74,6 +74,60 @@ def test_an_earlier_timer_wins():
     assert asyncio.run(main()) == 2
 
 
+def test_forget_during_a_pass_does_not_let_a_second_pass_run_beside_it():
+    # The model is deleted (kopf's DELETED event -> forget) while a pass runs, and re-created (or one of its pods
+    # changes) at once: the next pass must wait for the running one, not start beside it on a fresh lock.
+    async def main() -> tuple[int, int]:
+        running, most = [0], [0]
+        gate = asyncio.Event()
+
+        async def reconcile(key):
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            await gate.wait()
+            running[0] -= 1
+            return 0.01
+
+        queue = ReconcileQueue(reconcile)
+        key = ("ns", "m")
+        first = asyncio.create_task(queue.request(key))
+        await asyncio.sleep(0)
+        queue.forget(key)
+        second = asyncio.create_task(queue.request(key))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.gather(first, second)
+        await queue.close()
+        return most[0], len(queue.keys())
+
+    most, keys = asyncio.run(main())
+    assert most == 1
+    assert keys == 1  # the second pass started after the forget, so its timer stands
+
+
+def test_a_pass_cut_short_by_forget_leaves_no_timer_behind():
+    async def main() -> tuple[int, list]:
+        calls = [0]
+        gate = asyncio.Event()
+
+        async def reconcile(key):
+            calls[0] += 1
+            await gate.wait()
+            return 0.01  # the pass acted before it learnt of the deletion
+
+        queue = ReconcileQueue(reconcile)
+        first = asyncio.create_task(queue.request(("ns", "m")))
+        await asyncio.sleep(0)
+        queue.forget(("ns", "m"))
+        gate.set()
+        await first
+        await asyncio.sleep(0.05)
+        await queue.close()
+        return calls[0], queue.keys()
+
+    assert asyncio.run(main()) == (1, [])
+
+
 class FakeLeases:
     """Just enough of CoordinationV1Api: read, create, replace with resourceVersion compare-and-swap."""
 
