@@ -111,3 +111,28 @@ def _wait_for_in_flight(worker: ControlledWorker, n: int) -> None:
     while worker.control.get("/state").json()["in_flight_requests"] < n:  # type: ignore[union-attr]
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_sleep_that_fails_before_releasing_anything_serves_on(tiny_model, monkeypatch):
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            before = await greedy(manager, [[5, 6, 7]])
+            assert manager.residency is not None
+
+            def broken_copy() -> int:
+                raise RuntimeError("host copy failed")
+
+            monkeypatch.setattr(manager.residency.weights, "to_host", broken_copy)
+            try:
+                await manager.sleep(SleepRequest(level=1))
+                raise AssertionError("the sleep should have failed")
+            except RuntimeError as err:
+                assert "host copy failed" in str(err)
+            assert manager.state().sleep_state == "awake"
+            assert manager.residency.resident == ["weights", "kv_cache"]
+            # Held for good before: the request below waited forever.
+            assert await asyncio.wait_for(greedy(manager, [[5, 6, 7]]), 30) == before
+
+    asyncio.run(scenario())

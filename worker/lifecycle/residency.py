@@ -79,23 +79,31 @@ class Residency:
         """-> bytes copied or freed."""
         if self.sleep_level is not None and level <= self.sleep_level:
             return 0
-        if self.sleep_level is None:
+        held_here = self.sleep_level is None
+        if held_here:
             self._hold(mode, timeout_s, f"the worker goes to sleep (level {level})")
         num_bytes = 0
-        with self._quiesced() as llm:
-            if self.weights.is_resident:
-                if level == 1:
-                    num_bytes += self.weights.to_host()
-                    self._host_valid = True
-                self.weights.release()
-                num_bytes += self.weights.nbytes if level == 2 else 0
-            if level == 2:
-                self._host_valid = False
-            if self.kv.is_resident:
-                self.kv.release()
-                num_bytes += self.kv.nbytes
-            llm.reset_prefix_cache()
-            free_cached_device_memory(self.weights.device)
+        try:
+            with self._quiesced() as llm:
+                if self.weights.is_resident:
+                    if level == 1:
+                        num_bytes += self.weights.to_host()
+                        self._host_valid = True
+                    self.weights.release()
+                    num_bytes += self.weights.nbytes if level == 2 else 0
+                if level == 2:
+                    self._host_valid = False
+                if self.kv.is_resident:
+                    self.kv.release()
+                    num_bytes += self.kv.nbytes
+                llm.reset_prefix_cache()
+                free_cached_device_memory(self.weights.device)
+        except BaseException:
+            if held_here and self.weights.is_resident and self.kv.is_resident:
+                self._engine().release()  # nothing was released: serve on rather than hold requests for good
+            elif held_here:
+                self.sleep_level = level  # partly released: asleep, and a wake restores the rest
+            raise
         self.sleep_level = level
         return num_bytes
 
