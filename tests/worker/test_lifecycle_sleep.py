@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
+import pytest
+
 from tidal.worker.control.schema import DrainMode, SleepRequest, WakeUpRequest, WeightsUpdateRequest
 from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
+from tidal.worker.engine.async_engine import EngineNotRunningError
+from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import WeightsUnavailableError
 from tidal.worker.testing.hf_reference import prompt_ids
 from tidal.worker.testing.tiny_models import write_tiny_model
@@ -134,5 +138,25 @@ def test_a_sleep_that_fails_before_releasing_anything_serves_on(tiny_model, monk
             assert manager.residency.resident == ["weights", "kv_cache"]
             # Held for good before: the request below waited forever.
             assert await asyncio.wait_for(greedy(manager, [[5, 6, 7]]), 30) == before
+
+    asyncio.run(scenario())
+
+
+def test_requests_queued_as_the_sleep_began_end_when_the_wake_they_ask_for_fails(tiny_model):
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir, asleep_requests="wake") as manager:
+            engine, residency = manager.engine, manager.residency
+            assert engine is not None and residency is not None
+            residency.version_source = None  # as after a streamed update: a level-2 sleep cannot be undone
+            assert await asyncio.to_thread(engine.hold, 10.0)  # a request arrives just as serving is held
+            stream = engine.generate("queued", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+            waiting = asyncio.create_task(anext(stream))
+            while engine.stats().num_waiting == 0:
+                await asyncio.sleep(0.01)
+            await manager.sleep(SleepRequest(level=2))
+            with pytest.raises(EngineNotRunningError, match="could not be woken"):
+                await asyncio.wait_for(waiting, 30)
 
     asyncio.run(scenario())

@@ -56,6 +56,7 @@ class LifecycleManager:
         self._op_lock = asyncio.Lock()
         self._operation: str | None = None
         self._last_request_at: float | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     # ----- loading (blocking, on the loader thread) -----
     def load_engine(self, engine_config: EngineConfig) -> AsyncEngine:
@@ -188,7 +189,18 @@ class LifecycleManager:
         if self.config.asleep_requests == "reject":
             self.engine.fail_queued(self._asleep_error())
         elif self.engine.stats().num_waiting:
-            asyncio.get_running_loop().create_task(self.admit())
+            task = asyncio.get_running_loop().create_task(self._wake_for_queued())
+            self._background.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._background.discard)
+
+    async def _wake_for_queued(self) -> None:
+        """Wake for the requests queued as the sleep began (asleep_requests=wake); if the model cannot wake, they
+        end with the reason rather than wait for a wake nobody asked for."""
+        try:
+            await self.admit()
+        except EngineNotRunningError as err:
+            if self.engine is not None:
+                self.engine.fail_queued(err)
 
     async def wake_up(self, request: WakeUpRequest) -> TransitionResult:
         async with self._exclusive("wake_up") as r:
