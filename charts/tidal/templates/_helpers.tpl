@@ -36,30 +36,30 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* The rules the operator needs wherever it manages models (ClusterRole, or a Role per watched namespace). */}}
 {{- define "tidal.modelRules" -}}
-# The custom resource: watched by kopf, which also patches it (finalizers, annotations) and its status.
+# The custom resource: watched by kopf, which patches its own annotations on it; the operator patches the status.
 - apiGroups: ["tidal.dev"]
   resources: ["inferencemodels"]
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["tidal.dev"]
   resources: ["inferencemodels/status"]
   verbs: ["get", "patch"]
-# One pod per rank: created, replaced, relabelled (the leader label); watched to react to crashes.
+# One pod per rank: created and replaced (never patched); watched to react to crashes.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
-# The headless group Service and the serving Service.
+  verbs: ["get", "list", "watch", "create", "delete"]
+# The headless group Service and the serving Service, read by name and patched when their spec drifts.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "create", "patch"]
+  verbs: ["get", "create", "patch"]
 # The control-API token: created once and read back; never listed, patched or deleted (ownerReferences clean up).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "create", "patch"]
-# Events on transitions (kopf posts core/v1 Events).
+  verbs: ["get", "create", "patch"]
+# Events on condition flips and failed worker calls, created by the operator (kopf's own posting is off).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end -}}

@@ -74,6 +74,12 @@ def test_rbac_is_least_privilege():
         "leases",
     }
     assert granted["secrets"] == {"get", "create"}
+    # Exactly what the operator calls (kube/client.py) and kopf's watches: pods are never patched, Services and
+    # NetworkPolicies are read by name (never listed), Events only created (kopf's posting is off).
+    assert granted["pods"] == {"get", "list", "watch", "create", "delete"}
+    assert granted["services"] == {"get", "create", "patch"}
+    assert granted["networkpolicies"] == {"get", "create", "patch"}
+    assert granted["events"] == {"create"}
     assert granted["customresourcedefinitions"] == {"get", "list", "watch"}
     for binding in _by_kind(docs, "ClusterRoleBinding") + _by_kind(docs, "RoleBinding"):
         assert binding["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
