@@ -43,6 +43,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["tidal.dev"]
   resources: ["inferencemodels/status"]
   verbs: ["get", "patch"]
+# Children are created with ownerReferences that set blockOwnerDeletion; clusters that enforce owner-reference
+# permissions (admission plugin OwnerReferencesPermissionEnforcement) require this. The operator adds no finalizer.
+- apiGroups: ["tidal.dev"]
+  resources: ["inferencemodels/finalizers"]
+  verbs: ["update"]
 # One pod per rank: created and replaced (never patched); watched to react to crashes.
 - apiGroups: [""]
   resources: ["pods"]

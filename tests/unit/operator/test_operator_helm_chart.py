@@ -66,6 +66,7 @@ def test_rbac_is_least_privilege():
         "customresourcedefinitions",
         "inferencemodels",
         "inferencemodels/status",
+        "inferencemodels/finalizers",
         "pods",
         "services",
         "secrets",
@@ -80,6 +81,9 @@ def test_rbac_is_least_privilege():
     assert granted["services"] == {"get", "create", "patch"}
     assert granted["networkpolicies"] == {"get", "create", "patch"}
     assert granted["events"] == {"create"}
+    # Children carry ownerReferences with blockOwnerDeletion: true. Where the OwnerReferencesPermissionEnforcement
+    # admission plugin runs (OpenShift, hardened clusters), setting that needs update on the owner's finalizers.
+    assert granted["inferencemodels/finalizers"] == {"update"}
     assert granted["customresourcedefinitions"] == {"get", "list", "watch"}
     for binding in _by_kind(docs, "ClusterRoleBinding") + _by_kind(docs, "RoleBinding"):
         assert binding["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
