@@ -71,3 +71,21 @@ def test_a_bad_token_setting_exits_2_without_echoing_it(tiny_model, capsys):
     assert main(["--model", str(tiny_model("llama")), "--control-token", "tooshort"]) == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert "TIDAL_CONTROL_TOKEN" in err and "tooshort" not in err
+
+
+def test_the_token_is_checked_before_the_body_or_the_route():
+    from fastapi.testclient import TestClient
+
+    from tidal.worker.control.app import build_control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    app = build_control_app(LifecycleManager(LifecycleConfig(weights_version="a")), SecretStr(TEST_TOKEN))
+    with TestClient(app) as client:
+        for method, path, body in (("POST", "/sleep", b"{not json"), ("GET", "/no-such-route", None)):
+            response = client.request(method, path, content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == 401, path
+            assert response.json()["code"] == "unauthorized" and response.headers["www-authenticate"] == "Bearer"
+        authorized = {"Authorization": f"Bearer {TEST_TOKEN}"}
+        assert client.get("/no-such-route", headers=authorized).status_code == 404
+        assert client.get("/state", headers=authorized).json()["model_loaded"] is False

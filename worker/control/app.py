@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal.worker.control.auth import is_authorized
 from tidal.worker.control.schema import (
@@ -41,20 +43,31 @@ log = logging.getLogger(__name__)
 MAX_CHUNK_BYTES = 1 << 30
 
 
-class _Unauthorized(Exception):
-    pass
-
-
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(ControlError(code=code, message=message).model_dump(), status_code=status, headers=headers)
 
 
-def build_control_app(manager: LifecycleManager, token: SecretStr) -> FastAPI:
-    async def require_token(request: Request) -> None:
-        if not is_authorized(request.headers.get("authorization"), token):
-            raise _Unauthorized()
+class _RequireToken:
+    """Checks the token before routing and before the body is read, so a caller without it learns nothing (not
+    whether a route exists, nor how its body is parsed): every answer to it is the same 401."""
 
-    app = FastAPI(title="Tidal worker control API", dependencies=[Depends(require_token)])
+    def __init__(self, app: ASGIApp, token: SecretStr) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = Headers(scope=scope).get("authorization")
+            if not is_authorized(header, self.token):
+                response = _error(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_control_app(manager: LifecycleManager, token: SecretStr) -> FastAPI:
+    app = FastAPI(title="Tidal worker control API")
+    app.add_middleware(_RequireToken, token=token)
     _install_error_handlers(app)
     app.include_router(_router(manager))
     return app
@@ -115,9 +128,6 @@ def _router(manager: LifecycleManager) -> APIRouter:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def on_unauthorized(_: Request, __: _Unauthorized) -> JSONResponse:
-        return _error(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-
     async def on_lifecycle_error(_: Request, exc: LifecycleError) -> JSONResponse:
         return _error(exc.status, exc.code, exc.message)
 
@@ -132,7 +142,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.error("control call %s %s failed", request.method, request.url.path, exc_info=exc)
         return _error(500, "internal", f"{type(exc).__name__}: {exc}")
 
-    app.add_exception_handler(_Unauthorized, on_unauthorized)  # type: ignore[arg-type]
     app.add_exception_handler(LifecycleError, on_lifecycle_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, on_http_error)  # type: ignore[arg-type]
