@@ -89,3 +89,18 @@ def test_the_token_is_checked_before_the_body_or_the_route():
         authorized = {"Authorization": f"Bearer {TEST_TOKEN}"}
         assert client.get("/no-such-route", headers=authorized).status_code == 404
         assert client.get("/state", headers=authorized).json()["model_loaded"] is False
+
+
+def test_an_oversized_chunk_is_a_400(monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from tidal.worker.control import app as control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    monkeypatch.setattr(control_app, "MAX_CHUNK_BYTES", 8)
+    app = control_app.build_control_app(LifecycleManager(LifecycleConfig(weights_version="a")), SecretStr(TEST_TOKEN))
+    with TestClient(app, headers={"Authorization": f"Bearer {TEST_TOKEN}"}) as client:
+        response = client.post("/weights/stream/abc/chunk?file=model.safetensors&offset=0", content=b"0123456789")
+        assert response.status_code == 400 and response.json()["code"] == "invalid_request"
+        assert "at most 8 bytes" in response.json()["message"]

@@ -34,7 +34,7 @@ from tidal.worker.control.schema import (
     WeightsUpdateResult,
     WorkerState,
 )
-from tidal.worker.lifecycle.errors import LifecycleError
+from tidal.worker.lifecycle.errors import BadRequestError, LifecycleError
 from tidal.worker.lifecycle.manager import LifecycleManager
 from tidal.worker.server.errors import describe_validation_errors
 
@@ -101,9 +101,11 @@ def _router(manager: LifecycleManager) -> APIRouter:
     async def stream_chunk(
         upload_id: str, request: Request, file: Annotated[str, Query()], offset: Annotated[int, Query(ge=0)]
     ) -> StreamChunkResult:
-        data = await request.body()
-        if len(data) > MAX_CHUNK_BYTES:
-            raise LifecycleError(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
+        data = bytearray()
+        async for piece in request.stream():  # refused at the limit, not after holding the whole body
+            data += piece
+            if len(data) > MAX_CHUNK_BYTES:
+                raise BadRequestError(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
         upload = await manager.stream_chunk(upload_id, file, offset, data)
         return StreamChunkResult(upload_id=upload_id, file=file, received_bytes=upload.received[file])
 
