@@ -60,10 +60,14 @@ class ApiModel(BaseModel):
 
 
 class StatusModel(BaseModel):
-    """Status-side models: written by the operator, read back from JSON (timestamps as strings), so not strict."""
+    """Status-side models: written by the operator, read back from JSON (timestamps as strings), so not strict.
+
+    Unknown fields are ignored, not refused: a newer operator may have left fields this one does not know (the CRD
+    is never downgraded, so they stay valid), and refusing them would stop the model from being reconciled at all.
+    """
 
     model_config = ConfigDict(
-        extra="forbid",
+        extra="ignore",
         alias_generator=to_camel,
         validate_by_name=True,
         validate_by_alias=True,

@@ -135,3 +135,26 @@ def test_back_off_stays_capped_after_many_failures():
             return await reconcile(("ml", "tiny"))
 
     assert asyncio.run(main()) == 30.0
+
+
+def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
+    # A newer operator (and its CRD, which Helm never downgrades) may have written status fields this one does not
+    # know; after a rollback they stay in etcd. The status is the operator's output: reading it must not refuse.
+    kube = MemoryKube()
+    kube.model["status"] = {
+        "phase": "Ready",
+        "fieldFromANewerOperator": {"x": 1},
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "AllRanksReady", "lastTransitionTime": "2026-01-01T00:00:00Z",
+             "newConditionField": "x"},
+        ],
+    }  # fmt: skip
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            return await reconcile(("ml", "tiny"))
+
+    assert asyncio.run(main()) == 1.0
+    assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
