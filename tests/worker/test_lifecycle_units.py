@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import pytest
@@ -90,3 +91,21 @@ def test_checksums_depend_on_bytes_dtype_and_shape_only():
     assert tensor_digest(t) != tensor_digest(t.to(torch.float64))
     digests = weights_digests({"x": t, "y": t.reshape(2, 3)})
     assert overall_digest(digests) == overall_digest(dict(reversed(list(digests.items()))))
+
+
+def test_a_shard_index_must_name_plain_files_beside_it(tmp_path):
+    from tidal.worker.lifecycle.staging import checkpoint_tensors
+
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"")
+    upload = tmp_path / "upload"
+    upload.mkdir()
+    index = upload / "model.safetensors.index.json"
+    # A streamed index names files inside the upload only; a malformed one is a bad checkpoint (422), not a 500.
+    for weight_map, words in (({"w": "../outside.safetensors"}, "plain file name"),
+                              ({"w": str(outside)}, "plain file name"),
+                              ({"w": 5, "v": [1]}, "plain file name"),
+                              (["w"], "weight_map")):  # fmt: skip
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        with pytest.raises(CheckpointRejectedError, match=words):
+            checkpoint_tensors(upload)

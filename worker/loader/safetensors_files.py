@@ -17,7 +17,14 @@ def checkpoint_files(model_path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ModelLoadError(f"{index} is not a valid safetensors index: {err}") from err
-        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index} is not a valid safetensors index: weight_map is not an object")
+        names = list(weight_map.values())
+        # Shards sit beside the index: a streamed upload's index must not point the loader at other files.
+        bad = sorted({str(n) for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")})
+        if bad:
+            raise ModelLoadError(f"{index} names shards that are not a plain file name: {', '.join(bad)}")
+        files = [model_path / name for name in sorted(set(names))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise MissingModelFileError(f"{index} lists shards that are missing: {', '.join(missing)}")
