@@ -73,6 +73,8 @@ class PodWorker(threading.Thread):
         self._start_time = pod.get("status", {}).get("startTime") or now_iso()
         self._applied_faults: set[str] = set()
         self._stopping = False  # the agent is shutting down: start nothing new
+        # Held while a process starts and while shutdown sets _stopping, so shutdown sees every process started.
+        self._start_lock = threading.Lock()
 
     # -- inputs from other threads -----------------------------------------------------------------------------
     def update(self, pod: dict) -> None:
@@ -234,7 +236,10 @@ class PodWorker(threading.Thread):
             # Nothing will change a pod without a command (its spec is immutable): retry rarely.
             slot.hold("CreateContainerConfigError", message, 30.0 if message == NO_COMMAND else 2.0, now)
             return
-        slot.start(plan, now)
+        with self._start_lock:
+            if self._stopping:  # shutdown began while the environment was resolved
+                return
+            slot.start(plan, now)
 
     def _apply_fault(self, pod: dict) -> None:
         value = pod["metadata"].get("annotations", {}).get(FAULT_ANNOTATION)
@@ -320,7 +325,8 @@ class PodWorker(threading.Thread):
 
     def stop_for_shutdown(self, grace_s: float) -> None:
         """The agent is exiting: stop this pod's processes (SIGTERM, SIGKILL after grace_s) without API calls."""
-        self._stopping = True
+        with self._start_lock:
+            self._stopping = True
         procs = [s.process for s in self._all_slots if s.process is not None and not s.process.exited]
         for proc in procs:
             proc.terminate()
