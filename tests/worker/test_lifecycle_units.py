@@ -13,6 +13,7 @@ from tidal.worker.lifecycle.checksum import overall_digest, tensor_digest, weigh
 from tidal.worker.lifecycle.errors import (
     BadRequestError,
     CheckpointRejectedError,
+    CollectiveError,
     UploadNotFoundError,
     UploadOffsetError,
 )
@@ -109,3 +110,11 @@ def test_a_shard_index_must_name_plain_files_beside_it(tmp_path):
         index.write_text(json.dumps({"weight_map": weight_map}))
         with pytest.raises(CheckpointRejectedError, match=words):
             checkpoint_tensors(upload)
+
+
+def test_a_trainer_that_cannot_be_reached_is_a_collective_failure():
+    from tidal.worker.lifecycle.collective import join_group
+
+    # 502 collective_failed, as the contract says, rather than torch's own error as a 500.
+    with pytest.raises(CollectiveError, match="cannot join the trainer's group at 127\\.0\\.0\\.1:1"):
+        join_group("127.0.0.1", 1, 1, 2, "gloo", 0.5)

@@ -33,6 +33,16 @@ def _local_address_towards(address: str, port: int) -> str:
 def join_group(
     address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
 ) -> dist.ProcessGroup:
+    """Join (rank 0: host) the trainer's group; CollectiveError when the rendezvous or the group fails."""
+    try:
+        return _join_group(address, port, rank, world_size, backend, timeout_s)
+    except (RuntimeError, OSError) as err:  # torch's DistError is a RuntimeError; an unknown host an OSError
+        raise CollectiveError(f"cannot join the trainer's group at {address}:{port}: {err}") from err
+
+
+def _join_group(
+    address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if backend == "gloo":
