@@ -118,3 +118,13 @@ def test_a_trainer_that_cannot_be_reached_is_a_collective_failure():
     # 502 collective_failed, as the contract says, rather than torch's own error as a 500.
     with pytest.raises(CollectiveError, match="cannot join the trainer's group at 127\\.0\\.0\\.1:1"):
         join_group("127.0.0.1", 1, 1, 2, "gloo", 0.5)
+
+
+def test_announced_tensor_shapes_are_not_negative():
+    from pydantic import ValidationError
+
+    from tidal.worker.control.schema import TensorSpec
+
+    assert TensorSpec(name="w", shape=[0, 3], dtype="float32").shape == [0, 3]
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):  # else torch.empty fails mid-transfer
+        TensorSpec(name="extra", shape=[-1, 4], dtype="float32")

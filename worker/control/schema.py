@@ -123,7 +123,7 @@ class StreamFinishRequest(_Model):
 
 class TensorSpec(_Model):
     name: str = Field(min_length=1)
-    shape: list[int]
+    shape: list[Annotated[int, Field(ge=0)]]
     dtype: Literal["float32", "float16", "bfloat16"]
 
 
