@@ -20,6 +20,10 @@ def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     check_ndim("k_cache", k_cache, 4)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_same_dtype("q, k_cache and v_cache", q, k_cache, v_cache)
+    if v_cache.stride() != k_cache.stride():  # the kernels address both caches with k_cache's strides
+        raise ValueError(
+            f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:

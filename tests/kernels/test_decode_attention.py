@@ -63,3 +63,12 @@ def test_split_choice_fills_the_device_and_respects_short_contexts():
     assert choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132) > 8
     assert choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
     assert choose_num_splits(batch=256, num_kv_heads=8, max_context=4096, num_sms=132) == 1
+
+
+def test_v_cache_with_other_strides_than_k_cache_is_refused(device):
+    # The kernels address V with K's strides: a V of the same shape laid out differently would be read wrongly.
+    kv = make_paged_kv([20, 7], 4, 2, 64, torch.float32, device)
+    v_cache = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, head-major blocks
+    q = torch.randn(2, 4, 64, device=device)
+    with pytest.raises(ValueError, match="same strides"):
+        paged_decode_attention_triton(q, kv.k_cache, v_cache, kv.block_tables, kv.seq_lens, 0.125)
