@@ -9,6 +9,7 @@ if [ ! -x "$TIDAL_VENV/bin/python" ]; then
   echo "creating $TIDAL_VENV"
   python3 -m venv "$TIDAL_VENV"
 fi
-"$TIDAL_VENV/bin/python" -m pip install -q --upgrade "pip>=24" "setuptools>=75"
+# setuptools stays below 82: torch 2.11 declares that bound, and pip would otherwise report a conflict.
+"$TIDAL_VENV/bin/python" -m pip install -q --upgrade "pip>=24" "setuptools>=75,<82"
 "$TIDAL_VENV/bin/python" -m pip install -q -c hack/constraints.txt -e ".[dev]"
 echo "python environment ready: $TIDAL_VENV"
