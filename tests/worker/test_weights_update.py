@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidal.worker.control.schema import WeightsUpdateRequest
+from tidal.worker.control.schema import StreamFinishRequest, WeightsUpdateRequest
 from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
-from tidal.worker.lifecycle.errors import CheckpointRejectedError
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError
 from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
 from tidal.worker.testing.tiny_models import write_tiny_model
 
@@ -196,3 +197,27 @@ def _wait_for_in_flight(worker: ControlledWorker, n: int) -> None:
     while worker.control.get("/state").json()["in_flight_requests"] < n:  # type: ignore[union-attr]
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_streamed_update_that_times_out_draining_can_be_finished_again(tiny_model, version_b):
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            assert manager.engine is not None
+            upload = await manager.stream_start(False)
+            for path in sorted(version_b.glob("model*")):
+                await manager.stream_chunk(upload.upload_id, path.name, 0, path.read_bytes())
+            params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+            running = manager.engine.generate("long", [5, 6, 7], params)
+            await anext(running)
+            # The error says "retry": the uploaded files must still be there for that retry.
+            with pytest.raises(DrainTimeoutError, match="retry"):
+                await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="b", drain_timeout_s=0.05))
+            assert manager.version == "a"
+            finished = await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="b", mode="abort"))
+            assert finished.version == "b" and manager.version == "b"
+            assert not upload.directory.exists()
+            await running.aclose()
+
+    asyncio.run(scenario())

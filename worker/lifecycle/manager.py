@@ -34,7 +34,7 @@ from tidal.worker.engine.async_engine import AsyncEngine, EngineNotRunningError
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle.config import LifecycleConfig
-from tidal.worker.lifecycle.errors import BusyError, CheckpointRejectedError, NotLoadedError
+from tidal.worker.lifecycle.errors import BusyError, CheckpointRejectedError, DrainTimeoutError, NotLoadedError
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import StageReport
@@ -225,12 +225,17 @@ class LifecycleManager:
     async def stream_finish(self, upload_id: str, request: StreamFinishRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
             upload = self.uploads.finish(upload_id)
+            kept = False
             try:
                 stage = functools.partial(r.stage_from_disk, upload.directory, upload.allow_extra_tensors)
                 # The spooled files are removed after: a level-2 sleep cannot re-read this version from disk.
                 return await self._update(r, stage, request.version, None, request.mode, request.drain_timeout_s)
+            except DrainTimeoutError:
+                kept = self.uploads.reattach(upload)  # the error invites a retry of this finish
+                raise
             finally:
-                await asyncio.to_thread(self.uploads.remove, upload)
+                if not kept:
+                    await asyncio.to_thread(self.uploads.remove, upload)
 
     async def stream_discard(self, upload_id: str) -> None:
         await asyncio.to_thread(self.uploads.discard, upload_id)

@@ -80,6 +80,15 @@ class Uploads:
             self._current = None
             return upload
 
+    def reattach(self, upload: Upload) -> bool:
+        """Make a finished upload current again, so that a failed finish the caller may retry (a drain timeout)
+        can be. -> False, with nothing changed, when a newer upload has started meanwhile."""
+        with self._lock:
+            if self._current is not None:
+                return False
+            self._current = upload
+            return True
+
     def discard(self, upload_id: str) -> None:
         with self._lock:
             self.get(upload_id)
