@@ -128,3 +128,33 @@ def test_announced_tensor_shapes_are_not_negative():
     assert TensorSpec(name="w", shape=[0, 3], dtype="float32").shape == [0, 3]
     with pytest.raises(ValidationError, match="greater than or equal to 0"):  # else torch.empty fails mid-transfer
         TensorSpec(name="extra", shape=[-1, 4], dtype="float32")
+
+
+def test_a_vmm_restore_that_fails_half_way_unmaps_what_it_mapped(monkeypatch):
+    # Runs without a GPU: the driver calls are replaced; what is checked is the region's bookkeeping.
+    from tidal.worker.lifecycle import cuda_vmm
+    from tidal.worker.lifecycle.device_memory import VmmRegion
+
+    mapped: dict[int, int] = {}  # address -> handle
+    fail_at = {"piece": 3}
+
+    def create_and_map(base: int, size: int, device_index: int) -> int:
+        if base in mapped:
+            raise cuda_vmm.CudaDriverError("cuMemMap: already mapped")
+        if len(mapped) + 1 == fail_at["piece"]:
+            raise cuda_vmm.CudaDriverError("cuMemCreate: out of memory")
+        mapped[base] = base
+        return base
+
+    monkeypatch.setattr(cuda_vmm, "create_and_map", create_and_map)
+    monkeypatch.setattr(cuda_vmm, "unmap_and_release", lambda base, size, handle: mapped.pop(base))
+    monkeypatch.setattr(cuda_vmm, "make_current", lambda index: None)
+    region = object.__new__(VmmRegion)  # as after a release: reserved, nothing mapped
+    region.nbytes, region.device, region.is_resident = 4096, torch.device("cuda", 0), False
+    region._index, region._base, region._size, region._chunk, region._handles = 0, 1 << 40, 4096, 1024, []
+    with pytest.raises(cuda_vmm.CudaDriverError, match="out of memory"):
+        region.restore()
+    assert mapped == {} and not region.is_resident  # nothing held, so the wake can be tried again
+    fail_at["piece"] = 0
+    region.restore()
+    assert region.is_resident and len(mapped) == 4 and len(region._handles) == 4

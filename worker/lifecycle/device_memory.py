@@ -140,7 +140,12 @@ class VmmRegion(DeviceRegion):
     def _restore(self) -> None:
         # No synchronisation: mapping can overlap a copy already queued into another region.
         cuda_vmm.make_current(self._index)
-        self._map_all()
+        try:
+            self._map_all()
+        except BaseException:
+            # E.g. out of memory half-way through a wake: hold none of it, and leave the range free for a retry.
+            self._unmap_all()
+            raise
 
 
 def allocate_region(nbytes: int, device: torch.device, prefer_stable: bool = True) -> DeviceRegion:
