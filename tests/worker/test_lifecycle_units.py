@@ -37,6 +37,8 @@ def test_find_problems_names_every_kind_of_mismatch():
         "tensors the model does not have (allow_extra_tensors to skip them): c",
     ]
     assert find_problems(EXPECTED, {**ok, "c": Candidate((1,), "bfloat16")}, allow_extra=True) == []
+    many = {f"x{i:02d}": Candidate((1,), "bfloat16") for i in range(10)}
+    assert find_problems(EXPECTED, {**ok, **many}, allow_extra=False)[-1].endswith("x06, x07 (and 2 more)")
 
 
 def test_pack_aligns_and_tiling_is_checked():

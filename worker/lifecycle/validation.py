@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tidal.worker.loader.errors import some_of
+
 
 @dataclass(frozen=True)
 class Expected:
@@ -40,16 +42,11 @@ def find_problems(
     ]
     problems = []
     if missing:
-        problems.append(f"missing tensors: {_some(missing)}")
+        problems.append(f"missing tensors: {some_of(missing)}")
     if wrong_shape:
-        problems.append(f"wrong shapes: {_some(wrong_shape)}")
+        problems.append(f"wrong shapes: {some_of(wrong_shape)}")
     if wrong_dtype:
-        problems.append(f"wrong dtypes: {_some(wrong_dtype)}")
+        problems.append(f"wrong dtypes: {some_of(wrong_dtype)}")
     if extra and not allow_extra:
-        problems.append(f"tensors the model does not have (allow_extra_tensors to skip them): {_some(extra)}")
+        problems.append(f"tensors the model does not have (allow_extra_tensors to skip them): {some_of(extra)}")
     return problems
-
-
-def _some(items: list[str], limit: int = 8) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tidal.worker.loader.errors import CheckpointMismatchError, ModelLoadError
+from tidal.worker.loader.errors import CheckpointMismatchError, ModelLoadError, some_of
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,11 @@ def check_checkpoint(
     ]
     problems = []
     if unexpected:
-        problems.append(f"unexpected tensors (not in this architecture): {_some(unexpected)}")
+        problems.append(f"unexpected tensors (not in this architecture): {some_of(unexpected)}")
     if missing:
-        problems.append(f"missing tensors: {_some(missing)}")
+        problems.append(f"missing tensors: {some_of(missing)}")
     if wrong_shape:
-        problems.append(f"wrong shapes: {_some(wrong_shape)}")
+        problems.append(f"wrong shapes: {some_of(wrong_shape)}")
     if problems:
         raise CheckpointMismatchError("checkpoint does not fit the model: " + "; ".join(problems))
     return {n: path for n, (path, _) in headers.items() if n in targets}
@@ -90,8 +90,3 @@ def load_checkpoint_into(
             time.monotonic() - start,
         )
     return LoadReport(num_tensors, num_bytes, time.monotonic() - start)
-
-
-def _some(items: list[str], limit: int = 8) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
