@@ -200,10 +200,6 @@ class AsyncEngine:
             self._holding = False
             self._wake.notify()
 
-    @property
-    def is_holding(self) -> bool:
-        return self._holding
-
     def fail_queued(self, error: BaseException) -> int:
         """End every request still waiting for admission with `error` (e.g. the worker fell asleep while they
         waited). -> how many."""

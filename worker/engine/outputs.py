@@ -21,10 +21,6 @@ class RequestOutput(BaseModel):
     num_prompt_tokens: int
     num_output_tokens: int
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 class GenerationResult(BaseModel):
     """A finished request as a whole (LLMEngine.generate)."""

@@ -35,10 +35,6 @@ class StepPlan:
     def is_decode_only(self) -> bool:
         return len(self.input_ids) == len(self.seq_ids)
 
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens, default=0)
-
 
 def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
     seq_ids: list[int] = []

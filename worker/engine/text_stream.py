@@ -47,7 +47,3 @@ class TextStream:
         delta = self.text[self._emitted : upto]
         self._emitted = upto
         return delta
-
-    @property
-    def output_text(self) -> str:
-        return self.text[: self._emitted]

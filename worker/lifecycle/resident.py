@@ -94,9 +94,6 @@ class ResidentWeights:
         return slots
 
     # ----- named views -----
-    def device_views(self) -> dict[str, torch.Tensor]:
-        return {name: view_of(self.region.tensor, slot) for name, slot in self.slots.items()}
-
     def host_views(self) -> dict[str, torch.Tensor]:
         return {name: view_of(self.host, slot) for name, slot in self.slots.items()}
 
