@@ -53,8 +53,20 @@ def status_patch(status: InferenceModelStatus) -> dict[str, Any]:
 @dataclass
 class Executed:
     acted: bool = False  # anything beyond status and Events was done
+    changed_objects: bool = False  # Kubernetes objects were created, patched or deleted
+    calls: int = 0  # worker calls made (sleep, wake, weight updates)
     failures: list[CallFailure] = field(default_factory=list)
     updates: list[UpdateWeights] = field(default_factory=list)
+
+    @property
+    def only_unavailable_workers(self) -> bool:
+        """Nothing changed: every worker call was answered "not now" (busy, draining, unreachable)."""
+        return (
+            not self.changed_objects
+            and self.calls > 0
+            and len(self.failures) == self.calls
+            and all(f.transient for f in self.failures)
+        )
 
 
 @dataclass(frozen=True)
@@ -75,11 +87,11 @@ async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list
         if isinstance(action, _CHILD_CREATES):
             log.info("%s/%s: %s", *key, action.describe())
             await kube.create(action.manifest)
-            done.acted = True
+            done.acted = done.changed_objects = True
         elif isinstance(action, _CHILD_PATCHES):
             log.info("%s/%s: %s", *key, action.describe())
             await kube.patch(action.manifest)
-            done.acted = True
+            done.acted = done.changed_objects = True
         elif isinstance(action, CreatePod):
             log.info("%s/%s: %s", *key, action.describe())
             pod_calls.append(kube.create(action.manifest))
@@ -88,7 +100,7 @@ async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list
             pod_calls.append(kube.delete_pod(ctx.namespace, action.name))
     if pod_calls:
         await asyncio.gather(*pod_calls)
-        done.acted = True
+        done.acted = done.changed_objects = True
 
     for action in actions:
         if isinstance(action, PatchStatus):
@@ -111,6 +123,7 @@ async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list
             fleet.update_weights(key, updates, ctx.targets, ctx.control_port, ctx.token),
         )
         done.failures = [f for group in results for f in group]
+        done.calls = len(transitions) + len(updates)
         done.updates = updates
         done.acted = True
     for failure in done.failures:

@@ -47,6 +47,7 @@ class Reconciler:
         self._metrics = metrics
         self._config = config
         self._errors: dict[Key, int] = {}
+        self._unavailable: dict[Key, int] = {}  # passes in a row whose every worker call was answered "not now"
         self._roll_started: dict[Key, tuple[str, float]] = {}
 
     async def __call__(self, key: Key) -> float | None:
@@ -66,6 +67,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         self._errors.pop(key, None)
+        self._unavailable.pop(key, None)
         self._roll_started.pop(key, None)
         self._fleet.forget(key)
         self._metrics.set_phase(key, None)
@@ -100,6 +102,11 @@ class Reconciler:
         done = await execute(self._kube, self._fleet, ctx, result.actions)
         self._metrics.set_phase(key, result.status.phase)
         self._track_roll(key, result.status, done)
+        if done.only_unavailable_workers:
+            # Asked again later, with back-off: each call may hold the rank's requests (a drain) and posts an Event.
+            streak = self._unavailable[key] = min(self._unavailable.get(key, 0) + 1, MAX_ERROR_STREAK)
+            return "acted", min(MAX_ERROR_BACKOFF_S, 2.0**streak)
+        self._unavailable.pop(key, None)
         return ("acted" if done.acted else "ok"), (ACTED_REQUEUE_S if done.acted else self._config.resync_seconds)
 
     def _track_roll(self, key: Key, status: InferenceModelStatus, done: Executed) -> None:

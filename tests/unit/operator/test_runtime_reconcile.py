@@ -158,3 +158,41 @@ def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
 
     assert asyncio.run(main()) == 1.0
     assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
+
+
+def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
+    # A rank refusing "not now" (busy, draining) is asked again on a later pass, but not every second: each pass
+    # re-sends the update (a drain holds the rank's new requests) and posts a Warning Event.
+    kube = MemoryKube()
+    kube.model["spec"]["weights"] = {"source": "tiny-llama-v2", "version": "v2"}
+    updates = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            return httpx.Response(200, json={
+                "sleep_state": "awake", "sleep_level": None, "resident": ["weights", "kv_cache"],
+                "weights_version": "base", "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0,
+                "leader_rank": 0, "group_formed": True, "in_flight_requests": 0, "seconds_since_last_request": None,
+            })  # fmt: skip
+        if request.url.path == "/weights/checksum":
+            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+        updates.append(request.url.path)
+        return httpx.Response(409, json={"code": "busy", "message": "another operation is running"})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            pod = kube.objects[("Pod", "tiny-r0-0")]
+            pod["status"] = {
+                "phase": "Running",
+                "podIP": "127.0.9.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            return [await reconcile(("ml", "tiny")) for _ in range(3)]
+
+    delays = asyncio.run(main())
+    assert len(updates) == 3  # asked on every pass
+    assert delays == [2.0, 4.0, 8.0]
