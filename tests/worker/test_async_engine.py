@@ -190,3 +190,30 @@ def test_shutdown_ends_requests_still_waiting_for_admission(model_dir):
             await asyncio.wait_for(waiting, 10.0)
 
     asyncio.run(main())
+
+
+def test_a_loop_that_dies_ends_its_streams_and_the_worker_is_no_longer_ready(model_dir):
+    from tidal.worker.server.runtime import Phase, WorkerRuntime
+
+    async def main():
+        engine = AsyncEngine.from_config(config(model_dir))
+        runtime = WorkerRuntime(lambda: engine)
+        await runtime.load()
+        assert runtime.is_ready
+        stream = engine.generate("r", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        await anext(stream)
+
+        def broken():
+            raise RuntimeError("bookkeeping broke")
+
+        engine._engine.stats = broken  # fails outside the step's own recovery: the loop thread ends
+        with pytest.raises(EngineNotRunningError, match="bookkeeping broke"):
+            async with asyncio.timeout(10):
+                async for _ in stream:
+                    pass
+        await wait_until(lambda: not engine.is_running)
+        assert runtime.phase is Phase.READY and not runtime.is_ready  # /ready and /health say 503 now
+        with pytest.raises(EngineNotRunningError):
+            await anext(engine.generate("late", [5, 6], GREEDY))
+
+    asyncio.run(main())

@@ -224,6 +224,22 @@ class AsyncEngine:
         return bool(self._inbox.new and not self._holding) or self._engine.has_unfinished_requests()
 
     def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        except Exception as err:  # a bug outside a step's own recovery: nobody may be left waiting on a dead loop
+            log.exception("the engine loop failed; ending every request")
+            self._fail_everything(EngineNotRunningError(f"the engine loop failed: {err}"))
+
+    def _fail_everything(self, error: EngineNotRunningError) -> None:
+        with self._wake:
+            self._stopping = True  # refuses new requests and holds
+            self._inbox = _Inbox()
+            request_ids = list(self._streams)
+            self._idle.notify_all()
+        for request_id in request_ids:
+            self._deliver(request_id, error)
+
+    def _loop_until_stopped(self) -> None:
         while True:
             with self._wake:
                 while not self._has_work():

@@ -13,9 +13,12 @@ def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> dict[str, str]:
-        # Liveness only: a pod that is still loading its weights is alive and must not be restarted.
-        return {"status": "ok", "phase": runtime.phase.value}
+    async def health() -> JSONResponse:
+        # Liveness: a pod that is still loading its weights is alive and must not be restarted; one whose step loop
+        # died serves nothing ever again, and only a restart helps.
+        alive = runtime.is_alive
+        body = {"status": "ok" if alive else "engine loop stopped", "phase": runtime.phase.value}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @router.get("/ready")
     async def ready() -> JSONResponse:

@@ -38,7 +38,12 @@ class WorkerRuntime:
 
     @property
     def is_ready(self) -> bool:
-        return self.phase is Phase.READY
+        # A step loop that died leaves a loaded model that serves nothing: not ready, and not alive either.
+        return self.phase is Phase.READY and self.engine is not None and self.engine.is_running
+
+    @property
+    def is_alive(self) -> bool:
+        return self.phase is not Phase.READY or self.is_ready
 
     @property
     def served_model_name(self) -> str:
@@ -67,9 +72,11 @@ class WorkerRuntime:
     def require_engine(self) -> AsyncEngine:
         """The engine, or a 503 that says why it cannot serve."""
         if self.engine is None or not self.is_ready:
-            reason = {Phase.LOADING: "the model is still loading", Phase.STOPPED: "the server is shutting down"}.get(
-                self.phase, f"the model failed to load: {self.failure}"
-            )
+            reason = {
+                Phase.LOADING: "the model is still loading",
+                Phase.STOPPED: "the server is shutting down",
+                Phase.READY: "the engine loop has stopped",
+            }.get(self.phase, f"the model failed to load: {self.failure}")
             raise ApiError(503, reason, code="not_ready")
         return self.engine
 
