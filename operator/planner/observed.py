@@ -53,6 +53,9 @@ class RankObservation(BaseModel):
     state: WorkerState | None = None
     checksum: str | None = None
     update_failure: UpdateFailure | None = None
+    # The worker answered 401: it holds another token than the Secret's (the Secret was re-created), so it can
+    # never be controlled again until its pod restarts with the current token.
+    token_rejected: bool = False
 
 
 class ObservedChildren(BaseModel):

@@ -19,7 +19,7 @@ class PodPlan:
 def plan_pods(facts: Facts) -> PodPlan:
     model = facts.model
     actions: list[Action] = []
-    outdated_by_replica: dict[int, list[str]] = {}
+    outdated_by_replica: dict[int, list[tuple[str, str]]] = {}  # replica -> (pod, why it is replaced)
     for slot in facts.slots:
         pod = slot.pod
         if pod is None:
@@ -32,7 +32,11 @@ def plan_pods(facts: Facts) -> PodPlan:
             continue
         desired_hash = build_pod(model, slot.replica, slot.rank)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
         if pod.spec_hash != desired_hash:
-            outdated_by_replica.setdefault(slot.replica, []).append(pod.name)
+            outdated_by_replica.setdefault(slot.replica, []).append((pod.name, "pod spec changed"))
+        elif slot.observation.token_rejected:
+            # Started with a token the Secret no longer holds: only a new pod reads the current one.
+            reason = "its worker rejects the current control token"
+            outdated_by_replica.setdefault(slot.replica, []).append((pod.name, reason))
     for pod in facts.extra_pods:
         if not pod.terminating:
             actions.append(DeletePod(name=pod.name, reason="not in the spec any more (scaled down)"))
@@ -48,5 +52,5 @@ def plan_pods(facts: Facts) -> PodPlan:
                 continue
             budget -= 1
         replaced.add(replica)
-        actions += [DeletePod(name=n, reason="pod spec changed") for n in outdated_by_replica[replica]]
+        actions += [DeletePod(name=name, reason=why) for name, why in outdated_by_replica[replica]]
     return PodPlan(actions, budget, frozenset(replaced))

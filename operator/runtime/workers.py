@@ -78,7 +78,8 @@ class WorkerFleet:
                 state = await client.state()
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
-                return pod, RankObservation(update_failure=failures.get(pod))
+                rejected = exc.code == "unauthorized"
+                return pod, RankObservation(update_failure=failures.get(pod), token_rejected=rejected)
             checksum = None
             if state.model_loaded and state.weights_version is not None:
                 cache_key = (target.uid, state.weights_version)

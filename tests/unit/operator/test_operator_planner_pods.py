@@ -4,7 +4,7 @@ from operator_fixtures import all_children, healthy, kinds, make_model, pod_for,
 
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, PatchStatus
-from tidal.operator.planner.observed import ObservedChildren, observe_pod
+from tidal.operator.planner.observed import ObservedChildren, RankObservation, observe_pod
 
 
 def _cond(result, type_):
@@ -156,3 +156,15 @@ def test_observe_pod_reads_the_api_shape():
     assert observe_pod({"metadata": {"name": "stranger", "labels": {}}}) is None
     odd = {"metadata": {"name": "odd", "labels": {"tidal.dev/replica": "x", "tidal.dev/rank": "0"}}}
     assert observe_pod(odd) is None
+
+
+def test_pods_whose_worker_rejects_the_control_token_are_replaced_within_max_unavailable():
+    # The token Secret was deleted (or edited) and re-created with a new token: running workers still hold the old
+    # one and answer 401 to everything, so they can never be put to sleep or updated again until they restart.
+    model = make_model({"replicas": 2})
+    pods, _ = healthy(model)
+    locked_out = {p.name: RankObservation(token_rejected=True) for p in pods}
+    result = run(model, pods, locked_out)
+    deletes = [a for a in result.actions if isinstance(a, DeletePod)]
+    assert [d.name for d in deletes] == ["tiny-r0-0"]  # one replica at a time (maxUnavailable 1)
+    assert "control token" in deletes[0].reason

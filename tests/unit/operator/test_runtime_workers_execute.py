@@ -131,6 +131,23 @@ def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
     _run(main())
 
 
+def test_fleet_marks_a_rank_that_rejects_the_token():
+    worker = FakeWorker()
+    metrics = OperatorMetrics(CollectorRegistry())
+    key, targets = ("ns", "m"), {"m-r0-0": Target("10.0.0.1", "uid-1")}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker.handle)) as http:
+            fleet = WorkerFleet(http, metrics)
+            good = await fleet.observe(key, targets, 8001, TOKEN)
+            other = await fleet.observe(key, targets, 8001, SecretStr("o" * 40))
+            return good["m-r0-0"], other["m-r0-0"]
+
+    good, other = _run(main())
+    assert not good.token_rejected and good.state is not None
+    assert other.token_rejected and other.state is None
+
+
 def test_status_patch_removes_cleared_fields_but_keeps_lists_free_of_nulls():
     status = InferenceModelStatus.model_validate(
         {"phase": "Ready", "ranks": [{"pod": "p", "replica": 0, "rank": 0, "state": "Pending"}]}
