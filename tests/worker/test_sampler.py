@@ -68,3 +68,9 @@ def test_every_seed_and_top_k_the_params_accept_can_be_sampled():
     for field, value in (("seed", 2**64), ("top_k", 2**63)):
         with pytest.raises(ValidationError, match=field):
             SamplingParams(**{field: value})
+
+
+def test_a_vanishing_temperature_is_greedy():
+    # 1e-40 is a denormal in fp32: logits / it overflow to inf, the softmax turns to NaN, and argmax picked token 0.
+    for temperature in (1e-40, 1e-30, 1e-9):
+        assert draws(SamplingParams(temperature=temperature), n=5) == [1] * 5

@@ -6,11 +6,13 @@ from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(default=1.0, ge=0.0, description="0 means greedy.")
+    temperature: float = Field(default=1.0, ge=0.0, description="0 (or below 1e-5) means greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass kept (1 = off).")
     # The upper bounds are what torch takes (an int64 tensor, a uint64 seed): a value past them would fail the
     # step of the whole batch rather than this one request.
@@ -52,4 +54,6 @@ class SamplingParams(BaseModel):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing fp32 logits by the temperature overflows (inf, then NaN probabilities), and the
+        # distribution is the argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
