@@ -160,3 +160,23 @@ def test_a_vmm_restore_that_fails_half_way_unmaps_what_it_mapped(monkeypatch):
     fail_at["piece"] = 0
     region.restore()
     assert region.is_resident and len(mapped) == 4 and len(region._handles) == 4
+
+
+def test_physical_memory_is_given_back_when_mapping_it_fails_half_way(monkeypatch):
+    # A fake driver (no GPU needed): the access grant after a successful map fails.
+    from tidal.worker.lifecycle import cuda_vmm
+
+    calls: list[str] = []
+
+    class FakeDriver:
+        def __getattr__(self, name: str):
+            def call(*_args: object) -> int:
+                calls.append(name)
+                return 1 if name == "cuMemSetAccess" else 0
+
+            return call
+
+    monkeypatch.setattr(cuda_vmm, "_driver", FakeDriver)
+    with pytest.raises(cuda_vmm.CudaDriverError, match="cuMemSetAccess"):
+        cuda_vmm.create_and_map(1 << 40, 1 << 21, 0)
+    assert calls[-2:] == ["cuMemUnmap", "cuMemRelease"]

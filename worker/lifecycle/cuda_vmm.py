@@ -131,10 +131,15 @@ def create_and_map(base: int, size: int, device_index: int) -> int:
         lib.cuMemRelease(handle)
         raise
     access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, device_index), _ACCESS_READWRITE)
-    _check(
-        lib.cuMemSetAccess(ctypes.c_uint64(base), ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
-        "cuMemSetAccess",
-    )
+    try:
+        _check(
+            lib.cuMemSetAccess(ctypes.c_uint64(base), ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
+            "cuMemSetAccess",
+        )
+    except CudaDriverError:  # the caller never learns the handle: give the memory back here
+        lib.cuMemUnmap(ctypes.c_uint64(base), ctypes.c_size_t(size))
+        lib.cuMemRelease(handle)
+        raise
     return int(handle.value)
 
 
