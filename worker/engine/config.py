@@ -31,7 +31,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1, description="Most sequences in one step.")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="Most tokens in one step (prefill chunks).")
     max_model_len: int | None = Field(default=None, ge=2, description="Longest sequence; default from the model.")
-    seed: int = Field(default=0, description="Seed of the sampler for requests that carry no seed of their own.")
+    seed: int = Field(
+        default=0, ge=0, le=2**64 - 1, description="Seed of the sampler for requests that carry no seed of their own."
+    )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
     enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly, without CUDA graphs.")
 

@@ -48,3 +48,6 @@ def test_engine_config_checks():
     with pytest.raises(ValidationError):
         EngineConfig(model_path=Path("/m"), gpu_memory_fraction=0)
     assert EngineConfig(model_path=Path("/x/my-model")).model_name == "my-model"
+    for seed in (-1, 2**64):  # else a traceback from torch's generator when the engine is built, not exit code 2
+        with pytest.raises(ValidationError, match="seed"):
+            EngineConfig(model_path=Path("/m"), seed=seed)
