@@ -1,6 +1,6 @@
 """The operator installed by the chart, on the real control plane with real worker processes: apply -> Ready,
-status and columns, describe with conditions and events, a deleted pod comes back, a crash loop is reported and
-clears, deleting the model removes its children."""
+status and columns, describe with conditions and events, a deleted pod comes back, a deleted token Secret is
+replaced and the pods follow it, a crash loop is reported and clears, deleting the model removes its children."""
 
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 from operator_e2e import (
     condition,
+    control_token,
     create_model,
     events_of,
     install_operator,
@@ -18,6 +19,7 @@ from operator_e2e import (
     phase_is,
     wait_model,
     wait_until,
+    worker_state,
     write_models,
 )
 
@@ -80,6 +82,19 @@ def test_deleted_pod_is_recreated_and_deleting_the_model_removes_children(devclu
     )  # fmt: skip
     assert pod["metadata"]["uid"] != old_uid
     wait_model(devcluster, namespace, "tiny", phase_is("Ready"), timeout_s=60, what="Ready again")
+
+    # The token Secret deleted: the operator makes a new token, and the worker, which still holds the old one (it
+    # answers the operator 401), is replaced so that it reads the new one.
+    old_token = control_token(devcluster, namespace, "tiny")
+    old_uid = pod["metadata"]["uid"]
+    devcluster.core.delete_namespaced_secret("tiny-control-token", namespace)
+    pod = devcluster.wait_pod(
+        namespace, "tiny-r0-0", lambda p: p["metadata"]["uid"] != old_uid and is_ready(p), timeout_s=90,
+        what="a pod started with the new token",
+    )  # fmt: skip
+    assert control_token(devcluster, namespace, "tiny") != old_token
+    wait_model(devcluster, namespace, "tiny", phase_is("Ready"), timeout_s=60, what="Ready with the new token")
+    worker_state(devcluster, namespace, "tiny", "tiny-r0-0")  # the current token opens the control API
 
     devcluster.kubectl("delete", "tim", "tiny", "-n", namespace, "--wait=true", timeout=60)
 
