@@ -160,3 +160,20 @@ def test_requests_queued_as_the_sleep_began_end_when_the_wake_they_ask_for_fails
                 await asyncio.wait_for(waiting, 30)
 
     asyncio.run(scenario())
+
+
+def test_sleeping_again_after_a_partial_wake_releases_what_the_wake_restored(tiny_model):
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            before = await greedy(manager, [[5, 6, 7]])
+            await manager.sleep(SleepRequest(level=1))
+            woke = await manager.wake_up(WakeUpRequest(tags=["weights"]))
+            assert woke.state.sleep_state == "asleep" and woke.state.resident == ["weights"]
+            slept = await manager.sleep(SleepRequest(level=1))
+            assert slept.state.resident == [] and slept.bytes_moved > 0
+            await manager.wake_up(WakeUpRequest())
+            assert await greedy(manager, [[5, 6, 7]]) == before
+
+    asyncio.run(scenario())

@@ -77,8 +77,8 @@ class Residency:
     # ----- sleep and wake -----
     def sleep(self, level: int, mode: DrainMode, timeout_s: float) -> int:
         """-> bytes copied or freed."""
-        if self.sleep_level is not None and level <= self.sleep_level:
-            return 0
+        if self.sleep_level is not None and level <= self.sleep_level and not self.resident:
+            return 0  # already as deep asleep, and nothing was woken since (a wake may restore a part only)
         held_here = self.sleep_level is None
         if held_here:
             self._hold(mode, timeout_s, f"the worker goes to sleep (level {level})")
