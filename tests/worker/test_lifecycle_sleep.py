@@ -177,3 +177,30 @@ def test_sleeping_again_after_a_partial_wake_releases_what_the_wake_restored(tin
             assert await greedy(manager, [[5, 6, 7]]) == before
 
     asyncio.run(scenario())
+
+
+def test_a_transfer_that_fails_while_asleep_does_not_leave_a_stale_checksum(tiny_model, monkeypatch):
+    from tidal.worker.lifecycle import residency as residency_module
+
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            served = (await manager.checksum()).overall
+            await manager.sleep(SleepRequest(level=1))  # the host buffer now holds the only copy
+
+            def read_fails_half_way(tensors, host_views):
+                next(iter(host_views.values())).fill_(0)  # some bytes already overwritten
+                raise OSError("disk went away")
+
+            monkeypatch.setattr(residency_module, "stage_file_tensors", read_fails_half_way)
+            with pytest.raises(OSError):
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(model_dir), version="b"))
+            monkeypatch.undo()
+            assert manager.version == "a"
+            with pytest.raises(WeightsUnavailableError):  # not the old digest of bytes no longer held
+                await manager.checksum()
+            await manager.wake_up(WakeUpRequest())  # re-read from the directory the served version came from
+            assert (await manager.checksum()).overall == served
+
+    asyncio.run(scenario())
