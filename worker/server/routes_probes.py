@@ -1,4 +1,5 @@
-"""Probes and metrics: `/health` (the process answers), `/ready` (the model can serve), `/metrics` (Prometheus)."""
+"""Probes and metrics: `/health` (the process answers; 503 once the step loop has died), `/ready` (the model can
+serve), `/metrics` (Prometheus)."""
 
 from __future__ import annotations
 
