@@ -115,10 +115,10 @@ def _condition(ctype: str, ok: bool, previous: dict[str, dict], now: str, reason
     # lastTransitionTime moves only when the status flips, so watchers can tell how long a state has held.
     moved = old is None or old.get("status") != status
     cond = {"type": ctype, "status": status, "lastTransitionTime": now if moved else old.get("lastTransitionTime", now)}
-    if reason and not ok:
-        cond["reason"] = reason
-    if message and not ok:
-        cond["message"] = message
+    # The status patch merges conditions by type: a key left out keeps its old value, so a condition that turns True
+    # would keep the reason and message it had while False. None removes them.
+    cond["reason"] = reason if reason and not ok else None
+    cond["message"] = message if message and not ok else None
     return cond
 
 

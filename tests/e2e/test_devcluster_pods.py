@@ -131,6 +131,9 @@ def test_frozen_pod_turns_unready_and_recovers_when_thawed(devcluster, namespace
     devcluster.inject_fault(namespace, "frozen", "thaw")
     pod = devcluster.wait_pod(namespace, "frozen", is_ready, timeout_s=30, what="Ready again")
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    # The conditions that are True again carry no reason or message left over from while they were False.
+    ready = [c for c in pod["status"]["conditions"] if c["type"] in ("Ready", "ContainersReady")]
+    assert all(c["status"] == "True" and "reason" not in c and "message" not in c for c in ready), ready
 
 
 def test_crash_fault_by_annotation_restarts_the_pod_process(devcluster, namespace):

@@ -64,6 +64,30 @@ def test_conditions_keep_transition_time_until_status_flips():
     assert flipped["ContainersReady"]["message"] == "containers with unready status: [c]"
 
 
+def _strategic_merge_conditions(stored: list[dict], patch: list[dict]) -> list[dict]:
+    """What the API server does with a status patch's conditions (patchMergeKey type): keys merge, null deletes."""
+    merged = {c["type"]: dict(c) for c in stored}
+    for cond in patch:
+        target = merged.setdefault(cond["type"], {})
+        for key, value in cond.items():
+            if value is None:
+                target.pop(key, None)
+            else:
+                target[key] = value
+    return list(merged.values())
+
+
+def test_a_condition_that_turns_true_drops_the_reason_it_had_while_false():
+    unready = running()
+    unready.ready = False
+    stored = _strategic_merge_conditions([], pod_conditions([unready], "Running", [], [], "T1"))
+    now_ready = pod_conditions([running()], "Running", [], stored, "T2")
+    stored = {c["type"]: c for c in _strategic_merge_conditions(stored, now_ready)}
+    assert stored["Ready"]["status"] == "True"
+    assert "reason" not in stored["Ready"] and "message" not in stored["Ready"], stored["Ready"]
+    assert "reason" not in stored["ContainersReady"], stored["ContainersReady"]
+
+
 def test_readiness_gates_hold_ready_until_their_condition_is_true():
     gated = {c["type"]: c for c in pod_conditions([running()], "Running", ["example.com/gate"], [], "T")}
     assert gated["ContainersReady"]["status"] == "True" and gated["Ready"]["status"] == "False"
