@@ -5,9 +5,10 @@ from datetime import datetime
 from typing import Literal
 
 from tidal.operator.api.conditions import find_condition
+from tidal.operator.api.status import Condition
 from tidal.operator.planner.actions import Action, SleepRank, WakeRank
 from tidal.operator.planner.facts import Facts
-from tidal.worker.control.schema import SleepState
+from tidal.worker.control.schema import SleepState, WorkerState
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 
@@ -23,7 +24,8 @@ def decide_sleep(facts: Facts, now: datetime) -> SleepDecision:
 
     Level-based: the worker counts requests that arrive while it sleeps (it answers them 503), so a request resets
     `seconds_since_last_request` and the next pass wakes the model. A rank that never saw a request reports None
-    and is never counted as idle. The previous Sleeping condition supplies the rest: a model that fell asleep for
+    and does not count as idle for an awake model; for one asleep for idleness it (like a rank that does not answer)
+    does not wake the model. The previous Sleeping condition supplies the rest: a model that fell asleep for
     idleness is woken by any change of its spec (`kubectl patch`, a new generation), and a model that is awake again
     stays awake for at least the timeout (its workers' idle clocks did not move while it slept).
     """
@@ -32,23 +34,40 @@ def decide_sleep(facts: Facts, now: datetime) -> SleepDecision:
         return SleepDecision(True, "Requested")
     timeout = sleep.idle_timeout_seconds
     states = [s.state for s in facts.slots]
-    if timeout is None or not states or any(st is None for st in states):
+    if timeout is None or not states:
         return SleepDecision(False, "Requested")
     status = facts.model.status
     previous = find_condition(status.conditions, "Sleeping") if status is not None else None
-    if previous is not None and previous.status == "True":
-        if previous.reason != "IdleTimeout" or previous.observed_generation != facts.model.metadata.generation:
+    dozing = _dozing(previous, facts.model.metadata.generation)
+    if not dozing:
+        if previous is not None and previous.status == "True":
             return SleepDecision(False, "Requested")
-    elif previous is not None and (now - previous.last_transition_time).total_seconds() < timeout:
-        return SleepDecision(False, "Requested")
-    idle = all(
-        st is not None
-        and st.in_flight_requests == 0
-        and st.seconds_since_last_request is not None
-        and st.seconds_since_last_request >= timeout
-        for st in states
-    )
+        if previous is not None and (now - previous.last_transition_time).total_seconds() < timeout:
+            return SleepDecision(False, "Requested")
+    idle = all(_idle(st, timeout, dozing) for st in states)
     return SleepDecision(idle, "IdleTimeout" if idle else "Requested")
+
+
+def _dozing(previous: Condition | None, generation: int | None) -> bool:
+    """Asleep for idleness, or on the way there, with the spec unchanged since."""
+    if previous is None or previous.observed_generation != generation:
+        return False
+    if previous.status == "True":
+        return previous.reason == "IdleTimeout"
+    return previous.reason == "FallingAsleep"
+
+
+def _idle(state: WorkerState | None, timeout: int, dozing: bool) -> bool:
+    """A rank that cannot be seen, or a fresh process that has seen no request, counts as idle only for a model
+    already sleeping for idleness: it must not wake the model (a rank that restarts comes back awake), but nor may
+    it put an awake model to sleep (a new model has seen no request yet either)."""
+    if state is None:
+        return dozing
+    if state.in_flight_requests:
+        return False
+    if state.seconds_since_last_request is None:
+        return dozing
+    return state.seconds_since_last_request >= timeout
 
 
 def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:

@@ -1,7 +1,7 @@
 """Idle sleep over several passes: a model woken after an idle sleep stays awake for the timeout, and a spec change
 (`kubectl patch`) wakes a model that fell asleep for idleness, as a request does."""
 
-from operator_fixtures import healthy, make_model, run, with_status, worker
+from operator_fixtures import healthy, make_model, pod_for, run, with_status, worker
 
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.planner.actions import SleepRank, WakeRank
@@ -44,3 +44,32 @@ def test_idle_sleep_then_a_patch_wakes_it_and_it_stays_awake_for_the_timeout():
     model = with_status(model, result)
     assert _sleeps(run(model, pods, awake_again, minutes=20)) == 0  # awake for 6 of the 10 minutes
     assert _sleeps(run(model, pods, awake_again, minutes=25)) == 1  # 11 minutes awake with no request
+
+
+def test_a_rank_restarting_while_the_model_sleeps_for_idleness_does_not_wake_it():
+    spec = {"replicas": 2, "sleep": {"idleTimeoutSeconds": 60}}
+    model = make_model(spec)
+    pods, _ = healthy(model)
+    first, second = pods[0].name, pods[1].name
+    result = run(model, pods, {p.name: worker(seconds_since_last_request=600.0) for p in pods}, minutes=10)
+    assert _sleeps(result) == 2
+    model = with_status(model, result)
+    asleep = {p.name: worker(asleep=True, seconds_since_last_request=660.0) for p in pods}
+    model = with_status(model, run(model, pods, asleep, minutes=11))
+
+    # The second rank's process dies: its pod is not ready and its control API does not answer.
+    restarting = [pods[0], pod_for(model, 1, ready=False)]
+    result = run(model, restarting, {first: asleep[first]}, minutes=12)
+    assert _wakes(result) == 0
+    model = with_status(model, result)
+    # It comes back awake, as a fresh process that has not seen a request: it is put back to sleep, the other stays.
+    fresh = {
+        first: worker(asleep=True, seconds_since_last_request=780.0),
+        second: worker(seconds_since_last_request=None),
+    }
+    result = run(model, pods, fresh, minutes=13)
+    assert _wakes(result) == 0 and [a.pod for a in result.actions if isinstance(a, SleepRank)] == [second]
+    model = with_status(model, result)
+    # A request still wakes it.
+    asked = {first: worker(asleep=True, seconds_since_last_request=3.0), second: worker(asleep=True)}
+    assert _wakes(run(model, pods, asked, minutes=14)) == 2
