@@ -17,8 +17,14 @@ TOKEN_HEADER = "Authorization"  # "Bearer <token>"
 
 
 class _Model(BaseModel):
-    # Unknown fields are rejected so that a typo in a request is an error, not a silently ignored option.
+    # Requests: unknown fields are rejected so that a typo in a request is an error, not a silently ignored option.
     model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    # Responses: unknown fields are ignored, so an operator keeps reading the state of a worker upgraded before it
+    # (a newer worker may report more); the fields both know are still validated.
+    model_config = ConfigDict(extra="ignore")
 
 
 class SleepState(StrEnum):
@@ -44,7 +50,7 @@ SleepLevel = Literal[1, 2]
 Version = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")]
 
 
-class WorkerState(_Model):
+class WorkerState(_Response):
     """`GET /state`."""
 
     sleep_state: SleepState
@@ -77,7 +83,7 @@ class WakeUpRequest(_Model):
     tags: list[ResidentTag] | None = None
 
 
-class TransitionResult(_Model):
+class TransitionResult(_Response):
     """Answer of sleep and wake_up: the state after the call, and what it cost."""
 
     state: WorkerState
@@ -103,11 +109,11 @@ class StreamStartRequest(_Model):
     allow_extra_tensors: bool = False
 
 
-class StreamStartResponse(_Model):
+class StreamStartResponse(_Response):
     upload_id: str
 
 
-class StreamChunkResult(_Model):
+class StreamChunkResult(_Response):
     upload_id: str
     file: str
     received_bytes: int = Field(ge=0, description="bytes of this file received so far: the next chunk's offset")
@@ -149,7 +155,7 @@ class CollectiveUpdateRequest(_Model):
         return self
 
 
-class WeightsUpdateResult(_Model):
+class WeightsUpdateResult(_Response):
     version: str
     checksum: str = Field(description="overall digest of the weights now served (as GET /weights/checksum)")
     duration_s: float = Field(ge=0, description="from the call until the new weights serve (checksum not included)")
@@ -158,7 +164,7 @@ class WeightsUpdateResult(_Model):
     checksum_s: float = Field(0.0, ge=0, description="time the checksum took, after serving resumed")
 
 
-class WeightsChecksum(_Model):
+class WeightsChecksum(_Response):
     """`GET /weights/checksum`: equal digests across ranks mean they serve the same weights."""
 
     version: str | None
@@ -189,7 +195,7 @@ class GroupReconfigureRequest(_Model):
         return self
 
 
-class ControlError(_Model):
+class ControlError(_Response):
     """Body of every non-2xx answer of the control API."""
 
     code: str = Field(description="stable machine-readable reason, e.g. bad_checkpoint, asleep, unauthorized")
