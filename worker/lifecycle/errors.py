@@ -29,6 +29,12 @@ class WeightsUnavailableError(LifecycleError):
     code = "weights_unavailable"
 
 
+class HostMemoryError(LifecycleError):
+    """A buffer an operation needs does not fit in host memory; nothing was changed."""
+
+    code = "no_host_memory"
+
+
 class UploadNotFoundError(LifecycleError):
     status = 404
     code = "unknown_upload"

@@ -270,9 +270,7 @@ class LifecycleManager:
         try:
             report = await asyncio.to_thread(stage)
             paused_s = await asyncio.to_thread(r.apply_staged, version, mode, drain_timeout_s)
-        except Exception:
-            if not r.weights.is_resident:
-                self._checksum = None  # asleep, the host buffer is the served copy, and staging may have written it
+        except Exception:  # the served copy was not written (see Residency._staging_target): its checksum holds
             if self.metrics is not None:
                 self.metrics.record_failure("update")
             raise

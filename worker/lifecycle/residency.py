@@ -2,8 +2,9 @@
 
 Weights and KV cache live in releasable regions (`resident`), and the weights have a host buffer of the same layout.
 `_host_valid` says whether that buffer holds exactly the served weights. Every update stages the whole new
-checkpoint in the buffer after checking all of it, while the old weights keep serving; only then are new requests
-held, running ones drained or interrupted, the buffer copied to the device in place and the prefix cache flushed.
+checkpoint in the buffer after checking all of it, while the old weights keep serving (asleep at level 1, where the
+buffer is the served copy, through a spare buffer); only then are new requests held, running ones drained or
+interrupted, the buffer copied to the device in place and the prefix cache flushed.
 Each method blocks (copies, file reads, a collective): the manager calls them off the event loop, one at a time.
 """
 
@@ -26,7 +27,13 @@ from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
 from tidal.worker.lifecycle.device_memory import allocate_region
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.lifecycle.resident import ResidentKVCache, ResidentWeights, free_cached_device_memory
-from tidal.worker.lifecycle.staging import StageReport, check_file_tensors, checkpoint_tensors, stage_file_tensors
+from tidal.worker.lifecycle.staging import (
+    StageReport,
+    check_file_tensors,
+    checkpoint_tensors,
+    spare_host_buffer,
+    stage_file_tensors,
+)
 from tidal.worker.lifecycle.validation import Expected
 
 log = logging.getLogger(__name__)
@@ -152,15 +159,17 @@ class Residency:
     def stage_from_disk(self, source: Path, allow_extra: bool) -> StageReport:
         """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched)."""
         tensors = check_file_tensors(checkpoint_tensors(source), self.expected, allow_extra, self.is_ignored)
-        self._host_valid = False  # from here on the buffer is overwritten
-        report = stage_file_tensors(tensors, self.weights.host_views())
-        self._host_valid = not self.weights.is_resident  # asleep: the buffer now holds the staged version
-        return report
+        with self._staging_target() as views:
+            return stage_file_tensors(tensors, views)
 
     def stage_from_group(self, request: CollectiveUpdateRequest) -> StageReport:
         """Receive a trainer's broadcast into the host buffer (the request's specs were checked already)."""
         start = time.monotonic()
-        views = self.weights.host_views()
+        with self._staging_target() as views:
+            num_bytes = self._receive_broadcast(request, views)
+        return StageReport(len(request.tensors), num_bytes, time.monotonic() - start)
+
+    def _receive_broadcast(self, request: CollectiveUpdateRequest, views: dict[str, torch.Tensor]) -> int:
         converted: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def destinations() -> Iterator[tuple[str, torch.Tensor]]:
@@ -181,14 +190,31 @@ class Residency:
         )  # fmt: skip
         on = self.weights.device if request.backend == "nccl" else torch.device("cpu")
         try:
-            self._host_valid = False
             num_bytes = collective.receive_into(group, destinations(), on)
         finally:
             collective.leave_group(group)
         for view, scratch in converted:
             view.copy_(scratch)
-        self._host_valid = not self.weights.is_resident
-        return StageReport(len(request.tensors), num_bytes, time.monotonic() - start)
+        return num_bytes
+
+    @contextlib.contextmanager
+    def _staging_target(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The views an update is staged into; what they hold counts only if the body ends without an exception.
+
+        Usually the host buffer itself: the device copy serves meanwhile (awake), or nothing served is in the buffer
+        (level 2). Asleep at level 1 the buffer is the only copy of the served weights, so the update goes into a
+        spare buffer, allocated for this update only, and is copied over the host buffer once all of it arrived: a
+        transfer that breaks half way (a read error, a trainer gone mid-broadcast) leaves the old weights whole.
+        """
+        if not (self._host_valid and not self.weights.is_resident):
+            self._host_valid = False  # from here on the buffer is overwritten
+            yield self.weights.host_views()
+            self._host_valid = not self.weights.is_resident  # asleep: the buffer now holds the staged version
+            return
+        spare, views = spare_host_buffer(self.weights.slots, self.weights.nbytes)
+        yield views
+        # One host copy keeps the (pinned, allocated once) host buffer and the views into it; the spare is freed.
+        self.weights.host.copy_(spare)
 
     def apply_staged(self, version: str, mode: DrainMode, drain_timeout_s: float) -> float:
         """Copy the staged buffer over the served weights, between requests. -> seconds serving was held."""
