@@ -17,6 +17,7 @@ def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):
                         {"Authorization": f"Basic {TEST_TOKEN}"}):  # fmt: skip
             for method, path, body in (("GET", "/state", None), ("POST", "/sleep", {"level": 2}),
                                        ("POST", "/weights/update", {"source": "/nowhere", "version": "x"}),
+                                       ("POST", "/group/reconfigure", _membership(1, [0])),
                                        ("GET", "/weights/checksum", None)):  # fmt: skip
                 response = worker.control.request(method, path, json=body, headers=headers)
                 assert response.status_code == 401, (headers, path)
@@ -25,7 +26,53 @@ def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):
         state = WorkerState.model_validate(worker.control.get("/state").json())
         assert state.sleep_state == "awake" and state.model_loaded and state.weights_version == "base"
         assert state.resident == ["weights", "kv_cache"] and state.rank == 0 and state.world_size == 1
-        assert worker.complete("Hello").status_code == 200
+        assert state.group_epoch == 0 and worker.complete("Hello").status_code == 200
+
+
+def _membership(epoch: int, ranks: list[int], leader: int = 0) -> dict[str, object]:
+    members = [{"rank": r, "address": f"rank-{r}.group:29500"} for r in ranks]
+    return {"epoch": epoch, "members": members, "leader_rank": leader}
+
+
+def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_model):
+    with ControlledWorker(model_path=tiny_model("llama"), num_kv_blocks=64, rank=1, world_size=3) as worker:
+        assert worker.control is not None
+        expected = worker.text("Hello")
+
+        def state() -> WorkerState:
+            return WorkerState.model_validate(worker.control.get("/state").json())  # type: ignore[union-attr]
+
+        assert (state().group_epoch, state().leader_rank, state().group_formed) == (0, 0, False)
+        applied = worker.post("/group/reconfigure", _membership(1, [0, 1, 2]))
+        assert applied.status_code == 200 and applied.json()["applied"] is True
+        assert applied.json()["state"]["group_epoch"] == 1 and applied.json()["state"]["group_formed"] is True
+        retry = worker.post("/group/reconfigure", _membership(1, [2, 1, 0]))
+        assert retry.status_code == 200 and retry.json()["applied"] is False
+        # Rank 0 fails: the survivors form epoch 2 under a new leader.
+        assert worker.post("/group/reconfigure", _membership(2, [1, 2], leader=2)).status_code == 200
+        assert (state().group_epoch, state().leader_rank, state().group_formed, state().world_size) == (2, 2, False, 3)
+        for body, status, code, reason in (
+            (_membership(1, [0, 1, 2]), 409, "stale_epoch", "older than epoch 2"),
+            (_membership(2, [0, 1, 2]), 409, "stale_epoch", "already applied"),
+            (_membership(3, [0, 2]), 400, "invalid_request", "rank 1, which is not among"),
+            (_membership(3, [1, 4], leader=1), 400, "invalid_request", "outside this worker's group of world_size 3"),
+            (_membership(3, [1, 2], leader=0), 400, "invalid_request", "leader_rank 0 is not one of the members"),
+            ({**_membership(3, [1]), "epoch": 0}, 400, "invalid_request", "epoch"),
+        ):
+            refused = worker.post("/group/reconfigure", body)
+            assert refused.status_code == status, (body, refused.text)
+            assert refused.json()["code"] == code and reason in refused.json()["message"], refused.text
+        assert (state().group_epoch, state().leader_rank) == (2, 2)
+        # Membership is not a lifecycle operation on the weights: it is applied while asleep too, and serving
+        # answers the same throughout.
+        assert worker.post("/sleep", {"level": 1}).status_code == 200
+        assert worker.post("/group/reconfigure", _membership(3, [0, 1, 2], leader=0)).status_code == 200
+        assert worker.post("/wake_up").status_code == 200
+        assert (state().group_epoch, state().group_formed) == (3, True) and worker.text("Hello") == expected
+        metrics = worker.api.get("/metrics").text  # type: ignore[union-attr]
+        assert "tidal_group_epoch 3.0" in metrics
+        assert 'tidal_lifecycle_operations_total{operation="reconfigure",outcome="ok"} 4.0' in metrics
+        assert 'tidal_lifecycle_operations_total{operation="reconfigure",outcome="error"} 4.0' in metrics
 
 
 def test_bad_requests_are_400_with_a_reason(tiny_model):

@@ -1,4 +1,4 @@
-"""The control API app: state, sleep/wake, weight updates (disk, streamed, collective) and checksums.
+"""The control API app: state, sleep/wake, weight updates (disk, streamed, collective), checksums, group membership.
 
 Every route requires the bearer token (401 and no effect otherwise); bodies and answers are the models of
 `tidal.worker.control.schema`, and every failure is a `ControlError` with a stable code. Served on its own port
@@ -22,6 +22,8 @@ from tidal.worker.control.auth import is_authorized
 from tidal.worker.control.schema import (
     CollectiveUpdateRequest,
     ControlError,
+    GroupReconfigureRequest,
+    GroupReconfigureResult,
     SleepRequest,
     StreamChunkResult,
     StreamFinishRequest,
@@ -125,6 +127,12 @@ def _router(manager: LifecycleManager) -> APIRouter:
     async def checksum(recompute: bool = False) -> WeightsChecksum:
         """Cached per version unless `recompute` (hashing a large model takes a second or more)."""
         return await manager.checksum(recompute)
+
+    @router.post("/group/reconfigure")
+    async def group_reconfigure(body: GroupReconfigureRequest) -> GroupReconfigureResult:
+        """The group's membership for an epoch: newer than the last applied (409 stale_epoch otherwise; the same
+        epoch and membership again is a 200 with applied=false), with this worker's rank among the members (400)."""
+        return manager.reconfigure(body)
 
     return router
 

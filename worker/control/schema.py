@@ -61,8 +61,10 @@ class WorkerState(_Response):
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
     group_epoch: int = Field(ge=0, description="membership epoch last applied by /group/reconfigure (0: never)")
-    leader_rank: int = Field(ge=0)
-    group_formed: bool
+    leader_rank: int = Field(ge=0, description="leader of the membership last applied (0 before any)")
+    group_formed: bool = Field(
+        description="a lone rank always; else whether every rank of world_size is a member of the last epoch"
+    )
     in_flight_requests: int = Field(ge=0, description="requests running or waiting in the engine")
     seconds_since_last_request: float | None = Field(
         None, ge=0, description="time since a request last arrived; null if none ever did (for idle sleep)"
@@ -193,6 +195,13 @@ class GroupReconfigureRequest(_Model):
         if self.leader_rank not in ranks:
             raise ValueError(f"leader_rank {self.leader_rank} is not one of the members {sorted(ranks)}")
         return self
+
+
+class GroupReconfigureResult(_Response):
+    """Answer of `/group/reconfigure`."""
+
+    applied: bool = Field(description="false when this epoch was applied already with the same membership (a retry)")
+    state: WorkerState
 
 
 class ControlError(_Response):

@@ -35,6 +35,12 @@ class HostMemoryError(LifecycleError):
     code = "no_host_memory"
 
 
+class StaleEpochError(LifecycleError):
+    """A group membership older than the one applied, or a different one under the same epoch."""
+
+    code = "stale_epoch"
+
+
 class UploadNotFoundError(LifecycleError):
     status = 404
     code = "unknown_upload"

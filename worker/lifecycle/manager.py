@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
+from tidal.worker.control.membership import GroupMembership
 from tidal.worker.control.schema import (
     CollectiveUpdateRequest,
     DrainMode,
+    GroupReconfigureRequest,
+    GroupReconfigureResult,
     SleepRequest,
     SleepState,
     StreamFinishRequest,
@@ -34,7 +37,13 @@ from tidal.worker.engine.async_engine import AsyncEngine, EngineNotRunningError
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle.config import LifecycleConfig
-from tidal.worker.lifecycle.errors import BusyError, CheckpointRejectedError, DrainTimeoutError, NotLoadedError
+from tidal.worker.lifecycle.errors import (
+    BusyError,
+    CheckpointRejectedError,
+    DrainTimeoutError,
+    LifecycleError,
+    NotLoadedError,
+)
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import StageReport
@@ -49,6 +58,7 @@ class LifecycleManager:
         self.config = config
         self.metrics = metrics
         self.uploads = Uploads(config.upload_dir)
+        self.group = GroupMembership(config.rank, config.world_size)
         self.engine: AsyncEngine | None = None
         self.residency: Residency | None = None
         self._checksum: WeightsChecksum | None = None
@@ -105,12 +115,29 @@ class LifecycleManager:
             model_loaded=self.is_loaded,
             rank=self.config.rank,
             world_size=self.config.world_size,
-            group_epoch=0,
-            leader_rank=0,
-            group_formed=self.config.world_size == 1,
+            group_epoch=self.group.epoch,
+            leader_rank=self.group.leader_rank,
+            group_formed=self.group.is_formed,
             in_flight_requests=in_flight,
             seconds_since_last_request=since,
         )
+
+    # ----- group membership -----
+    def reconfigure(self, request: GroupReconfigureRequest) -> GroupReconfigureResult:
+        """Record the group's membership for an epoch. Neither the engine nor the weights are touched, so serving
+        and a running operation go on; it runs on the event loop in one piece, so it needs no lock."""
+        try:
+            applied = self.group.apply(request)
+        except LifecycleError:
+            if self.metrics is not None:
+                self.metrics.record_reconfigure(None)
+            raise
+        if self.metrics is not None:
+            self.metrics.record_reconfigure(self.group.epoch)
+        if applied:
+            log.info("group epoch %d: members %s, leader %d, formed=%s", request.epoch,
+                     sorted(m.rank for m in request.members), request.leader_rank, self.group.is_formed)  # fmt: skip
+        return GroupReconfigureResult(applied=applied, state=self.state())
 
     # ----- requests while asleep (the engine's admission gate) -----
     async def admit(self) -> None:

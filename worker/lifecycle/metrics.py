@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from tidal.worker.metrics import PREFIX
 
-OPERATIONS = ("sleep", "wake_up", "update")
+OPERATIONS = ("sleep", "wake_up", "update")  # timed, and they move bytes
+COUNTED_OPERATIONS = (*OPERATIONS, "reconfigure")
 _BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -19,7 +20,7 @@ class LifecycleMetrics:
             f"{PREFIX}_weights_version", "Version of the weights being served", registry=registry
         )
         self.operations = Counter(
-            f"{PREFIX}_lifecycle_operations", "Sleep, wake-up and weight-update calls by outcome",
+            f"{PREFIX}_lifecycle_operations", "Sleep, wake-up, weight-update and group-reconfigure calls by outcome",
             ["operation", "outcome"], registry=registry,
         )  # fmt: skip
         self.duration = Histogram(
@@ -30,9 +31,14 @@ class LifecycleMetrics:
             f"{PREFIX}_lifecycle_bytes_moved", "Bytes copied between host and device or read for weight updates",
             ["operation"], registry=registry,
         )  # fmt: skip
+        self.group_epoch = Gauge(
+            f"{PREFIX}_group_epoch", "Group membership epoch last applied by /group/reconfigure (0: never)",
+            registry=registry,
+        )  # fmt: skip
         for op in OPERATIONS:
             self.duration.labels(operation=op)
             self.bytes_moved.labels(operation=op)
+        for op in COUNTED_OPERATIONS:
             for outcome in ("ok", "error"):
                 self.operations.labels(operation=op, outcome=outcome)
 
@@ -40,6 +46,12 @@ class LifecycleMetrics:
         self.operations.labels(operation=operation, outcome="ok").inc()
         self.duration.labels(operation=operation).observe(seconds)
         self.bytes_moved.labels(operation=operation).inc(num_bytes)
+
+    def record_reconfigure(self, epoch: int | None) -> None:
+        """`epoch`: the one now applied; None when the call was refused."""
+        self.operations.labels(operation="reconfigure", outcome="ok" if epoch is not None else "error").inc()
+        if epoch is not None:
+            self.group_epoch.set(epoch)
 
     def record_failure(self, operation: str) -> None:
         self.operations.labels(operation=operation, outcome="error").inc()
