@@ -27,7 +27,6 @@ def decode_split_kernel(
     cache_stride_head,
     tables_stride,
     scale_log2,
-    split_len,
     head_dim,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -42,6 +41,10 @@ def decode_split_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Each sequence's own context is cut into NUM_SPLITS pieces of whole tiles. Cutting the padded table width
+    # instead (what the host knows without a sync, and a CUDA graph's fixed width) would leave a short context in
+    # one split while the others idle, and a decode step would wait on that split's serial tile loop.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
 

@@ -69,7 +69,9 @@ def _attend_tile(
     return acc, m, denom
 
 
-@triton.jit
+# Runtime sizes are not specialised on (divisible by 16, equal to 1): each new combination would compile the kernel
+# again (~1 s on an H200) in the middle of serving, the first time a step's batch size crossed such a line.
+@triton.jit(do_not_specialize=["batch", "tables_stride"])
 def prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -88,7 +88,6 @@ def paged_decode_attention_triton(
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
     if block_n is None:
         block_n = 64 if head_dim_p2 <= 128 else 32
-    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
     group = num_heads // num_kv_heads
     if num_splits > 1:
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -110,7 +109,6 @@ def paged_decode_attention_triton(
         k_cache.stride(2),
         block_tables.stride(0),
         scale * LOG2E,
-        split_len,
         head_dim,
         GROUP=group,
         GROUP_P2=max(triton.next_power_of_2(group), 16),

@@ -11,6 +11,10 @@ from tidal.kernels._decode_attention_kernels import LOG2E
 from tidal.kernels._prefill_attention_kernels import prefill_kernel
 from tidal.kernels._validate import check_dtype, check_ndim
 
+# The sequence lookup costs the same at 256 lanes as at 16 next to a prefill tile's work; 256 covers the usual
+# max_num_seqs with a single compiled kernel.
+MIN_BATCH_LANES = 256
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -88,6 +92,12 @@ def paged_prefill_attention_reference(
     return out.to(q.dtype)
 
 
+def batch_lanes(batch: int) -> int:
+    """Lanes of the kernel's sequence lookup: a power of two, at least MIN_BATCH_LANES so that one compiled kernel
+    serves every batch of up to that many sequences (a constexpr: each new value compiles the kernel again)."""
+    return max(MIN_BATCH_LANES, triton.next_power_of_2(batch))
+
+
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,7 +144,7 @@ def paged_prefill_attention_triton(
         GROUP=group,
         Q_HEADS=config.q_heads,
         HEAD_DIM_P2=max(triton.next_power_of_2(head_dim), 16),
-        BATCH_P2=triton.next_power_of_2(batch),
+        BATCH_P2=batch_lanes(batch),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

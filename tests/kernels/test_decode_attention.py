@@ -72,3 +72,17 @@ def test_v_cache_with_other_strides_than_k_cache_is_refused(device):
     q = torch.randn(2, 4, 64, device=device)
     with pytest.raises(ValueError, match="same strides"):
         paged_decode_attention_triton(q, kv.k_cache, v_cache, kv.block_tables, kv.seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("num_splits", [4, 16])
+def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_splits):
+    # A CUDA graph passes its full-width table (max_model_len) whatever the contexts are: each sequence's splits must
+    # cover exactly its own context, most of them empty when it is short.
+    kv = make_paged_kv([3, 40, 0, 130, 1], 16, 2, 64, torch.float32, device)
+    tables = torch.zeros(5, 64, dtype=kv.block_tables.dtype, device=device)
+    tables[:, : kv.block_tables.shape[1]] = kv.block_tables
+    q = torch.randn(5, 4, 64, device=device)
+    args = (q, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.125)
+    assert_close(
+        paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16), paged_decode_attention_reference(*args)
+    )
