@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tidal.kernels.host_copy import copy_from_host
 from tidal.worker.lifecycle import device_memory
 from tidal.worker.lifecycle.device_memory import VmmRegion
 
@@ -48,11 +49,59 @@ def measure(weights: VmmRegion, kv: VmmRegion, host: torch.Tensor, trials: int) 
         copy()
         worker.join()
 
+    def create_during_copy() -> None:  # physical KV memory created while the copy runs, mapped right after
+        weights.restore()
+        copy()
+        kv.prepare_restore()
+        kv.restore()
+
+    def create_during_copy_map_after() -> None:  # ... and mapped only once the copy is done
+        weights.restore()
+        copy()
+        kv.prepare_restore()
+        torch.cuda.synchronize()
+        kv.restore()
+
+    def kernel_copy() -> None:  # the multiprocessors read the pinned buffer: the copy engines stay free
+        copy_from_host(weights.tensor, host)
+
+    def create_during_kernel_copy() -> None:
+        weights.restore()
+        kernel_copy()
+        kv.prepare_restore()
+        kv.restore()
+
+    def create_then_kernel_copy() -> None:  # ... in the other order: does the copy wait for the creation?
+        weights.restore()
+        kv.prepare_restore()
+        kernel_copy()
+        kv.restore()
+
+    def map_created() -> None:
+        kv.prepare_restore()
+        timed_parts["map kv (created ahead)"] = timed(kv.restore)
+
+    timed_parts: dict[str, float] = {}
+
     best: dict[str, float] = {}
     for _ in range(trials):
         release()
         results = {"map weights": timed(weights.restore), "map kv": timed(kv.restore), "copy weights": timed(copy)}
-        for name, fn in (("wake: serial overlap", serial_overlap), ("wake: kv on a thread", threaded)):
+        results["copy weights by kernel"] = timed(kernel_copy)
+        kv.release()
+        results["create kv"] = timed(kv.prepare_restore)
+        kv.discard_prepared()
+        map_created()
+        results.update(timed_parts)
+        cases = (
+            ("wake: serial overlap", serial_overlap),
+            ("wake: kv on a thread", threaded),
+            ("wake: create kv during copy", create_during_copy),
+            ("wake: create during, map after", create_during_copy_map_after),
+            ("wake: kernel copy, create during", create_during_kernel_copy),
+            ("wake: create, then kernel copy", create_then_kernel_copy),
+        )
+        for name, fn in cases:
             release()
             results[name] = timed(fn)
         for name, seconds in results.items():
@@ -65,6 +114,7 @@ def main() -> None:
     parser.add_argument("--weights-gib", type=float, default=15.0)
     parser.add_argument("--kv-gib", type=float, default=111.0)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--chunks-gib", type=int, nargs="+", default=[2, 16], help="physical piece sizes to try")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     host = torch.empty(int(args.weights_gib * GIB), dtype=torch.uint8, pin_memory=True)
@@ -73,7 +123,7 @@ def main() -> None:
         f"KV {args.kv_gib} GiB; best of {args.trials}",
         flush=True,
     )
-    for chunk_gib in (2, 16):
+    for chunk_gib in args.chunks_gib:
         device_memory.VMM_CHUNK_BYTES = chunk_gib * GIB
         weights = VmmRegion(int(args.weights_gib * GIB), device)
         kv = VmmRegion(int(args.kv_gib * GIB), device)

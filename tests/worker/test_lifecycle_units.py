@@ -132,34 +132,81 @@ def test_announced_tensor_shapes_are_not_negative():
         TensorSpec(name="extra", shape=[-1, 4], dtype="float32")
 
 
-def test_a_vmm_restore_that_fails_half_way_unmaps_what_it_mapped(monkeypatch):
-    # Runs without a GPU: the driver calls are replaced; what is checked is the region's bookkeeping.
-    from tidal.worker.lifecycle import cuda_vmm
+class _FakePhysicalMemory:
+    """The driver's physical-memory calls as bookkeeping (no GPU needed): what is created, mapped, released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tidal.worker.lifecycle import cuda_vmm
+
+        self.live: set[int] = set()  # created, not released
+        self.mapped: dict[int, int] = {}  # address -> handle
+        self.fail_map_at: int | None = None  # fail the map call that would make this many mappings
+        self._next = 1
+        monkeypatch.setattr(cuda_vmm, "create", self.create)
+        monkeypatch.setattr(cuda_vmm, "release", self.live.remove)
+        monkeypatch.setattr(cuda_vmm, "map_created", self.map_created)
+        monkeypatch.setattr(cuda_vmm, "unmap_and_release", self.unmap_and_release)
+        monkeypatch.setattr(cuda_vmm, "make_current", lambda index: None)
+
+    def create(self, size: int, device_index: int) -> int:
+        self._next += 1
+        self.live.add(self._next)
+        return self._next
+
+    def map_created(self, base: int, size: int, handle: int, device_index: int) -> None:
+        from tidal.worker.lifecycle import cuda_vmm
+
+        if base in self.mapped:
+            raise cuda_vmm.CudaDriverError("cuMemMap: already mapped")
+        if self.fail_map_at is not None and len(self.mapped) + 1 == self.fail_map_at:
+            raise cuda_vmm.CudaDriverError("cuMemMap: out of memory")
+        self.mapped[base] = handle
+
+    def unmap_and_release(self, base: int, size: int, handle: int) -> None:
+        assert self.mapped.pop(base) == handle
+        self.live.remove(handle)
+
+
+def _released_vmm_region() -> object:
     from tidal.worker.lifecycle.device_memory import VmmRegion
 
-    mapped: dict[int, int] = {}  # address -> handle
-    fail_at = {"piece": 3}
-
-    def create_and_map(base: int, size: int, device_index: int) -> int:
-        if base in mapped:
-            raise cuda_vmm.CudaDriverError("cuMemMap: already mapped")
-        if len(mapped) + 1 == fail_at["piece"]:
-            raise cuda_vmm.CudaDriverError("cuMemCreate: out of memory")
-        mapped[base] = base
-        return base
-
-    monkeypatch.setattr(cuda_vmm, "create_and_map", create_and_map)
-    monkeypatch.setattr(cuda_vmm, "unmap_and_release", lambda base, size, handle: mapped.pop(base))
-    monkeypatch.setattr(cuda_vmm, "make_current", lambda index: None)
     region = object.__new__(VmmRegion)  # as after a release: reserved, nothing mapped
     region.nbytes, region.device, region.is_resident = 4096, torch.device("cuda", 0), False
-    region._index, region._base, region._size, region._chunk, region._handles = 0, 1 << 40, 4096, 1024, []
+    region._index, region._base, region._size, region._chunk = 0, 1 << 40, 4096, 1024
+    region._handles, region._prepared = [], []
+    return region
+
+
+@pytest.mark.parametrize("prepared_ahead", [False, True])
+def test_a_vmm_restore_that_fails_half_way_unmaps_what_it_mapped(monkeypatch, prepared_ahead):
+    from tidal.worker.lifecycle import cuda_vmm
+
+    memory = _FakePhysicalMemory(monkeypatch)
+    memory.fail_map_at = 3
+    region = _released_vmm_region()
+    if prepared_ahead:
+        region.prepare_restore()
+        assert len(memory.live) == 4 and memory.mapped == {}
     with pytest.raises(cuda_vmm.CudaDriverError, match="out of memory"):
         region.restore()
-    assert mapped == {} and not region.is_resident  # nothing held, so the wake can be tried again
-    fail_at["piece"] = 0
+    assert memory.mapped == {} and memory.live == set() and not region.is_resident  # nothing held: wake can retry
+    memory.fail_map_at = None
     region.restore()
-    assert region.is_resident and len(mapped) == 4 and len(region._handles) == 4
+    assert region.is_resident and len(memory.mapped) == 4 and len(region._handles) == 4
+    assert memory.live == set(memory.mapped.values())
+
+
+def test_memory_prepared_for_a_restore_that_never_comes_is_given_back(monkeypatch):
+    memory = _FakePhysicalMemory(monkeypatch)
+    region = _released_vmm_region()
+    region.prepare_restore()
+    region.prepare_restore()  # a second call takes no more
+    assert len(memory.live) == 4
+    region.release()  # still asleep: drops what was prepared
+    assert memory.live == set() and not region.is_resident
+    region.prepare_restore()
+    region.restore()  # maps the prepared pieces, creates none
+    assert len(memory.live) == 4 and set(memory.mapped.values()) == memory.live
 
 
 def test_physical_memory_is_given_back_when_mapping_it_fails_half_way(monkeypatch):

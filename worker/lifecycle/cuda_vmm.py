@@ -113,34 +113,51 @@ def free_reservation(base: int, size: int) -> None:
     _check(_driver().cuMemAddressFree(ctypes.c_uint64(base), ctypes.c_size_t(size)), "cuMemAddressFree")
 
 
-def create_and_map(base: int, size: int, device_index: int) -> int:
-    """Back [base, base + size) with new physical memory, readable and writable from the device. -> the handle."""
+def create(size: int, device_index: int) -> int:
+    """New physical memory of `size` bytes on the device, not yet mapped anywhere. -> the handle."""
     handle = ctypes.c_uint64()
     prop = _prop(device_index)
-    lib = _driver()
     _check(
-        lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)),
+        _driver().cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)),
         "cuMemCreate",
     )
-    try:
-        _check(
-            lib.cuMemMap(ctypes.c_uint64(base), ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0)),
-            "cuMemMap",
-        )
-    except CudaDriverError:
-        lib.cuMemRelease(handle)
-        raise
+    return int(handle.value)
+
+
+def release(handle: int) -> None:
+    """Give back physical memory that is not mapped (or whose mappings are all gone)."""
+    _check(_driver().cuMemRelease(ctypes.c_uint64(handle)), "cuMemRelease")
+
+
+def map_created(base: int, size: int, handle: int, device_index: int) -> None:
+    """Map the physical memory `handle` at [base, base + size), readable and writable from the device. On failure
+    nothing stays mapped; the handle is still the caller's."""
+    lib = _driver()
+    no_offset, no_flags = ctypes.c_size_t(0), ctypes.c_uint64(0)
+    _check(
+        lib.cuMemMap(ctypes.c_uint64(base), ctypes.c_size_t(size), no_offset, ctypes.c_uint64(handle), no_flags),
+        "cuMemMap",
+    )
     access = _AccessDesc(_Location(_LOCATION_TYPE_DEVICE, device_index), _ACCESS_READWRITE)
     try:
         _check(
             lib.cuMemSetAccess(ctypes.c_uint64(base), ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1)),
             "cuMemSetAccess",
         )
-    except CudaDriverError:  # the caller never learns the handle: give the memory back here
+    except CudaDriverError:
         lib.cuMemUnmap(ctypes.c_uint64(base), ctypes.c_size_t(size))
-        lib.cuMemRelease(handle)
         raise
-    return int(handle.value)
+
+
+def create_and_map(base: int, size: int, device_index: int) -> int:
+    """Back [base, base + size) with new physical memory, readable and writable from the device. -> the handle."""
+    handle = create(size, device_index)
+    try:
+        map_created(base, size, handle, device_index)
+    except CudaDriverError:  # the caller never learns the handle: give the memory back here
+        release(handle)
+        raise
+    return handle
 
 
 def unmap_and_release(base: int, size: int, handle: int) -> None:

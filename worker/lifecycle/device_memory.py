@@ -45,6 +45,7 @@ class DeviceRegion(ABC):
     def release(self) -> None:
         """Give the memory back to the device (the content is lost)."""
         if not self.is_resident:
+            self.discard_prepared()
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing may still read or write it
@@ -57,6 +58,12 @@ class DeviceRegion(ABC):
             return
         self._restore()
         self.is_resident = True
+
+    def prepare_restore(self) -> None:  # noqa: B027 -- optional: most regions have nothing to do ahead
+        """Do what part of a coming `restore` can run while the device is busy (nothing here; see VmmRegion)."""
+
+    def discard_prepared(self) -> None:  # noqa: B027
+        """Give back what `prepare_restore` took, when the restore is not coming after all."""
 
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
@@ -104,6 +111,7 @@ class VmmRegion(DeviceRegion):
             self._size = -(-max(nbytes, 1) // gran) * gran
             self._base = cuda_vmm.reserve(self._size, gran)
             self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece
+            self._prepared: list[int] = []  # physical pieces created ahead of a restore, not mapped yet
             try:
                 self._map_all()
                 # The device must be named: without it as_tensor copies the data to the default (CPU) device.
@@ -122,11 +130,42 @@ class VmmRegion(DeviceRegion):
     def tensor(self) -> torch.Tensor:
         return self._tensor
 
+    def _pieces(self) -> list[tuple[int, int]]:
+        return [
+            (self._base + start, min(self._chunk, self._size - start)) for start in range(0, self._size, self._chunk)
+        ]
+
     def _map_all(self) -> None:
-        for start in range(0, self._size, self._chunk):
-            size = min(self._chunk, self._size - start)
-            handle = cuda_vmm.create_and_map(self._base + start, size, self._index)
-            self._handles.append((self._base + start, size, handle))
+        prepared, self._prepared = self._prepared, []
+        for i, (address, size) in enumerate(self._pieces()):
+            handle = prepared[i] if i < len(prepared) else None
+            try:
+                if handle is None:
+                    handle = cuda_vmm.create(size, self._index)
+                cuda_vmm.map_created(address, size, handle, self._index)
+            except BaseException:
+                for unmapped in ([handle] if handle is not None else []) + prepared[i + 1 :]:
+                    cuda_vmm.release(unmapped)
+                raise
+            self._handles.append((address, size, handle))
+
+    def prepare_restore(self) -> None:
+        """Create the physical memory now and map it at `restore`. Creating is host-side driver work that can run
+        while a copy into another region is in flight; mapping changes the device's page tables and waits for it."""
+        if self.is_resident or self._prepared:
+            return
+        cuda_vmm.make_current(self._index)
+        try:
+            for _, size in self._pieces():
+                self._prepared.append(cuda_vmm.create(size, self._index))
+        except BaseException:
+            self.discard_prepared()
+            raise
+
+    def discard_prepared(self) -> None:
+        prepared, self._prepared = self._prepared, []
+        for handle in prepared:
+            cuda_vmm.release(handle)
 
     def _unmap_all(self) -> None:
         for address, size, handle in self._handles:

@@ -1,0 +1,179 @@
+"""Where a step's time goes on CUDA: kernels of a decode forward, the GEMMs alone, and the offline run step by step.
+
+    python benchmarks/profile_steps.py --preset llama3-8b [--batches 1 32 256] [--offline] [--gemm]
+
+Prints, per decode batch size, each kernel's share of a graphed forward (torch.profiler; the sum set against the wall
+time shows launch gaps); with --gemm, each linear layer's shape timed alone at M = the batch sizes (distinct weight
+copies in turn, so L2 holds none of them, as in a real forward); with --offline, the issue's offline workload step by
+step: how many steps of each kind, their device time and the host time around them. Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from perf.engine_side import build_engine, engine_config
+from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
+from perf.random_model import build_random_model
+from torch.profiler import ProfilerActivity, profile
+
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.step_plan import StepPlan
+
+
+def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
+    blocks = -(-context_len // block_size)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    return StepPlan(
+        seq_ids=list(range(batch)),
+        input_ids=[10] * batch,
+        positions=[context_len - 1] * batch,
+        slot_mapping=[t[-1] * block_size + (context_len - 1) % block_size for t in tables],
+        cu_seqlens_q=list(range(batch + 1)),
+        seq_lens=[context_len] * batch,
+        block_tables=tables,
+        sample_indices=list(range(batch)),
+        sample_seq_ids=list(range(batch)),
+    )
+
+
+def kernel_table(engine: LLMEngine, batch: int, context_len: int, iters: int = 10) -> None:
+    runner = engine.runner
+    plan = decode_plan(batch, context_len, engine.config.block_size)
+    for _ in range(3):
+        runner.execute(plan)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner.execute(plan)
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6 / iters
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            runner.execute(plan)
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name].append(event.device_time)
+    total = sum(sum(v) for v in per_name.values()) / iters
+    print(f"\n## decode batch {batch}, context {context_len}: wall {wall_us:.0f} us/step, kernels {total:.0f} us/step")
+    print(f"{'us/step':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in rows[:24]:
+        us = sum(times) / iters
+        print(f"{us:9.1f} {us / total:6.1%} {len(times) / iters:6.0f} {us / (len(times) / iters):8.2f}  {name[:110]}")
+
+
+def gemm_table(model: torch.nn.Module, batches: list[int]) -> None:
+    """Each distinct linear shape at each M, through F.linear in a CUDA graph, against the bytes it must read."""
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n})
+    print("\n## linear layers alone (CUDA graph of 20 calls on distinct weight copies)")
+    print(f"{'out x in':>14} {'M':>4} {'us':>8} {'GB/s':>7} {'TFLOP/s':>8}")
+    for out_f, in_f in shapes:
+        copies = max(2, int(2e9 // (out_f * in_f * 2)))
+        weights = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(min(copies, 20))]
+        for m in batches:
+            x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+            for w in weights:
+                F.linear(x, w)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(20):
+                    F.linear(x, weights[i % len(weights)])
+            graph.replay()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - start) * 1e6 / 100
+            nbytes = out_f * in_f * 2 + m * (in_f + out_f) * 2
+            print(
+                f"{out_f:>6}x{in_f:<7} {m:>4} {us:8.1f} {nbytes / us / 1e3:7.0f} {2 * m * out_f * in_f / us / 1e6:8.1f}"
+            )
+        del weights
+
+
+def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: int, vocab: int) -> None:
+    runner = engine.runner
+    prompts = random_prompts(requests, input_len, vocab, seed=99)
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    records: list[tuple[int, int, bool, float]] = []  # (tokens, seqs, decode-only, device ms)
+    execute = runner.execute
+
+    def timed_execute(plan: StepPlan) -> torch.Tensor | None:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = execute(plan)
+        torch.cuda.synchronize()
+        records.append((plan.num_tokens, plan.num_seqs, plan.is_decode_only, (time.perf_counter() - start) * 1e3))
+        return out
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"trace-{i}", prompt, params)
+    step_ms: list[float] = []
+    runner.execute = timed_execute  # type: ignore[method-assign]
+    try:
+        start_all = time.perf_counter()
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            step_ms.append((time.perf_counter() - start) * 1e3)
+        total = time.perf_counter() - start_all
+    finally:
+        runner.execute = execute  # type: ignore[method-assign]
+    kinds: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
+    for (tokens, _seqs, decode_only, dev_ms), wall in zip(records, step_ms, strict=True):
+        kind = "decode only" if decode_only else "with prefill"
+        kinds[kind].append((dev_ms, wall - dev_ms, tokens))
+    print(f"\n## offline {requests} x ({input_len} in, {output_len} out): {total:.2f} s (synchronised steps)")
+    print(f"{'kind':>15} {'steps':>6} {'device s':>9} {'host s':>7} {'tokens':>8} {'ms/step dev':>11}")
+    for kind, rows in kinds.items():
+        dev = sum(r[0] for r in rows) / 1e3
+        host = sum(r[1] for r in rows) / 1e3
+        tokens = sum(r[2] for r in rows)
+        print(f"{kind:>15} {len(rows):6d} {dev:9.3f} {host:7.3f} {tokens:8d} {dev * 1e3 / len(rows):11.2f}")
+    first = records[:12]
+    print("first steps (tokens, seqs, decode-only, device ms):", [(t, s, d, round(ms, 2)) for t, s, d, ms in first])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--gemm", action="store_true")
+    parser.add_argument("--offline", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda:0")
+    preset, workload = PRESETS[args.preset], default_workload("cuda", smoke=False)
+    with tempfile.TemporaryDirectory(prefix="tidal-profile-") as tmp:
+        model_dir = write_model_dir(preset, Path(tmp) / preset.name)
+        loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0)
+        engine, facts = build_engine(engine_config(model_dir, loaded, device, workload, 0.9), loaded)
+        print(f"engine: {facts}", flush=True)
+        for batch in args.batches:
+            kernel_table(engine, batch, args.context)
+        if args.offline:
+            offline_trace(
+                engine,
+                workload.offline_requests,
+                workload.offline_input_len,
+                workload.offline_output_len,
+                loaded.model.vocab_size,
+            )
+        if args.gemm:
+            gemm_table(loaded.model, args.batches)
+
+
+if __name__ == "__main__":
+    main()
