@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.kernels.host_copy import copy_from_host
 from tidal.worker.lifecycle import device_memory
 from tidal.worker.lifecycle.device_memory import VmmRegion
 
@@ -62,21 +61,6 @@ def measure(weights: VmmRegion, kv: VmmRegion, host: torch.Tensor, trials: int) 
         torch.cuda.synchronize()
         kv.restore()
 
-    def kernel_copy() -> None:  # the multiprocessors read the pinned buffer: the copy engines stay free
-        copy_from_host(weights.tensor, host)
-
-    def create_during_kernel_copy() -> None:
-        weights.restore()
-        kernel_copy()
-        kv.prepare_restore()
-        kv.restore()
-
-    def create_then_kernel_copy() -> None:  # ... in the other order: does the copy wait for the creation?
-        weights.restore()
-        kv.prepare_restore()
-        kernel_copy()
-        kv.restore()
-
     def map_created() -> None:
         kv.prepare_restore()
         timed_parts["map kv (created ahead)"] = timed(kv.restore)
@@ -87,7 +71,6 @@ def measure(weights: VmmRegion, kv: VmmRegion, host: torch.Tensor, trials: int) 
     for _ in range(trials):
         release()
         results = {"map weights": timed(weights.restore), "map kv": timed(kv.restore), "copy weights": timed(copy)}
-        results["copy weights by kernel"] = timed(kernel_copy)
         kv.release()
         results["create kv"] = timed(kv.prepare_restore)
         kv.discard_prepared()
@@ -98,8 +81,6 @@ def measure(weights: VmmRegion, kv: VmmRegion, host: torch.Tensor, trials: int) 
             ("wake: kv on a thread", threaded),
             ("wake: create kv during copy", create_during_copy),
             ("wake: create during, map after", create_during_copy_map_after),
-            ("wake: kernel copy, create during", create_during_kernel_copy),
-            ("wake: create, then kernel copy", create_then_kernel_copy),
         )
         for name, fn in cases:
             release()
