@@ -81,9 +81,20 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow a running `seq`'s blocks to hold `num_new_tokens` more computed tokens."""
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if not self.try_append(seq, num_new_tokens):
+            raise RuntimeError("out of KV cache blocks (the scheduler should have checked)")
+
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """`append` if the cache has the blocks; -> whether it had (nothing changes when not)."""
+        table = seq.block_table
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
+        if needed <= 0:  # the usual decode step: the token fits the last block
+            return True
+        if needed > len(self._free):
+            return False
         for _ in range(needed):
-            seq.block_table.append(self._take_fresh())
+            table.append(self._take_fresh())
+        return True
 
     def commit(self, seq: Sequence) -> None:
         """Register the prefix hashes of `seq`'s blocks that became full and computed."""

@@ -13,8 +13,9 @@ import time
 
 import torch
 
+from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import KVCaches
-from tidal.worker.engine.step_plan import StepPlan
+from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.models.base import CausalLM
 
@@ -35,6 +36,8 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.max_blocks = max_blocks_per_seq
         self.sizes = capture_sizes(max_num_seqs)
+        # batch size -> the smallest captured size that holds it
+        self._size_for = [next(s for s in self.sizes if s >= b) for b in range(self.sizes[-1] + 1)]
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)  # [N]
         self.positions = torch.zeros(n, dtype=torch.long, device=device)  # [N]
@@ -68,20 +71,24 @@ class DecodeGraphs:
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """-> hidden [B, H] of a decode-only plan (a view into the graph's output: use it before the next run)."""
-        num_seqs = plan.num_seqs
-        size = next(s for s in self.sizes if s >= num_seqs)
-        width = max(len(t) for t in plan.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables], dtype=torch.int32)
-        self.input_ids[:num_seqs].copy_(torch.tensor(plan.input_ids), non_blocking=True)
-        self.positions[:num_seqs].copy_(torch.tensor(plan.positions), non_blocking=True)
-        self.slot_mapping[:num_seqs].copy_(torch.tensor(plan.slot_mapping), non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:num_seqs, :width].copy_(tables, non_blocking=True)
-        if size > num_seqs:  # padding rows: write nothing, attend to nothing
-            self.slot_mapping[num_seqs:size].fill_(-1)
-            self.seq_lens[num_seqs:size].zero_()
+        n = plan.num_seqs
+        size = self._size_for[n]
+        width = max(map(len, plan.block_tables))
+        # All inputs in one pinned host tensor and one transfer, then spread into the graph's inputs on the device.
+        flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.seq_lens
+        flat += padded_block_tables(plan.block_tables, width)
+        packed = to_device(int64_tensor(flat), self.input_ids.device)  # [4B + B * width]
+        input_ids, positions, slot_mapping, seq_lens, tables = packed.split([n, n, n, n, n * width])
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.seq_lens[:n].copy_(seq_lens)  # int64 -> int32
+        self.block_tables[:n, :width].copy_(tables.view(n, width))
+        if size > n:  # padding rows: write nothing, attend to nothing
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
         self._graphs[size].replay()
-        return self._outputs[size][:num_seqs]
+        return self._outputs[size][:n]
 
     def _forward(self, size: int) -> torch.Tensor:
         batch = AttentionBatch(

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tidal.worker.engine.block_manager import BlockManager
 from tidal.worker.engine.config import EngineConfig
-from tidal.worker.engine.detokenizer import IncrementalDetokenizer
+from tidal.worker.engine.detokenizer import IncrementalDetokenizer, WindowDecoder, push_each
 from tidal.worker.engine.engine_setup import (
     EngineConfigError,
     decide_num_kv_blocks,
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Request:
     seq: Sequence
+    detokenizer: IncrementalDetokenizer
     text: TextStream
 
 
@@ -61,6 +62,7 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(limits, self.block_manager)
         self.sampler = Sampler(runner.device, config.seed)
+        self._window_decoder = WindowDecoder(tokenizer)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
@@ -110,7 +112,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
-        self._requests[request_id] = _Request(seq, TextStream(detokenizer, params))
+        self._requests[request_id] = _Request(seq, detokenizer, TextStream(detokenizer, params))
         self.scheduler.add(seq)
         self._num_prompt_tokens += seq.num_prompt_tokens
 
@@ -141,28 +143,32 @@ class LLMEngine:
             return []
         plan = build_step_plan(scheduled, self.config.block_size)
         logits = self.runner.execute(plan)
-        sampled: dict[int, int] = {}
-        if logits is not None:
-            seqs = {item.seq.seq_id: item.seq for item in scheduled.scheduled}
-            params = [seqs[i].params for i in plan.sample_seq_ids]
-            tokens = self.sampler.sample(logits, params, plan.sample_seq_ids)
-            sampled = dict(zip(plan.sample_seq_ids, tokens, strict=True))
-        self.scheduler.on_step_done(scheduled, sampled)
+        if logits is None:
+            self.scheduler.on_step_done(scheduled, {})
+            return []
+        # The sequences that sample, in batch order: the plan's sample_seq_ids.
+        seqs = [item.seq for item in scheduled.scheduled if item.will_sample]
+        tokens = self.sampler.sample(logits, [seq.params for seq in seqs], plan.sample_seq_ids)
+        self.scheduler.on_step_done(scheduled, dict(zip(plan.sample_seq_ids, tokens, strict=True)))
+        requests = [self._requests[seq.request_id] for seq in seqs]
+        texts = push_each(self._window_decoder, [r.detokenizer for r in requests], tokens)
+        self._num_generated_tokens += len(tokens)
         outputs = []
-        for item in scheduled.scheduled:
-            token = sampled.get(item.seq.seq_id)
-            if token is not None:
-                outputs.append(self._on_token(self._requests[item.seq.request_id], token))
+        for request, token, text in zip(requests, tokens, texts, strict=True):
+            seq = request.seq
+            new_text = request.text.add_text(text) if text else ""
+            if request.text.stopped:
+                reason: FinishReason | None = "stop"
+            else:
+                reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len)
+            if reason is None:
+                outputs.append(
+                    RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
+                                  len(seq.token_ids) - len(seq.prompt_token_ids))
+                )  # fmt: skip
+            else:
+                outputs.append(self._finish(request, reason, [token], new_text + request.text.flush()))
         return outputs
-
-    def _on_token(self, request: _Request, token: int) -> RequestOutput:
-        self._num_generated_tokens += 1
-        seq = request.seq
-        new_text = request.text.push([token])
-        reason = "stop" if request.text.stopped else token_stop_reason(seq, self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            return self._finish(request, reason, [token], new_text + request.text.flush())
-        return self._output(seq, [token], new_text, None)
 
     def _finish(
         self, request: _Request, reason: FinishReason, new_token_ids: list[int], new_text: str
@@ -175,14 +181,7 @@ class LLMEngine:
 
     @staticmethod
     def _output(seq: Sequence, token_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=token_ids,
-            new_text=text,
-            finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
+        return RequestOutput(seq.request_id, token_ids, text, reason, seq.num_prompt_tokens, seq.num_output_tokens)
 
     # ----- batch use and stats -----
     def generate(

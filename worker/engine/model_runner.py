@@ -11,8 +11,9 @@ import logging
 import torch
 
 from tidal.worker.engine.cuda_graphs import DecodeGraphs
+from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import KVCaches, allocate_kv_caches
-from tidal.worker.engine.step_plan import StepPlan
+from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.models.base import CausalLM
 
@@ -115,18 +116,22 @@ class ModelRunner:
         if graphs is not None and kv_caches is self.kv_caches and graphs.can_run(plan):
             hidden = graphs.run(plan)  # [B, H], one row per sequence
             return self._logits(hidden, plan)
-        dev = self.device
-        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)  # [T]
-        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)  # [T]
+        # Every int input in one host tensor and (on a GPU) one copy, instead of a tensor and a copy each.
+        num_tokens, num_seqs = plan.num_tokens, plan.num_seqs
         # Padding entries are never read. A power-of-two width keeps the number of distinct shapes (and so of
         # Triton specialisations compiled on the way) logarithmic in the context length.
-        width = 1 << (max(len(t) for t in plan.block_tables) - 1).bit_length()
-        tables = [t + [0] * (width - len(t)) for t in plan.block_tables]
+        width = 1 << (max(map(len, plan.block_tables)) - 1).bit_length()
+        flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.cu_seqlens_q + plan.seq_lens
+        flat += padded_block_tables(plan.block_tables, width)
+        packed = to_device(int64_tensor(flat), self.device)  # [3T + 2B + 1 + B * width]
+        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables = packed.split(
+            [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width]
+        )
         batch = AttentionBatch(
-            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),  # [B, max_blocks]
-            cu_seqlens_q=torch.tensor(plan.cu_seqlens_q, dtype=torch.int32, device=dev),  # [B + 1]
-            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=dev),  # [B]
+            slot_mapping=slot_mapping,  # [T]
+            block_tables=tables.view(num_seqs, width).to(torch.int32),  # [B, width]
+            cu_seqlens_q=cu_seqlens_q.to(torch.int32),  # [B + 1]
+            seq_lens=seq_lens.to(torch.int32),  # [B]
             is_decode_only=plan.is_decode_only,
             kv_caches=kv_caches,
         )
@@ -136,5 +141,7 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
         if not plan.sample_indices:
             return None
+        if len(plan.sample_indices) == hidden.shape[0]:  # every row samples (decode): no gather needed
+            return self.model.compute_logits(hidden)  # [S, V]
         rows = torch.tensor(plan.sample_indices, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])  # [S, V]

@@ -22,15 +22,13 @@ class SchedulerLimits:
     max_num_batched_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: token_ids[num_computed : num_computed + num_new_tokens]
-
-    @property
-    def will_sample(self) -> bool:
-        """Only the chunk that reaches the last token produces logits worth sampling."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    # Only the chunk that reaches the last token produces logits worth sampling (decided when scheduled, before
+    # the step advances the sequence).
+    will_sample: bool
 
 
 @dataclass
@@ -72,50 +70,62 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled = out.scheduled
         budget = self.limits.max_num_batched_tokens
-        # Running sequences first, oldest first; the newest are the preemption victims.
-        queue = list(self.running)
-        self.running = []
-        while queue and budget > 0 and len(out.scheduled) < self.limits.max_num_seqs:
-            seq = queue.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.block_manager.can_append(seq, num_new):
-                victim = queue.pop() if queue else seq
+        max_num_seqs = self.limits.max_num_seqs
+        try_append = self.block_manager.try_append
+        # Running sequences first, oldest first; the newest are the preemption victims. queue[next_i:end] are
+        # the ones not yet served (an index, not pop(0): that would move the whole list for every sequence).
+        queue = self.running
+        self.running = running = []
+        next_i, end = 0, len(queue)
+        while next_i < end and budget > 0 and len(scheduled) < max_num_seqs:
+            seq = queue[next_i]
+            next_i += 1
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = num_uncomputed if num_uncomputed < budget else budget
+            while not try_append(seq, num_new):
+                if next_i < end:
+                    end -= 1
+                    victim = queue[end]
+                else:
+                    victim = seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self.block_manager.append(seq, num_new)
-                self.running.append(seq)
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                running.append(seq)
+                scheduled.append(ScheduledSequence(seq, num_new, num_new == num_uncomputed))
                 budget -= num_new
-        self.running.extend(queue)  # left over by the budget or the sequence limit; they keep their blocks
+        running.extend(queue[next_i:end])  # left over by the budget or the sequence limit; they keep their blocks
         if out.preempted:
             return out  # don't admit new work into a cache that just ran out
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while self.waiting and budget > 0 and len(running) < max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_new = min(num_uncomputed, budget)
+            running.append(seq)
+            scheduled.append(ScheduledSequence(seq, num_new, num_new == num_uncomputed))
             budget -= num_new
         return out
 
     def on_step_done(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Advance the scheduled sequences; `sampled` maps seq_id to the token sampled for it this step."""
+        commit = self.block_manager.commit
         for item in out.scheduled:
             seq = item.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.status is SequenceStatus.FINISHED:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(seq)
+            commit(seq)
             token = sampled.get(seq.seq_id)
             if token is not None:
-                seq.append_token(token)
+                seq.token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""

@@ -46,20 +46,28 @@ def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
     block_tables: list[list[int]] = []
     sample_indices: list[int] = []
     sample_seq_ids: list[int] = []
+    num_tokens = 0
     for item in out.scheduled:
         seq = item.seq
         start = seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        seq_ids.append(seq.seq_id)
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
+        num_new = item.num_new_tokens
+        end = start + num_new
         table = seq.block_table
-        slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        cu_seqlens_q.append(len(input_ids))
+        seq_ids.append(seq.seq_id)
+        if num_new == 1:  # a decode step: spare the ranges and generators below
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slot_mapping.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        num_tokens += num_new
+        cu_seqlens_q.append(num_tokens)
         seq_lens.append(end)
-        block_tables.append(list(table))
+        block_tables.append(table[:])  # a copy: the plan must not change when the sequence grows later
         if item.will_sample:
-            sample_indices.append(len(input_ids) - 1)
+            sample_indices.append(num_tokens - 1)
             sample_seq_ids.append(seq.seq_id)
     return StepPlan(
         seq_ids=seq_ids,
@@ -72,3 +80,14 @@ def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
         sample_indices=sample_indices,
         sample_seq_ids=sample_seq_ids,
     )
+
+
+def padded_block_tables(block_tables: list[list[int]], width: int) -> list[int]:
+    """The tables as one row-major [B * width] list, each row padded with block 0 (padding is never read)."""
+    flat: list[int] = []
+    extend = flat.extend
+    padding = [0] * width
+    for table in block_tables:
+        extend(table)
+        extend(padding[len(table) :])
+    return flat

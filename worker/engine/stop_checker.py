@@ -9,12 +9,14 @@ from tidal.worker.engine.sequence import Sequence
 def token_stop_reason(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> FinishReason | None:
     """Checked after each sampled token; the token that stops generation stays in the output."""
     params = seq.params
-    last = seq.token_ids[-1]
-    if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+    token_ids = seq.token_ids
+    last = token_ids[-1]
+    if (last in eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
         return "stop"
-    if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+    num_tokens = len(token_ids)
+    if params.max_tokens is not None and num_tokens - len(seq.prompt_token_ids) >= params.max_tokens:
         return "length"
-    if seq.num_tokens >= max_model_len:
+    if num_tokens >= max_model_len:
         return "length"
     return None
 

@@ -16,14 +16,22 @@ class TextStream:
         self._detokenizer = detokenizer
         self._stops = list(params.stop)
         self._include_stop = params.include_stop_str_in_output
-        self.text = ""  # all text decoded so far (may run past a stop string)
+        self.text = ""  # all text decoded so far (may run past a stop string); kept only with stop strings
         self._emitted = 0  # characters of `text` already handed out
         self.stopped = False
 
     def push(self, new_token_ids: list[int]) -> str:
         """-> the new text to hand out; sets `stopped` when a stop string appeared."""
+        return self.add_text(self._detokenizer.push(new_token_ids))
+
+    def add_text(self, new_text: str) -> str:
+        """The same as `push`, for tokens whose text the detokenizer already gave (batched over a step)."""
+        if not new_text:
+            return ""  # nothing new can complete a stop string or release held-back text
+        if not self._stops:  # nothing is ever held back: skip keeping the whole text (a copy per token)
+            return new_text
         before = len(self.text)
-        self.text += self._detokenizer.push(new_token_ids)
+        self.text += new_text
         release_to = len(self.text)
         if self._stops:
             hit = find_stop_string(self.text, self._stops, before)
@@ -39,6 +47,8 @@ class TextStream:
         """-> text held back, to hand out when the request ends for a reason other than a stop string."""
         if self.stopped:
             return ""
+        if not self._stops:
+            return self._detokenizer.flush()
         self.text += self._detokenizer.flush()
         return self._release(len(self.text))
 
