@@ -172,6 +172,13 @@ async def run(args: argparse.Namespace) -> None:
         line(f"level {level}: wake", f"{woke.duration_s:.3f}s{note}")
         if level == 1:
             line("level 1: wake / (weights bytes at measured H2D rate)", f"{woke.duration_s / h2d:.2f}x")
+        fill = manager.residency.kv_fill
+        fill.join()
+        line(
+            f"level {level}: KV blocks at wake / whole again after",
+            f"{kv.placement.first_blocks} of {kv.num_blocks} / "
+            + (f"{fill.last_seconds:.3f}s more" if fill.last_seconds is not None else f"failed: {fill.last_error}"),
+        )
         same = await greedy(manager, prompts, args.new_tokens) == reference
         stable = (w.region.data_ptr(), kv.region.data_ptr()) == addresses
         line(f"level {level}: outputs equal / addresses unchanged", f"{same} / {stable}")

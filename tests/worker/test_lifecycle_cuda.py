@@ -54,3 +54,32 @@ def test_outputs_identical_after_wake_and_graphs_not_recaptured(tiny_model):
                 assert await greedy(manager, prompts, 16) == before
 
     asyncio.run(scenario())
+
+
+def test_wake_serves_on_the_first_share_of_the_kv_cache_then_gets_the_rest(tiny_model, monkeypatch):
+    from tidal.worker.lifecycle import resident
+
+    monkeypatch.setattr(resident, "KV_FIRST_SHARE_BYTES", 1)  # one granule per plane: the rest is most of it
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+
+    async def scenario() -> None:
+        engine = {"device": "cuda", "num_kv_blocks": 32768, "max_num_seqs": 8, "max_model_len": 512}
+        async with running_manager(model_dir, engine=engine) as manager:
+            residency = manager.residency
+            assert residency is not None
+            kv, blocks = residency.kv, residency.llm.block_manager
+            assert kv.placement.rest and kv.placement.first_blocks < kv.num_blocks
+            before = await greedy(manager, prompts, 16)
+            await manager.sleep(SleepRequest(level=1))
+            await manager.wake_up(WakeUpRequest())
+            assert blocks.num_usable in (kv.placement.first_blocks, kv.num_blocks)  # the rest may be there already
+            assert await greedy(manager, prompts, 16) == before
+            residency.kv_fill.join()
+            assert residency.kv_fill.last_error is None and blocks.num_usable == kv.num_blocks
+            assert kv.region.is_complete
+            await manager.sleep(SleepRequest(level=1))  # and again: a sleep right after a wake joins the fill
+            await manager.wake_up(WakeUpRequest())
+            assert await greedy(manager, prompts, 16) == before
+
+    asyncio.run(scenario())

@@ -147,6 +147,7 @@ class _FakePhysicalMemory:
         monkeypatch.setattr(cuda_vmm, "map_created", self.map_created)
         monkeypatch.setattr(cuda_vmm, "unmap_and_release", self.unmap_and_release)
         monkeypatch.setattr(cuda_vmm, "make_current", lambda index: None)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     def create(self, size: int, device_index: int) -> int:
         self._next += 1
@@ -172,8 +173,9 @@ def _released_vmm_region() -> object:
 
     region = object.__new__(VmmRegion)  # as after a release: reserved, nothing mapped
     region.nbytes, region.device, region.is_resident = 4096, torch.device("cuda", 0), False
-    region._index, region._base, region._size, region._chunk = 0, 1 << 40, 4096, 1024
-    region._handles, region._prepared = [], []
+    region._index, region._base, region._size = 0, 1 << 40, 4096
+    region._pieces = [(region._base + offset, 1024) for offset in range(0, 4096, 1024)]
+    region._handles, region._prepared = [], {}
     return region
 
 
@@ -207,6 +209,25 @@ def test_memory_prepared_for_a_restore_that_never_comes_is_given_back(monkeypatc
     region.prepare_restore()
     region.restore()  # maps the prepared pieces, creates none
     assert len(memory.live) == 4 and set(memory.mapped.values()) == memory.live
+
+
+def test_a_partial_restore_maps_the_first_pieces_and_the_rest_comes_later(monkeypatch):
+    from tidal.worker.lifecycle import cuda_vmm
+
+    memory = _FakePhysicalMemory(monkeypatch)
+    region = _released_vmm_region()
+    region.restore(num_pieces=1)
+    assert region.is_resident and not region.is_complete
+    assert sorted(memory.mapped) == [1 << 40]
+    memory.fail_map_at = 3  # the rest fails half-way (out of memory): the first piece keeps serving
+    with pytest.raises(cuda_vmm.CudaDriverError):
+        region.restore_rest()
+    assert sorted(memory.mapped) == [1 << 40] and memory.live == set(memory.mapped.values())
+    memory.fail_map_at = None
+    region.restore_rest()  # a retry maps the rest
+    assert region.is_complete and len(memory.mapped) == 4
+    region.release()
+    assert memory.mapped == {} and memory.live == set() and not region.is_complete
 
 
 def test_physical_memory_is_given_back_when_mapping_it_fails_half_way(monkeypatch):

@@ -40,7 +40,7 @@ class DeviceRegion(ABC):
     def _release(self) -> None: ...
 
     @abstractmethod
-    def _restore(self) -> None: ...
+    def _restore(self, num_pieces: int | None) -> None: ...
 
     def release(self) -> None:
         """Give the memory back to the device (the content is lost)."""
@@ -52,12 +52,21 @@ class DeviceRegion(ABC):
         self._release()
         self.is_resident = False
 
-    def restore(self) -> None:
-        """Take memory again (uninitialised content)."""
+    def restore(self, num_pieces: int | None = None) -> None:
+        """Take memory again (uninitialised content): its first `num_pieces` pieces (all when None) where the
+        region maps in pieces (VmmRegion with a piece list); `restore_rest` maps the others later."""
         if self.is_resident:
             return
-        self._restore()
+        self._restore(num_pieces)
         self.is_resident = True
+
+    def restore_rest(self) -> None:  # noqa: B027 -- only regions mapped in pieces have a rest
+        """Map what a partial `restore` left out (nothing where a restore is always whole)."""
+
+    @property
+    def is_complete(self) -> bool:
+        """Resident, and every piece of it mapped."""
+        return self.is_resident
 
     def prepare_restore(self) -> None:  # noqa: B027 -- optional: most regions have nothing to do ahead
         """Do what part of a coming `restore` can run while the device is busy (nothing here; see VmmRegion)."""
@@ -81,7 +90,7 @@ class TorchRegion(DeviceRegion):
     def _release(self) -> None:
         self._tensor.untyped_storage().resize_(0)
 
-    def _restore(self) -> None:
+    def _restore(self, num_pieces: int | None) -> None:
         self._tensor.untyped_storage().resize_(self.nbytes)
 
 
@@ -99,21 +108,30 @@ class _CudaPointer:
 
 
 class VmmRegion(DeviceRegion):
+    """`pieces` (offsets and sizes, multiples of the granularity, in the order a restore maps them) may leave gaps
+    that are never mapped; by default the region is cut into VMM_CHUNK_BYTES pieces."""
+
     stable_addresses = True
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, pieces: list[tuple[int, int]] | None = None) -> None:
         super().__init__(nbytes, device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(self._index):
             torch.cuda.synchronize()  # makes the primary context current on this thread for the driver calls
             gran = cuda_vmm.granularity(self._index)
-            self._chunk = max(gran, VMM_CHUNK_BYTES // gran * gran)
             self._size = -(-max(nbytes, 1) // gran) * gran
+            if pieces is None:
+                chunk = max(gran, VMM_CHUNK_BYTES // gran * gran)
+                pieces = [(start, min(chunk, self._size - start)) for start in range(0, self._size, chunk)]
+            bad = [p for p in pieces if p[0] % gran or p[1] % gran or p[1] <= 0 or p[0] + p[1] > self._size]
+            if bad:
+                raise ValueError(f"pieces {bad[:3]} are not whole granules ({gran} bytes) inside {self._size} bytes")
             self._base = cuda_vmm.reserve(self._size, gran)
-            self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece
-            self._prepared: list[int] = []  # physical pieces created ahead of a restore, not mapped yet
+            self._pieces = [(self._base + offset, size) for offset, size in pieces]
+            self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece, in order
+            self._prepared: dict[int, int] = {}  # piece index -> physical memory created ahead of a restore
             try:
-                self._map_all()
+                self._map_pieces(len(self._pieces))
                 # The device must be named: without it as_tensor copies the data to the default (CPU) device.
                 self._tensor = torch.as_tensor(
                     _CudaPointer(self._base, nbytes), device=torch.device("cuda", self._index)
@@ -130,68 +148,86 @@ class VmmRegion(DeviceRegion):
     def tensor(self) -> torch.Tensor:
         return self._tensor
 
-    def _pieces(self) -> list[tuple[int, int]]:
-        return [
-            (self._base + start, min(self._chunk, self._size - start)) for start in range(0, self._size, self._chunk)
-        ]
+    @property
+    def is_complete(self) -> bool:
+        return self.is_resident and len(self._handles) == len(self._pieces)
 
-    def _map_all(self) -> None:
-        prepared, self._prepared = self._prepared, []
-        for i, (address, size) in enumerate(self._pieces()):
-            handle = prepared[i] if i < len(prepared) else None
+    def _map_pieces(self, upto: int) -> None:
+        """Map pieces [mapped so far, upto). On failure the pieces this call mapped are given back."""
+        start = len(self._handles)
+        for i in range(start, upto):
+            address, size = self._pieces[i]
+            handle = self._prepared.pop(i, None)
             try:
                 if handle is None:
                     handle = cuda_vmm.create(size, self._index)
                 cuda_vmm.map_created(address, size, handle, self._index)
             except BaseException:
-                for unmapped in ([handle] if handle is not None else []) + prepared[i + 1 :]:
-                    cuda_vmm.release(unmapped)
+                if handle is not None:
+                    cuda_vmm.release(handle)
+                self._unmap_from(start)
                 raise
             self._handles.append((address, size, handle))
 
     def prepare_restore(self) -> None:
-        """Create the physical memory now and map it at `restore`. Creating is host-side driver work that can run
-        while a copy into another region is in flight; mapping changes the device's page tables and waits for it."""
+        """Create the physical memory now and map it at `restore`. (Measured on an H200: creating does not overlap
+        a copy in flight, so this buys nothing during a wake; benchmarks/lifecycle_wake_breakdown.py.)"""
         if self.is_resident or self._prepared:
             return
         cuda_vmm.make_current(self._index)
         try:
-            for _, size in self._pieces():
-                self._prepared.append(cuda_vmm.create(size, self._index))
+            for i, (_, size) in enumerate(self._pieces):
+                self._prepared[i] = cuda_vmm.create(size, self._index)
         except BaseException:
             self.discard_prepared()
             raise
 
     def discard_prepared(self) -> None:
-        prepared, self._prepared = self._prepared, []
-        for handle in prepared:
+        prepared, self._prepared = self._prepared, {}
+        for handle in prepared.values():
             cuda_vmm.release(handle)
 
-    def _unmap_all(self) -> None:
-        for address, size, handle in self._handles:
+    def _unmap_from(self, start: int) -> None:
+        for address, size, handle in self._handles[start:]:
             cuda_vmm.unmap_and_release(address, size, handle)
-        self._handles = []
+        del self._handles[start:]
+
+    def _unmap_all(self) -> None:
+        self._unmap_from(0)
 
     def _release(self) -> None:
         cuda_vmm.make_current(self._index)
         self._unmap_all()
 
-    def _restore(self) -> None:
+    def _restore(self, num_pieces: int | None) -> None:
         # No synchronisation: mapping can overlap a copy already queued into another region.
         cuda_vmm.make_current(self._index)
+        upto = len(self._pieces) if num_pieces is None else min(num_pieces, len(self._pieces))
         try:
-            self._map_all()
+            self._map_pieces(upto)
         except BaseException:
             # E.g. out of memory half-way through a wake: hold none of it, and leave the range free for a retry.
             self._unmap_all()
+            self.discard_prepared()
             raise
 
+    def restore_rest(self) -> None:
+        """Map the pieces a partial restore left; on failure (out of memory: another process took it while this
+        one slept) what was mapped before stays, and a later call may try again."""
+        if not self.is_resident:
+            raise RuntimeError("restore_rest before restore")
+        cuda_vmm.make_current(self._index)
+        self._map_pieces(len(self._pieces))
 
-def allocate_region(nbytes: int, device: torch.device, prefer_stable: bool = True) -> DeviceRegion:
-    """A VmmRegion on CUDA when the driver API works, else a TorchRegion (logged: its addresses can move)."""
+
+def allocate_region(
+    nbytes: int, device: torch.device, prefer_stable: bool = True, pieces: list[tuple[int, int]] | None = None
+) -> DeviceRegion:
+    """A VmmRegion on CUDA when the driver API works, else a TorchRegion (logged: its addresses can move; it maps
+    whole, whatever `pieces` says)."""
     if device.type == "cuda" and prefer_stable:
         try:
-            return VmmRegion(nbytes, device)
+            return VmmRegion(nbytes, device, pieces)
         except (cuda_vmm.CudaDriverError, RuntimeError, TypeError) as err:
             log.warning("CUDA virtual memory unavailable (%s): addresses will move across sleep", err)
     return TorchRegion(nbytes, device)

@@ -26,6 +26,7 @@ from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
 from tidal.worker.lifecycle.device_memory import allocate_region
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.kv_fill import KVFill
 from tidal.worker.lifecycle.resident import ResidentKVCache, ResidentWeights, free_cached_device_memory
 from tidal.worker.lifecycle.staging import (
     StageReport,
@@ -61,6 +62,7 @@ class Residency:
         self.sleep_level: int | None = None
         self._host_valid = False
         self._graph_addresses: tuple[int, int] | None = None
+        self.kv_fill = KVFill(self.kv, self._quiesced)
         if capture_graphs and runner.device.type == "cuda":
             runner.capture_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
             self._graph_addresses = self._region_addresses()
@@ -84,6 +86,7 @@ class Residency:
     # ----- sleep and wake -----
     def sleep(self, level: int, mode: DrainMode, timeout_s: float) -> int:
         """-> bytes copied or freed."""
+        self.kv_fill.join()  # the KV region must not be released while the rest of it is being mapped
         if self.sleep_level is not None and level <= self.sleep_level and not self.resident:
             return 0  # already as deep asleep, and nothing was woken since (a wake may restore a part only)
         held_here = self.sleep_level is None
@@ -115,11 +118,13 @@ class Residency:
         return num_bytes
 
     def wake(self, tags: tuple[ResidentTag, ...]) -> int:
-        """Restore what `tags` name; serving resumes once weights and KV cache are both back. -> bytes copied."""
+        """Restore what `tags` name; serving resumes once weights and KV cache are both back. -> bytes copied.
+        The KV cache comes back in two steps: its first share before serving resumes, the rest right after, on a
+        thread, joining the block pool when it is all mapped (`kv_fill`)."""
         if self.sleep_level is None:
             return 0
         num_bytes = 0
-        with self._quiesced():
+        with self._quiesced() as llm:
             if ResidentTag.WEIGHTS in tags and not self.weights.is_resident:
                 if not self._host_valid:
                     num_bytes += self._reload_served_version()
@@ -131,8 +136,10 @@ class Residency:
             if not (self.weights.is_resident and self.kv.is_resident):
                 return num_bytes  # still asleep: serving needs both
             self._recapture_graphs_if_moved()
+            llm.block_manager.set_num_usable(self.kv.usable_blocks)
         self.sleep_level = None
         self._engine().release()
+        self.kv_fill.start()
         return num_bytes
 
     def _reload_served_version(self) -> int:
