@@ -38,6 +38,7 @@ class BlockManager:
         # Unreferenced blocks in the order they were freed; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self.num_usable = num_blocks  # blocks [num_usable, num_blocks) have no memory now (set_num_usable)
         self.num_prefix_hit_tokens = 0  # since start
 
     # ----- queries -----
@@ -47,7 +48,7 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - len(self._free) / self.num_usable
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -133,6 +134,25 @@ class BlockManager:
             block.prefix_hash = None
             block.token_ids = ()
         return num_forgotten
+
+    def set_num_usable(self, num_usable: int) -> None:
+        """Hand out only blocks [0, num_usable): the others have no memory behind them now (a wake maps the KV
+        cache's first share before the rest). Blocks taken out must be unused; they lose any cached prefix."""
+        if not 1 <= num_usable <= self.num_blocks:
+            raise ValueError(f"num_usable must be in [1, {self.num_blocks}], got {num_usable}")
+        dropped = range(num_usable, self.num_usable)
+        busy = [b for b in dropped if self.blocks[b].ref_count > 0]
+        if busy:
+            raise RuntimeError(f"{len(busy)} blocks to take out of use are held by sequences (first: {busy[0]})")
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            del self._free[block_id]
+            if block.prefix_hash is not None and self._cached.get(block.prefix_hash) == block_id:
+                del self._cached[block.prefix_hash]
+            block.prefix_hash, block.token_ids = None, ()
+        for block_id in range(self.num_usable, num_usable):
+            self._free[block_id] = None
+        self.num_usable = num_usable
 
     # ----- internals -----
     def _prefix_hits(self, seq: Sequence) -> list[int]:
