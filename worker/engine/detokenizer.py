@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 # Tokens of context kept before the unread ones; enough for any tokenizer's merge of a leading space.
 _CONTEXT_TOKENS = 6
 # Fewer windows than this are decoded one by one (still in Rust).
-_MIN_BATCH = 100000
+_MIN_BATCH = 32
 
 
 class WindowDecoder:

@@ -58,6 +58,24 @@ def test_can_append_false_when_cache_full():
     s.num_computed_tokens = 2
     s.append_token(3)
     assert not bm.can_append(s, 1)
+    assert not bm.try_append(s, 1)
+    assert s.block_table == [0]  # a refused try_append takes nothing
+    with pytest.raises(RuntimeError, match="out of KV cache blocks"):
+        bm.append(s, 1)
+
+
+def test_try_append_takes_every_block_a_chunk_needs():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    s = seq(0, list(range(7)))
+    bm.allocate(s)  # 4 blocks for 7 tokens
+    bm.free(s)
+    s = seq(1, [1])
+    bm.allocate(s)
+    s.token_ids.extend(range(6))
+    assert not bm.try_append(s, 7 + 2)  # 9 tokens need 4 more blocks: only 3 free
+    assert s.block_table == [s.block_table[0]]
+    assert bm.try_append(s, 7)  # 7 tokens need 3 more blocks
+    assert len(s.block_table) == 4 and bm.num_free_blocks == 0
 
 
 def test_prefix_hit_reuses_committed_blocks():
