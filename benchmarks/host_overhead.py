@@ -6,7 +6,9 @@ On a GPU the forward of a graphed decode step runs while the host is idle, so wh
 Python around it adds straight to the step time. This measures that part without a GPU: the engine runs for
 real (scheduler, step plan, input tensors, sampler, detokenizer, outputs) around a tiny model, and the time
 spent inside the model's forward and logits (the "device" work, which a GPU would do) is subtracted from each
-step's wall time. Only decode-only steps are counted (the steady state of a long generation).
+step's wall time. Only decode-only steps are counted (the steady state of a long generation). With --device cuda
+the same engine runs its tiny forward on a GPU (CUDA graphs): there the host's wait for the GPU after the
+forward was launched is the device time, so the table is the host time of the real decode path.
 
 Phases: schedule (Scheduler.schedule), plan (build_step_plan), prep (ModelRunner.execute minus the model's
 forward and logits: building input tensors), sample (Sampler.sample, argmax included), advance
@@ -90,12 +92,24 @@ def _instrument(engine: LLMEngine, times: StepTimes) -> Callable[[], None]:
     if original_push_each is not None:
         llm_engine_module.push_each = _timed(times, "detok", original_push_each)  # type: ignore[attr-defined]
     engine.scheduler.schedule = _timed(times, "schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
-    engine.runner.execute = _timed(times, "prep", engine.runner.execute)  # type: ignore[method-assign]
     engine.sampler.sample = _timed(times, "sample", engine.sampler.sample)  # type: ignore[method-assign]
     engine.scheduler.on_step_done = _timed(times, "advance", engine.scheduler.on_step_done)  # type: ignore[method-assign]
-    model = engine.runner.model
-    model.forward = _device_timed(times, model.forward)  # type: ignore[method-assign]
-    model.compute_logits = _device_timed(times, model.compute_logits)  # type: ignore[method-assign]
+    if engine.runner.device.type == "cuda":
+        # The forward runs on the GPU (replayed graphs): execute only launches it. What the host then waits for
+        # is the device time; the launch itself stays in prep.
+        execute = engine.runner.execute
+
+        def execute_then_wait(*args: Any, **kwargs: Any) -> Any:
+            out = execute(*args, **kwargs)
+            _device_timed(times, torch.cuda.synchronize)()
+            return out
+
+        engine.runner.execute = execute_then_wait  # type: ignore[method-assign]
+    else:
+        model = engine.runner.model
+        model.forward = _device_timed(times, model.forward)  # type: ignore[method-assign]
+        model.compute_logits = _device_timed(times, model.compute_logits)  # type: ignore[method-assign]
+    engine.runner.execute = _timed(times, "prep", engine.runner.execute)  # type: ignore[method-assign]
 
     def undo() -> None:
         llm_engine_module.build_step_plan = original_plan  # type: ignore[attr-defined]
@@ -116,12 +130,12 @@ class Result:
     digest: str
 
 
-def _build_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:
+def _build_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, device: str) -> LLMEngine:
     block_size = 16
     blocks_per_seq = -(-(prompt_len + new_tokens) // block_size) + 1
     config = EngineConfig(
         model_path=model_dir,
-        device="cpu",
+        device=device,
         dtype="float32",
         block_size=block_size,
         num_kv_blocks=batch * blocks_per_seq + 8,
@@ -210,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the forward on a GPU, with CUDA graphs"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for the tiny forward")
     parser.add_argument("--profile", type=int, default=0, help="cProfile the steps of this batch size")
     args = parser.parse_args(argv)
@@ -219,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model_dir or write_tiny_model("llama3", Path(tmp) / "llama3")
         results = []
         for batch in batches:
-            engine = _build_engine(model_dir, batch, args.prompt_len, args.new_tokens)
+            engine = _build_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.device)
             profiler = cProfile.Profile() if batch == args.profile else None
             results.append(run_batch(engine, batch, args.prompt_len, args.new_tokens, profiler))
             if profiler is not None:
