@@ -217,6 +217,13 @@ class AsyncEngine:
         with self._step_lock:
             yield self._engine
 
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[LLMEngine]:
+        """The LLMEngine between two steps, without holding requests: for a short change that running requests
+        need not wait out (the KV cache's rest joining the block pool after a wake)."""
+        with self._step_lock:
+            yield self._engine
+
     # ----- the loop thread -----
     def _has_work(self) -> bool:
         if self._stopping or self._inbox.aborts or self._interrupt is not None:

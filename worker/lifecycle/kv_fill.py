@@ -31,9 +31,11 @@ class _PiecewiseKV(Protocol):
 
 
 class KVFill:
-    def __init__(self, kv: _PiecewiseKV, quiesced: Callable[[], contextlib.AbstractContextManager[LLMEngine]]) -> None:
+    def __init__(
+        self, kv: _PiecewiseKV, between_steps: Callable[[], contextlib.AbstractContextManager[LLMEngine]]
+    ) -> None:
         self._kv = kv
-        self._quiesced = quiesced
+        self._between_steps = between_steps
         self._thread: threading.Thread | None = None
         self.last_seconds: float | None = None  # from start() until every block was usable, for the last wake
         self.last_error: str | None = None
@@ -59,6 +61,8 @@ class KVFill:
     def _fill(self, started: float) -> None:
         try:
             self._kv.restore_rest()
+            with self._between_steps() as llm:
+                llm.block_manager.set_num_usable(self._kv.usable_blocks)
         except Exception as err:
             self.last_seconds, self.last_error = None, f"{type(err).__name__}: {err}"
             log.error(
@@ -69,7 +73,5 @@ class KVFill:
                 self._kv.num_blocks,
             )
             return
-        with self._quiesced() as llm:
-            llm.block_manager.set_num_usable(self._kv.usable_blocks)
         self.last_seconds, self.last_error = time.monotonic() - started, None
         log.info("KV cache whole again %.3fs after the wake (%d blocks)", self.last_seconds, self._kv.num_blocks)

@@ -62,7 +62,7 @@ class Residency:
         self.sleep_level: int | None = None
         self._host_valid = False
         self._graph_addresses: tuple[int, int] | None = None
-        self.kv_fill = KVFill(self.kv, self._quiesced)
+        self.kv_fill = KVFill(self.kv, lambda: self._engine().between_steps())
         if capture_graphs and runner.device.type == "cuda":
             runner.capture_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
             self._graph_addresses = self._region_addresses()

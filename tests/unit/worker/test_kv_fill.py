@@ -36,18 +36,18 @@ class _Engine:
         self.step_lock = threading.Lock()
 
 
-def _quiesced(engine: _Engine):
+def _between_steps(engine: _Engine):
     @contextlib.contextmanager
-    def quiesced() -> Iterator[_Engine]:
-        with engine.step_lock:  # as AsyncEngine.quiesced: no step runs meanwhile
+    def between_steps() -> Iterator[_Engine]:
+        with engine.step_lock:  # as AsyncEngine.between_steps: no step runs meanwhile
             yield engine
 
-    return quiesced
+    return between_steps
 
 
 def test_the_rest_joins_the_block_pool_between_steps_once_mapped():
     kv, engine = _KV(), _Engine()
-    fill = KVFill(kv, _quiesced(engine))
+    fill = KVFill(kv, _between_steps(engine))
     with engine.step_lock:  # a step is running: the mapped blocks wait for it to end
         fill.start()
         kv.may_finish.set()
@@ -61,7 +61,7 @@ def test_the_rest_joins_the_block_pool_between_steps_once_mapped():
 
 def test_a_failed_fill_keeps_serving_on_the_first_share():
     kv, engine = _KV(fail=True), _Engine()
-    fill = KVFill(kv, _quiesced(engine))
+    fill = KVFill(kv, _between_steps(engine))
     fill.start()
     kv.may_finish.set()
     fill.join()
@@ -72,6 +72,6 @@ def test_a_failed_fill_keeps_serving_on_the_first_share():
 def test_nothing_to_do_when_the_cache_is_whole():
     kv, engine = _KV(), _Engine()
     kv.usable_blocks = kv.num_blocks
-    fill = KVFill(kv, _quiesced(engine))
+    fill = KVFill(kv, _between_steps(engine))
     fill.start()
     assert not fill.running and fill.last_seconds == 0.0
