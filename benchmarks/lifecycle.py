@@ -172,6 +172,8 @@ async def run(args: argparse.Namespace) -> None:
         line(f"level {level}: wake", f"{woke.duration_s:.3f}s{note}")
         if level == 1:
             line("level 1: wake / (weights bytes at measured H2D rate)", f"{woke.duration_s / h2d:.2f}x")
+        phases = manager.residency.last_wake_phases
+        line(f"level {level}: wake phases", ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()))
         fill = manager.residency.kv_fill
         fill.join()
         line(

@@ -140,6 +140,11 @@ class BlockManager:
         cache's first share before the rest). Blocks taken out must be unused; they lose any cached prefix."""
         if not 1 <= num_usable <= self.num_blocks:
             raise ValueError(f"num_usable must be in [1, {self.num_blocks}], got {num_usable}")
+        if len(self._free) == self.num_usable and not self._cached:
+            # The usual case (a wake: nothing runs, the prefix cache was reset): no per-block checks needed.
+            self._free = OrderedDict.fromkeys(range(num_usable))
+            self.num_usable = num_usable
+            return
         dropped = range(num_usable, self.num_usable)
         busy = [b for b in dropped if self.blocks[b].ref_count > 0]
         if busy:

@@ -62,6 +62,7 @@ class Residency:
         self.sleep_level: int | None = None
         self._host_valid = False
         self._graph_addresses: tuple[int, int] | None = None
+        self.last_wake_phases: dict[str, float] = {}  # seconds of each part of the last wake, for the logs
         self.kv_fill = KVFill(self.kv, lambda: self._engine().between_steps())
         if capture_graphs and runner.device.type == "cuda":
             runner.capture_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
@@ -124,22 +125,40 @@ class Residency:
         if self.sleep_level is None:
             return 0
         num_bytes = 0
+        phases = self.last_wake_phases = {}
+        mark = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name] = now - mark
+            mark = now
+
         with self._quiesced() as llm:
+            lap("hold")
             if ResidentTag.WEIGHTS in tags and not self.weights.is_resident:
                 if not self._host_valid:
                     num_bytes += self._reload_served_version()
+                    lap("reload from disk")
                 self.weights.restore()
+                lap("map weights")
                 num_bytes += self.weights.to_device(wait=False)
+                lap("queue weights copy")
             if ResidentTag.KV_CACHE in tags and not self.kv.is_resident:
                 self.kv.restore()  # maps while the weights copy runs
+                lap("map KV first share")
             self.weights.synchronize()
+            lap("wait for the copy")
             if not (self.weights.is_resident and self.kv.is_resident):
                 return num_bytes  # still asleep: serving needs both
             self._recapture_graphs_if_moved()
             llm.block_manager.set_num_usable(self.kv.usable_blocks)
+            lap("block pool")
         self.sleep_level = None
         self._engine().release()
         self.kv_fill.start()
+        lap("resume")
+        log.info("wake phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         return num_bytes
 
     def _reload_served_version(self) -> int:
