@@ -35,10 +35,19 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
 
+    def kv_cache(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return batch.kv_caches[self.layer_idx]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
-        k_cache, v_cache = batch.kv_caches[self.layer_idx]
+        k_cache, v_cache = self.kv_cache(batch)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return self.attend(q, batch)
+
+    def attend(self, q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Attention of q [T, num_heads, head_dim] over the cache, whose new K/V rows are already written."""
+        k_cache, v_cache = self.kv_cache(batch)
         if batch.is_decode_only:
             return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, self.scale)
         # Mixed steps (prefill chunks and decodes together) take the prefill path: a decode is a chunk of one.

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tidal.kernels.rotary import apply_rotary, build_cos_sin_cache
+from tidal.kernels.rotary_store_kv import rotary_store_kv
 
 
 class RotaryEmbedding(nn.Module):
@@ -30,3 +31,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], rotated in place."""
         return apply_rotary(q, k, positions, self.cos_sin_cache, self.is_neox)
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q rotated in place and returned; k rotated into the cache at `slot_mapping`, v copied there (one kernel
+        where a forward would otherwise launch two per layer)."""
+        k_cache, v_cache = kv_cache
+        return rotary_store_kv(q, k, v, positions, self.cos_sin_cache, self.is_neox, k_cache, v_cache, slot_mapping)

@@ -102,8 +102,8 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.forward_heads(q), self.k_norm.forward_heads(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, batch)  # [T, num_heads, head_dim]
+        q = self.rotary_emb.rotate_and_store(positions, q, k, v, self.attn.kv_cache(batch), batch.slot_mapping)
+        out = self.attn.attend(q, batch)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
