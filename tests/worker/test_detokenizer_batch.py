@@ -97,7 +97,7 @@ def run_reference(tokenizer, cases, flags: list[bool]) -> list[list[str]]:
     return deltas
 
 
-@pytest.mark.parametrize("batch", [1, 5, 40])  # 40 sequences = 80 windows: the batched Rust call
+@pytest.mark.parametrize("batch", [1, 5, 200])  # 200: both kinds of request past the batched Rust call's threshold
 def test_batched_deltas_equal_the_per_request_algorithm(bpe, batch):
     cases = streams(bpe, batch, length=60, seed=batch)
     flags = [i % 3 != 0 for i in range(batch)]  # both kinds of request in one step
