@@ -52,7 +52,7 @@ class DecodeGraphs:
         return (
             plan.is_decode_only
             and plan.num_seqs <= self.sizes[-1]
-            and max(len(t) for t in plan.block_tables) <= self.max_blocks
+            and max(map(len, plan.block_tables)) <= self.max_blocks
         )
 
     @torch.inference_mode()

@@ -4,8 +4,9 @@ Decoding a token alone is wrong for many tokenizers (a leading-space marker, a U
 byte tokens), so each step decodes a short window of recent tokens twice, with and without the new ones,
 and emits the difference; while the window ends in an incomplete character, nothing is emitted yet.
 
-A step of many sequences decodes all their windows in one call (`push_each`): a fast tokenizer's Rust
-`decode_batch` does in one crossing what two Python `decode` calls per sequence did, with the same text.
+A step decodes the windows of all its sequences together (`push_each`), straight through a fast tokenizer's
+Rust backend (one `decode_batch` call for a large step) rather than through `tokenizer.decode`, whose Python
+layers cost more than the decoding; the text is the same (WindowDecoder applies what that layer would).
 """
 
 from __future__ import annotations
