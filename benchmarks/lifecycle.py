@@ -184,6 +184,17 @@ async def run(args: argparse.Namespace) -> None:
         same = await greedy(manager, prompts, args.new_tokens) == reference
         stable = (w.region.data_ptr(), kv.region.data_ptr()) == addresses
         line(f"level {level}: outputs equal / addresses unchanged", f"{same} / {stable}")
+        if level == 1 and device.type == "cuda":
+            # In service a model sleeps for minutes. Right after a release the driver is still clearing the freed
+            # memory on the device, and the next copy waits for that: measure a wake that comes after it too.
+            await manager.sleep(SleepRequest(level=1))
+            await asyncio.sleep(args.settle_s)
+            woke = await manager.wake_up(WakeUpRequest())
+            line(f"level 1: wake {args.settle_s:g}s after the sleep", f"{woke.duration_s:.3f}s = "
+                 f"{woke.duration_s / h2d:.2f}x the weights copy; " + ", ".join(
+                     f"{k} {v * 1000:.0f} ms" for k, v in manager.residency.last_wake_phases.items()))  # fmt: skip
+            manager.residency.kv_fill.join()
+            line("level 1: outputs equal after it", str(await greedy(manager, prompts, args.new_tokens) == reference))
 
     for label, cold in (("update from disk, page cache", False), ("update from disk, evicted (cold)", True)):
         if cold:
@@ -221,6 +232,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dir", default=None, help="where to write the model (default: a temporary directory)")
     parser.add_argument("--kv-fraction", type=float, default=0.9, help="share of free GPU memory for the KV cache")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="seconds asleep before the second level-1 wake")
     parser.add_argument("--new-tokens", type=int, default=16)
     asyncio.run(run(parser.parse_args()))
 
