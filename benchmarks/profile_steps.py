@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from perf.engine_side import build_engine, engine_config
+from perf.engine_side import build_engine, decode_plan, engine_config
 from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from torch.profiler import ProfilerActivity, profile
@@ -26,22 +26,6 @@ from torch.profiler import ProfilerActivity, profile
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
-
-
-def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
-    blocks = -(-context_len // block_size)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
-    return StepPlan(
-        seq_ids=list(range(batch)),
-        input_ids=[10] * batch,
-        positions=[context_len - 1] * batch,
-        slot_mapping=[t[-1] * block_size + (context_len - 1) % block_size for t in tables],
-        cu_seqlens_q=list(range(batch + 1)),
-        seq_lens=[context_len] * batch,
-        block_tables=tables,
-        sample_indices=list(range(batch)),
-        sample_seq_ids=list(range(batch)),
-    )
 
 
 def kernel_table(engine: LLMEngine, batch: int, context_len: int, iters: int = 10) -> None:

@@ -99,8 +99,21 @@ def forward_ms(engine: LLMEngine, batch: int, context_len: int, iters: int = 20)
     blocks_per_seq = -(-context_len // block_size)
     if engine.has_unfinished_requests() or batch * blocks_per_seq > runner.num_kv_blocks:
         return None
+    plan = decode_plan(batch, context_len, block_size)
+    for _ in range(3):
+        runner.execute(plan)
+    start = now(runner.device)
+    for _ in range(iters):
+        runner.execute(plan)
+    return (now(runner.device) - start) * 1000.0 / iters
+
+
+def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
+    """A decode step of `batch` sequences of `context_len` tokens each, on blocks 0.. in order (no request holds
+    them: the caller checks the cache is idle)."""
+    blocks_per_seq = -(-context_len // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    plan = StepPlan(
+    return StepPlan(
         seq_ids=list(range(batch)),
         input_ids=[10] * batch,
         positions=[context_len - 1] * batch,
@@ -111,12 +124,6 @@ def forward_ms(engine: LLMEngine, batch: int, context_len: int, iters: int = 20)
         sample_indices=list(range(batch)),
         sample_seq_ids=list(range(batch)),
     )
-    for _ in range(3):
-        runner.execute(plan)
-    start = now(runner.device)
-    for _ in range(iters):
-        runner.execute(plan)
-    return (now(runner.device) - start) * 1000.0 / iters
 
 
 def measure_ttft(engine: LLMEngine, prompt: list[int], repeats: int) -> list[float]:
