@@ -112,11 +112,22 @@ def apply_rotary_reference(
 
 
 @triton.jit
+def _cos_sin(cache_ptr, positions_ptr, token, cache_stride, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """cos and sin [1, HALF_P2] fp32 of `token`'s position (padding lanes 0)."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+    row = cache_ptr + position * cache_stride
+    cos = tl.load(row + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
-    x_ptr,
-    stride_t,
-    stride_h,
-    token,
+    src_ptr,
+    dst_ptr,
+    src_stride_h,
+    dst_stride_h,
     num_heads,
     cos,
     sin,
@@ -125,19 +136,20 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     IS_NEOX: tl.constexpr,
 ):
-    """Rotates the first 2*HALF dims of every head of one token in place; cos/sin [1, HALF_P2] fp32."""
+    """Rotates the first 2*HALF dims of every head of one token from `src_ptr` (the token's row) into `dst_ptr`
+    (the same row for an in-place rotation); cos/sin [1, HALF_P2] fp32. Other dims are not touched."""
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
     mask = (heads < num_heads) & (pairs < HALF)
-    base = x_ptr + token * stride_t + heads * stride_h
     if IS_NEOX:
-        first, second = base + pairs, base + HALF + pairs
+        first, second = pairs, HALF + pairs
     else:
-        first, second = base + 2 * pairs, base + 2 * pairs + 1
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+        first, second = 2 * pairs, 2 * pairs + 1
+    src, dst = src_ptr + heads * src_stride_h, dst_ptr + heads * dst_stride_h
+    x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + second, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -160,13 +172,10 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
-    row = cache_ptr + position * cache_stride
-    cos = tl.load(row + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(row + HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_stride_t, q_stride_h, token, num_heads, cos, sin, HALF, HALF_P2, BLOCK_HQ, IS_NEOX)
-    _rotate_heads(k_ptr, k_stride_t, k_stride_h, token, num_kv_heads, cos, sin, HALF, HALF_P2, BLOCK_HK, IS_NEOX)
+    cos, sin = _cos_sin(cache_ptr, positions_ptr, token, cache_stride, HALF, HALF_P2)
+    q_row, k_row = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
+    _rotate_heads(q_row, q_row, q_stride_h, q_stride_h, num_heads, cos, sin, HALF, HALF_P2, BLOCK_HQ, IS_NEOX)
+    _rotate_heads(k_row, k_row, k_stride_h, k_stride_h, num_kv_heads, cos, sin, HALF, HALF_P2, BLOCK_HK, IS_NEOX)
 
 
 def apply_rotary_triton(

@@ -13,7 +13,7 @@ import triton.language as tl
 from tidal.kernels.kv_cache import _check_inputs as _check_store_inputs
 from tidal.kernels.kv_cache import store_kv_reference
 from tidal.kernels.rotary import _check_inputs as _check_rotary_inputs
-from tidal.kernels.rotary import _rotate_heads, apply_rotary_reference
+from tidal.kernels.rotary import _cos_sin, _rotate_heads, apply_rotary_reference
 
 
 def rotary_store_kv_reference(
@@ -62,36 +62,27 @@ def _rotary_store_kv_kernel(
     IS_NEOX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
-    row = cos_sin_ptr + position * cos_sin_stride
-    cos = tl.load(row + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(row + HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_stride_t, q_stride_h, token, num_heads, cos, sin, HALF, HALF_P2, BLOCK_HQ, IS_NEOX)
+    cos, sin = _cos_sin(cos_sin_ptr, positions_ptr, token, cos_sin_stride, HALF, HALF_P2)
+    q_row = q_ptr + token * q_stride_t
+    _rotate_heads(q_row, q_row, q_stride_h, q_stride_h, num_heads, cos, sin, HALF, HALF_P2, BLOCK_HQ, IS_NEOX)
 
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
+        k_row = k_ptr + token * k_stride_t
+        cache_row = slot * num_kv_heads * head_dim  # cache rows are dense [heads, head_dim]
+        # k goes in rotated; v, and the dims of k past the rotary part, go over unchanged.
         heads = tl.arange(0, BLOCK_HK)[:, None]  # [BLOCK_HK, 1]
-        head_ok = heads < num_kv_heads
-        dest = slot * num_kv_heads * head_dim + heads * head_dim  # cache rows are dense [heads, head_dim]
-        # v, and the dims of k past the rotary part, go over unchanged.
-        dims = tl.arange(0, HEAD_DIM_P2)[None, :]
-        dim_ok = head_ok & (dims < head_dim)
+        dims = tl.arange(0, HEAD_DIM_P2)[None, :]  # [1, HEAD_DIM_P2]
+        dim_ok = (heads < num_kv_heads) & (dims < head_dim)
+        dest = cache_row + heads * head_dim + dims
         v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=dim_ok)
-        tl.store(v_cache_ptr + dest + dims, v, mask=dim_ok)
-        k_src = k_ptr + token * k_stride_t + heads * k_stride_h
+        tl.store(v_cache_ptr + dest, v, mask=dim_ok)
         tail_ok = dim_ok & (dims >= 2 * HALF)
-        tl.store(k_cache_ptr + dest + dims, tl.load(k_src + dims, mask=tail_ok), mask=tail_ok)
-        pair_ok = head_ok & (pairs < HALF)
-        if IS_NEOX:
-            first, second = pairs, HALF + pairs
-        else:
-            first, second = 2 * pairs, 2 * pairs + 1
-        x1 = tl.load(k_src + first, mask=pair_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(k_src + second, mask=pair_ok, other=0.0).to(tl.float32)
-        out_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dest + first, (x1 * cos - x2 * sin).to(out_ty), mask=pair_ok)
-        tl.store(k_cache_ptr + dest + second, (x2 * cos + x1 * sin).to(out_ty), mask=pair_ok)
+        tl.store(k_cache_ptr + dest, tl.load(k_row + heads * k_stride_h + dims, mask=tail_ok), mask=tail_ok)
+        _rotate_heads(
+            k_row, k_cache_ptr + cache_row, k_stride_h, head_dim, num_kv_heads, cos, sin, HALF, HALF_P2, BLOCK_HK,
+            IS_NEOX,
+        )  # fmt: skip
 
 
 def rotary_store_kv_triton(
