@@ -211,18 +211,30 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def quiesced(self) -> Iterator[LLMEngine]:
-        """Exclusive use of the LLMEngine while held (see hold()): the loop touches it only between such uses."""
+        """Exclusive use of the LLMEngine while held (see hold()): the loop touches it only between such uses.
+        No step is in flight and the device is idle inside."""
         if not self._holding:
             raise RuntimeError("quiesced() needs the engine held first")
         with self._step_lock:
+            self._drain()  # hold() waits for an idle loop, which has read its last step: normally a no-op
             yield self._engine
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[LLMEngine]:
         """The LLMEngine between two steps, without holding requests: for a short change that running requests
-        need not wait out (the KV cache's rest joining the block pool after a wake)."""
+        need not wait out (the KV cache's rest joining the block pool after a wake). The step in flight, if any,
+        is read first (its outputs delivered), so none is in flight inside."""
         with self._step_lock:
+            self._drain()
             yield self._engine
+
+    def _drain(self) -> None:
+        """Read the LLMEngine's step in flight and deliver its outputs (with the step lock held, so they go out in
+        order with the loop's)."""
+        outputs = self._engine.drain()
+        if outputs:
+            self._stats = self._engine.stats()
+            self._deliver_all([(out.request_id, out) for out in outputs])
 
     # ----- the loop thread -----
     def _has_work(self) -> bool:
@@ -265,7 +277,8 @@ class AsyncEngine:
                     return
 
     def _turn(self, inbox: _Inbox, stopping: bool, interrupt: str | None) -> bool:
-        """One turn of the loop: admit, abort, step, deliver. -> False when the loop must end."""
+        """One turn of the loop: admit, abort, step, deliver. -> False when the loop must end. With async
+        scheduling a step is left in flight between turns; abort_all ends it (and waits for the device)."""
         engine = self._engine
         # Stats are refreshed before outputs go out, so a client that sees its output sees the stats after it.
         deliveries: list[tuple[str, _Item]] = []

@@ -3,7 +3,8 @@
 A block that nobody references goes back to the free list but keeps its prefix hash, so a later prompt with
 the same prefix can take it back until the block is handed out for something else (oldest freed first).
 Hashes are registered only for blocks that are full *and* computed, so a hit never reads K/V that a chunked
-prefill has not written yet.
+prefill has not written yet, and whose tokens are all known: with async scheduling a block may be computed from a
+token the host has not read yet (UNKNOWN_TOKEN), and its hash waits until that token is filled in.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tidal.worker.engine.sequence import Sequence
+from tidal.worker.engine.sequence import UNKNOWN_TOKEN, Sequence
 
 
 @dataclass
@@ -98,12 +99,15 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Register the prefix hashes of `seq`'s blocks that became full and computed."""
+        """Register the prefix hashes of `seq`'s blocks that became full and computed and hold only known tokens
+        (a later commit picks up a block skipped for an unknown token)."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if UNKNOWN_TOKEN in tokens:
+                return  # hashes chain: no later block can be registered before this one
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)

@@ -36,6 +36,14 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
     enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly, without CUDA graphs.")
+    async_scheduling: bool = Field(
+        default=True,
+        description=(
+            "Launch each step before the host has read the previous step's sampled tokens (they are fed to the "
+            "device from the device), so the host's work on a step overlaps the device's work on the next one. "
+            "Outputs are the same as with False (one step at a time)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:

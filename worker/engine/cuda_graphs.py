@@ -69,17 +69,27 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s in %.1fs", self.sizes, time.monotonic() - start)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """-> hidden [B, H] of a decode-only plan (a view into the graph's output: use it before the next run)."""
+    def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """-> hidden [B, H] of a decode-only plan (a view into the graph's output: use it before the next run).
+        `previous_tokens` [S'] on the device: the previous step's sampled tokens, for the plan's unknown inputs."""
         n = plan.num_seqs
         size = self._size_for[n]
         width = max(map(len, plan.block_tables))
+        num_unknown = len(plan.unknown_rows)
         # All inputs in one pinned host tensor and one transfer, then spread into the graph's inputs on the device.
         flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.seq_lens
         flat += padded_block_tables(plan.block_tables, width)
-        packed = to_device(int64_tensor(flat), self.input_ids.device)  # [4B + B * width]
-        input_ids, positions, slot_mapping, seq_lens, tables = packed.split([n, n, n, n, n * width])
+        flat += plan.unknown_rows + plan.unknown_sources
+        packed = to_device(int64_tensor(flat), self.input_ids.device)  # [4B + B * width + 2U]
+        input_ids, positions, slot_mapping, seq_lens, tables, unknown_rows, unknown_sources = packed.split(
+            [n, n, n, n, n * width, num_unknown, num_unknown]
+        )
         self.input_ids[:n].copy_(input_ids)
+        if num_unknown:
+            if previous_tokens is None:
+                raise ValueError("the plan takes input tokens from the previous step's, and none were given")
+            # Outside the graph, before its replay: an ordinary gather queued behind the previous step's sampling.
+            self.input_ids.index_copy_(0, unknown_rows, previous_tokens.index_select(0, unknown_sources))
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)
         self.seq_lens[:n].copy_(seq_lens)  # int64 -> int32

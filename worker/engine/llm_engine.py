@@ -1,11 +1,18 @@
-"""The synchronous engine: requests in, one step at a time, text deltas out (tests and benchmarks use it
-directly; AsyncEngine runs it on a background thread)."""
+"""The engine: requests in, steps, text deltas out (tests and benchmarks use it directly; AsyncEngine runs it on a
+background thread).
+
+With `async_scheduling` (the default) a step is launched before the previous step's sampled tokens are read:
+its sequences' unknown last tokens come from the device, and the host reads, detokenizes and stop-checks the
+previous step while the device computes this one. `step()` then returns the previous step's outputs. A sequence
+that must end by length once its pending token is read leaves the batch before the next step is scheduled, so
+the schedule is the one a step-at-a-time engine makes; one that ends on a token (EOS, stop id, stop string) is
+found a step late and its row in the step already launched is wasted and dropped.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Self
 
 from transformers import PreTrainedTokenizerBase
@@ -21,26 +28,21 @@ from tidal.worker.engine.engine_setup import (
     resolve_max_model_len,
 )
 from tidal.worker.engine.errors import DuplicateRequestError, EmptyPromptError, InvalidTokenError, PromptTooLongError
+from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
 from tidal.worker.engine.model_runner import ModelRunner
 from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationResult, RequestOutput
+from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.scheduler import Scheduler, SchedulerLimits
 from tidal.worker.engine.sequence import Sequence
 from tidal.worker.engine.step_plan import build_step_plan
-from tidal.worker.engine.stop_checker import token_stop_reason
+from tidal.worker.engine.stop_checker import reaches_length_limit, token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    text: TextStream
 
 
 class LLMEngine:
@@ -63,7 +65,8 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, self.block_manager)
         self.sampler = Sampler(runner.device, config.seed)
         self._window_decoder = WindowDecoder(tokenizer)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
+        self._in_flight: InFlightStep | None = None  # launched, its tokens not read yet (async scheduling)
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -112,24 +115,32 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
-        self._requests[request_id] = _Request(seq, detokenizer, TextStream(detokenizer, params))
+        self._requests[request_id] = EngineRequest(seq, detokenizer, TextStream(detokenizer, params))
         self.scheduler.add(seq)
         self._num_prompt_tokens += seq.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drop a request and free its blocks; -> its final output, or None if it is not (or no longer) here."""
+        """Drop a request and free its blocks; -> its final output, or None if it is not (or no longer) here. A
+        token of it still being sampled is dropped (never handed out). Its blocks may go to another sequence at
+        once, while a step in flight still reads and writes them: the device runs steps in launch order."""
         request = self._requests.get(request_id)
         if request is None:
             return None
+        request.seq.drop_unknown_tokens()
         return self._finish(request, "abort", new_token_ids=[], new_text="")
 
     def abort_all(self) -> list[RequestOutput]:
-        """Drop every request (shutdown, or recovery after a failed step)."""
+        """Drop every request (shutdown, or recovery after a failed step) and the step in flight; -> their final
+        outputs. The device is idle when it returns."""
         outputs = (self.abort_request(request_id) for request_id in list(self._requests))
-        return [out for out in outputs if out is not None]
+        finals = [out for out in outputs if out is not None]
+        self._in_flight = None
+        self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Whether `step()` has work: a request to run, or a step in flight to read."""
+        return bool(self._requests) or self._in_flight is not None
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (after new weights, or a KV cache that was freed); -> blocks forgotten."""
@@ -137,41 +148,97 @@ class LLMEngine:
 
     # ----- the step -----
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; -> a delta for every request that got a token (or finished)."""
+        """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
+        async_scheduling the deltas are those of the step launched by the previous call, read while the step
+        launched by this one runs on the device."""
+        if not self.config.async_scheduling:
+            launched = self._launch(None)
+            if launched is None:
+                return []
+            self.scheduler.commit(launched.scheduled)
+            return self._read(launched)
+        previous = self._in_flight
+        launched = self._launch(previous)
+        outputs = self._read(previous) if previous is not None else []
+        if launched is not None:
+            # Its input tokens are all known now (the previous step's were just read): hash its full blocks.
+            self.scheduler.commit(launched.scheduled)
+        self._in_flight = launched
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the step in flight without launching another; -> its outputs. The device is idle afterwards (for
+        whatever must not overlap a step: sleep, weight updates, changes to the block pool)."""
+        if self._in_flight is None:
+            return []
+        outputs = self._read(self._in_flight)
+        self._in_flight = None
+        return outputs
+
+    def _launch(self, previous: InFlightStep | None) -> InFlightStep | None:
+        """Schedule and launch a step (`previous`: the step in flight, not read yet); None if nothing runs."""
+        if previous is not None:
+            self._retire_length_stops(previous)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
-        plan = build_step_plan(scheduled, self.config.block_size)
-        logits = self.runner.execute(plan)
-        if logits is None:
-            self.scheduler.on_step_done(scheduled, {})
-            return []
+            return None
+        sample_rows = previous.sample_rows() if previous is not None else None
+        plan = build_step_plan(scheduled, self.config.block_size, sample_rows)
+        previous_tokens = previous.samples.on_device if previous is not None else None
+        logits = self.runner.execute(plan, previous_tokens)
         # The sequences that sample, in batch order: the plan's sample_seq_ids.
-        seqs = [item.seq for item in scheduled.scheduled if item.will_sample]
-        tokens = self.sampler.sample(logits, [seq.params for seq in seqs], plan.sample_seq_ids)
-        self.scheduler.on_step_done(scheduled, dict(zip(plan.sample_seq_ids, tokens, strict=True)))
-        requests = [self._requests[seq.request_id] for seq in seqs]
-        texts = push_each(self._window_decoder, [r.detokenizer for r in requests], tokens)
-        self._num_generated_tokens += len(tokens)
+        requests = [self._requests[item.seq.request_id] for item in scheduled.scheduled if item.will_sample]
+        tokens = None
+        if logits is not None:
+            tokens = self.sampler.sample_on_device(logits, [r.seq.params for r in requests], plan.sample_seq_ids)
+        pending = [PendingToken(r, len(r.seq.token_ids)) for r in requests]
+        self.scheduler.on_step_launched(scheduled)
+        return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
+
+    def _retire_length_stops(self, previous: InFlightStep) -> None:
+        """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they
+        leave the batch before the next step is scheduled, as they would have if `previous` had been read."""
+        for p in previous.pending:
+            seq = p.request.seq
+            if not seq.is_finished and reaches_length_limit(seq, p.index + 1, self.max_model_len):
+                self.scheduler.retire(seq)
+
+    def _read(self, step: InFlightStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""
+        tokens = step.samples.wait()
+        live: list[tuple[PendingToken, int]] = []
+        for p, token in zip(step.pending, tokens, strict=True):
+            seq = p.request.seq
+            if seq.is_finished:  # aborted, or ended by the step before (this row was wasted)
+                continue
+            seq.token_ids[p.index] = token
+            live.append((p, token))
+        if not live:
+            return []
+        texts = push_each(self._window_decoder, [p.request.detokenizer for p, _ in live], [t for _, t in live])
+        self._num_generated_tokens += len(live)
         outputs = []
-        for request, token, text in zip(requests, tokens, texts, strict=True):
+        for (p, token), text in zip(live, texts, strict=True):
+            request = p.request
             seq = request.seq
+            num_tokens = p.index + 1  # the sequence as of this step (the next step's token may follow)
             new_text = request.text.add_text(text) if text else ""
             if request.text.stopped:
                 reason: FinishReason | None = "stop"
             else:
-                reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len)
+                reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len, num_tokens)
             if reason is None:
                 outputs.append(
                     RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
-                                  len(seq.token_ids) - len(seq.prompt_token_ids))
+                                  num_tokens - len(seq.prompt_token_ids))
                 )  # fmt: skip
             else:
+                del seq.token_ids[num_tokens:]  # the token a step already launched samples past the end
                 outputs.append(self._finish(request, reason, [token], new_text + request.text.flush()))
         return outputs
 
     def _finish(
-        self, request: _Request, reason: FinishReason, new_token_ids: list[int], new_text: str
+        self, request: EngineRequest, reason: FinishReason, new_token_ids: list[int], new_text: str
     ) -> RequestOutput:
         seq = request.seq
         self.scheduler.finish(seq, reason)
@@ -201,6 +268,7 @@ class LLMEngine:
                 texts[out.request_id].append(out.new_text)
                 if out.finish_reason is not None:
                     reasons[out.request_id] = out.finish_reason
+        self.drain()  # what is left in flight are rows of requests that already ended: leave the device idle
         return [
             GenerationResult(
                 request_id=i,

@@ -57,11 +57,20 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """-> logits [S, V] fp32 of the plan's sampled rows, or None when no sequence samples this step."""
+    def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """-> logits [S, V] fp32 of the plan's sampled rows, or None when no sequence samples this step. Only
+        queues the work on a GPU. `previous_tokens` [S'] int64 on the device: what the previous step sampled,
+        where the plan's unknown input tokens come from (async scheduling)."""
         if not self.kv_caches:
             raise RuntimeError("the KV cache is not allocated")
-        return self._forward(plan, self.kv_caches)
+        if plan.unknown_rows and previous_tokens is None:
+            raise ValueError("the plan takes input tokens from the previous step's, and none were given")
+        return self._forward(plan, self.kv_caches, previous_tokens)
+
+    def synchronize(self) -> None:
+        """Wait until the device has done all the work queued so far (not on the step path: see SampledTokens)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
@@ -106,27 +115,37 @@ class ModelRunner:
                 torch.cuda.memory_reserved(self.device) / 2**30,
             )
 
-    def _forward(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
+    def _forward(
+        self, plan: StepPlan, kv_caches: KVCaches, previous_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         # The current CUDA device is per thread (the step loop runs on its own) and Triton launches on it.
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            return self._forward_on_device(plan, kv_caches)
+            return self._forward_on_device(plan, kv_caches, previous_tokens)
 
-    def _forward_on_device(self, plan: StepPlan, kv_caches: KVCaches) -> torch.Tensor | None:
+    def _forward_on_device(
+        self, plan: StepPlan, kv_caches: KVCaches, previous_tokens: torch.Tensor | None
+    ) -> torch.Tensor | None:
         graphs = self.decode_graphs
         if graphs is not None and kv_caches is self.kv_caches and graphs.can_run(plan):
-            hidden = graphs.run(plan)  # [B, H], one row per sequence
+            hidden = graphs.run(plan, previous_tokens)  # [B, H], one row per sequence
             return self._logits(hidden, plan)
         # Every int input in one host tensor and (on a GPU) one copy, instead of a tensor and a copy each.
-        num_tokens, num_seqs = plan.num_tokens, plan.num_seqs
+        num_tokens, num_seqs, num_unknown = plan.num_tokens, plan.num_seqs, len(plan.unknown_rows)
         # Padding entries are never read. A power-of-two width keeps the number of distinct shapes (and so of
         # Triton specialisations compiled on the way) logarithmic in the context length.
         width = 1 << (max(map(len, plan.block_tables)) - 1).bit_length()
         flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.cu_seqlens_q + plan.seq_lens
         flat += padded_block_tables(plan.block_tables, width)
-        packed = to_device(int64_tensor(flat), self.device)  # [3T + 2B + 1 + B * width]
-        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables = packed.split(
-            [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width]
+        flat += plan.unknown_rows + plan.unknown_sources
+        packed = to_device(int64_tensor(flat), self.device)  # [3T + 2B + 1 + B * width + 2U]
+        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables, unknown_rows, unknown_sources = (
+            packed.split(
+                [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_unknown, num_unknown]
+            )
         )
+        if num_unknown:
+            # The previous step's sampled tokens, still on the device: a gather queued behind that step.
+            input_ids.index_copy_(0, unknown_rows, previous_tokens.index_select(0, unknown_sources))  # type: ignore[union-attr]
         batch = AttentionBatch(
             slot_mapping=slot_mapping,  # [T]
             block_tables=tables.view(num_seqs, width).to(torch.int32),  # [B, width]
@@ -143,5 +162,6 @@ class ModelRunner:
             return None
         if len(plan.sample_indices) == hidden.shape[0]:  # every row samples (decode): no gather needed
             return self.model.compute_logits(hidden)  # [S, V]
-        rows = torch.tensor(plan.sample_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])  # [S, V]
+        # Through pinned memory: torch.tensor(..., device=cuda) would wait for the device to finish the step.
+        rows = to_device(int64_tensor(plan.sample_indices), self.device)  # [S]
+        return self.model.compute_logits(hidden.index_select(0, rows))  # [S, V]

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tidal.worker.engine.block_manager import BlockManager
-from tidal.worker.engine.sequence import Sequence, SequenceStatus
+from tidal.worker.engine.sequence import UNKNOWN_TOKEN, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,26 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def on_step_launched(self, out: SchedulerOutput) -> None:
+        """Advance the scheduled sequences as their step is launched: its tokens count as computed, and each
+        sampling sequence gets an UNKNOWN_TOKEN where its sampled token goes once it is read."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if item.will_sample:
+                seq.token_ids.append(UNKNOWN_TOKEN)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Register the prefix hashes of the blocks a launched step filled; call it once the tokens it computed
+        are all known (not UNKNOWN_TOKEN), else the blocks holding unknown ones wait for a later commit."""
+        commit = self.block_manager.commit
+        for item in out.scheduled:
+            if item.seq.status is not SequenceStatus.FINISHED:  # a finished sequence's blocks are gone
+                commit(item.seq)
+
     def on_step_done(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Advance the scheduled sequences; `sampled` maps seq_id to the token sampled for it this step."""
+        """A step that ran and was read at once (tests, tools): advance the scheduled sequences and append the
+        token sampled for each (`sampled`: seq_id -> token)."""
         commit = self.block_manager.commit
         for item in out.scheduled:
             seq = item.seq
@@ -126,6 +144,14 @@ class Scheduler:
             token = sampled.get(seq.seq_id)
             if token is not None:
                 seq.token_ids.append(token)
+
+    def retire(self, seq: Sequence) -> None:
+        """Take a running sequence that must end once its last (unknown) token is read out of the batch and free
+        its blocks now, as if it had ended already: the next step is scheduled exactly as if it had. The blocks
+        may go to another sequence in that step while the step that samples this one's last token still runs on
+        the device and reads them; safe, because the device runs the steps in the order they were launched."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from tidal.worker.engine.outputs import FinishReason
 from tidal.worker.engine.sampling_params import SamplingParams
 
+# Stands in token_ids for a token that a launched step samples but whose value the host has not read yet (async
+# scheduling: the next step takes it from the device). Never a real token id, so any use of it as one is loud.
+UNKNOWN_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -64,6 +68,12 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def drop_unknown_tokens(self) -> None:
+        """Forget tokens still being sampled (the sequence ends before their values are read); they are last."""
+        token_ids = self.token_ids
+        while token_ids and token_ids[-1] == UNKNOWN_TOKEN:
+            token_ids.pop()
 
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED

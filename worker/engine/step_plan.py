@@ -6,9 +6,10 @@ same plan over the wire later and run the same forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.worker.engine.scheduler import SchedulerOutput
+from tidal.worker.engine.sequence import UNKNOWN_TOKEN
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class StepPlan:
     block_tables: list[list[int]]  # [B][*] blocks of each sequence
     sample_indices: list[int]  # [S] rows of the packed batch whose logits are sampled
     sample_seq_ids: list[int]  # [S] the sequence each sampled row belongs to
+    # Async scheduling: input tokens the previous step samples and the host has not read yet (UNKNOWN_TOKEN in
+    # input_ids). The runner takes input_ids[unknown_rows[i]] from the previous step's sampled tokens, row
+    # unknown_sources[i], on the device.
+    unknown_rows: list[int] = field(default_factory=list)  # [U] rows of input_ids
+    unknown_sources: list[int] = field(default_factory=list)  # [U] rows of the previous step's sampled tokens
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +42,9 @@ class StepPlan:
         return len(self.input_ids) == len(self.seq_ids)
 
 
-def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
+def build_step_plan(out: SchedulerOutput, block_size: int, sample_rows: dict[int, int] | None = None) -> StepPlan:
+    """`sample_rows`: seq_id -> row among the previous step's sampled tokens, for the sequences whose last token
+    that step samples (unknown until read); a sequence's other tokens are all known."""
     seq_ids: list[int] = []
     input_ids: list[int] = []
     positions: list[int] = []
@@ -46,6 +54,8 @@ def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
     block_tables: list[list[int]] = []
     sample_indices: list[int] = []
     sample_seq_ids: list[int] = []
+    unknown_rows: list[int] = []
+    unknown_sources: list[int] = []
     num_tokens = 0
     for item in out.scheduled:
         seq = item.seq
@@ -53,16 +63,22 @@ def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
         num_new = item.num_new_tokens
         end = start + num_new
         table = seq.block_table
+        token_ids = seq.token_ids
         seq_ids.append(seq.seq_id)
         if num_new == 1:  # a decode step: spare the ranges and generators below
-            input_ids.append(seq.token_ids[start])
+            input_ids.append(token_ids[start])
             positions.append(start)
             slot_mapping.append(table[start // block_size] * block_size + start % block_size)
         else:
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         num_tokens += num_new
+        if end == len(token_ids) and token_ids[-1] == UNKNOWN_TOKEN:
+            if sample_rows is None or seq.seq_id not in sample_rows:
+                raise RuntimeError(f"sequence {seq.seq_id}'s last token is unknown and no step samples it")
+            unknown_rows.append(num_tokens - 1)
+            unknown_sources.append(sample_rows[seq.seq_id])
         cu_seqlens_q.append(num_tokens)
         seq_lens.append(end)
         block_tables.append(table[:])  # a copy: the plan must not change when the sequence grows later
@@ -79,6 +95,8 @@ def build_step_plan(out: SchedulerOutput, block_size: int) -> StepPlan:
         block_tables=block_tables,
         sample_indices=sample_indices,
         sample_seq_ids=sample_seq_ids,
+        unknown_rows=unknown_rows,
+        unknown_sources=unknown_sources,
     )
 
 

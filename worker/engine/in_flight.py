@@ -1,0 +1,41 @@
+"""A launched step whose sampled tokens the host has not read yet: which request each sampled row belongs to and
+where in its sequence the token goes. With async scheduling one such step is in flight while the next is launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.worker.engine.detokenizer import IncrementalDetokenizer
+from tidal.worker.engine.sampled_tokens import SampledTokens
+from tidal.worker.engine.scheduler import SchedulerOutput
+from tidal.worker.engine.sequence import Sequence
+from tidal.worker.engine.text_stream import TextStream
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request inside the engine: its sequence and its streamed text."""
+
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: TextStream
+
+
+@dataclass(frozen=True, slots=True)
+class PendingToken:
+    # The request object itself, not its id: an aborted request's id may come back as a new request before
+    # the step is read, and the token must not go to that one.
+    request: EngineRequest
+    index: int  # where in request.seq.token_ids the token goes (an UNKNOWN_TOKEN until it is read)
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    scheduled: SchedulerOutput
+    pending: list[PendingToken]  # [S] one per sampled row, in the step's row order
+    samples: SampledTokens
+
+    def sample_rows(self) -> dict[int, int]:
+        """seq_id -> the row of this step's sampled tokens that holds the sequence's next token."""
+        return {p.request.seq.seq_id: row for row, p in enumerate(self.pending)}
