@@ -138,6 +138,11 @@ class LLMEngine:
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether a launched step's tokens are still to be read (async scheduling, between two `step()`s)."""
+        return self._in_flight is not None
+
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: a request to run, or a step in flight to read."""
         return bool(self._requests) or self._in_flight is not None
