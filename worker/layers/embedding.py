@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.kernels.small_batch_linear import linear_rows_triton, uses_small_batch_kernels
 from tidal.worker.layers.checkpoint import new_weight
 
 
@@ -39,6 +40,8 @@ class LMHead(nn.Module):
         self.weight = tied_to.weight if tied_to is not None else new_weight((vocab_size, hidden_size), dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] in fp32 for the sampler
+        if uses_small_batch_kernels(hidden):  # a few rows: one pass over the weight, ahead of cuBLAS there
+            return linear_rows_triton(hidden, self.weight).float()
         return F.linear(hidden, self.weight).float()
 
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:

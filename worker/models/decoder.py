@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tidal.kernels.small_batch_linear import uses_small_batch_kernels
 from tidal.worker.layers.attention import AttentionBatch, PagedAttention
 from tidal.worker.layers.embedding import LMHead, VocabEmbedding
 from tidal.worker.layers.linear import Linear, MergedLinear
@@ -21,6 +22,7 @@ from tidal.worker.layers.mlp import GatedMLP
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
 from tidal.worker.models.base import CausalLM, KVCacheSpec
+from tidal.worker.models.small_batch import small_batch_forward
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,11 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_idx, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(hidden), batch))
+
+    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] -> attention output [T, q_size], before o_proj."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
@@ -104,7 +109,7 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm.forward_heads(q), self.k_norm.forward_heads(k)
         q = self.rotary_emb.rotate_and_store(positions, q, k, v, self.attn.kv_cache(batch), batch.slot_mapping)
         out = self.attn.attend(q, batch)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class DecoderLayer(nn.Module):
@@ -136,9 +141,14 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, mlp, dtype, device) for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        # The fused small-batch layers fold the RMSNorms into the dense MLP's projections; an expert layer has its
+        # own router in between, so a mixture-of-experts model keeps the unfused layers.
+        self.fuses_small_batches = all(isinstance(mlp, GatedMLP) for mlp in mlps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
+        if self.fuses_small_batches and uses_small_batch_kernels(hidden):
+            return small_batch_forward(self, hidden, positions, batch)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)

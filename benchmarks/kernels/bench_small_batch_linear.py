@@ -1,0 +1,160 @@
+"""A decoder layer's projections at small batch, 8B shapes: cuBLAS with the separate RMSNorm / SiLU-and-mul kernels
+against the fused small-batch kernels, in CUDA graphs, as time per layer and TB/s over the weight bytes.
+
+Each timed graph runs the layer's projections over 32 distinct weight sets in turn (more bytes than the L2 holds),
+like a decode step runs them over the model's layers; attention is left out (it is the same on both sides).
+
+    python benchmarks/kernels/bench_small_batch_linear.py [--rows 1 2 4 8 16] [--sweep]
+
+--sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` is fitted
+to).
+"""
+
+import argparse
+import itertools
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from common import Row, bandwidth_row, format_table, graph_ms
+
+from tidal.kernels.activation import silu_and_mul_triton
+from tidal.kernels.rms_norm import rms_norm_triton
+from tidal.kernels.small_batch_linear import (
+    LaunchConfig,
+    linear_rows_into_residual_triton,
+    linear_rows_triton,
+    norm_input_reference,
+)
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 4096, 14336, 6144, 128256, 32
+DTYPE = torch.bfloat16
+EPS = 1e-5
+
+
+class _Layers:
+    """32 layers' projection weights and norms, and one step's activations for `rows` rows."""
+
+    def __init__(self, rows: int) -> None:
+        def weight(n: int, k: int) -> torch.Tensor:
+            return torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5
+
+        self.rows = rows
+        self.qkv = [weight(QKV, HIDDEN) for _ in range(LAYERS)]
+        self.o = [weight(HIDDEN, HIDDEN) for _ in range(LAYERS)]
+        self.gate_up = [weight(2 * INTER, HIDDEN) for _ in range(LAYERS)]
+        self.down = [weight(HIDDEN, INTER) for _ in range(LAYERS)]
+        self.gamma = torch.rand(HIDDEN, device="cuda", dtype=DTYPE) + 0.5
+        self.hidden = torch.randn(rows, HIDDEN, device="cuda", dtype=DTYPE)
+        self.attn_out = torch.randn(rows, HIDDEN, device="cuda", dtype=DTYPE)
+        self.weight_bytes = 2 * HIDDEN * (QKV + HIDDEN + 2 * INTER) + 2 * INTER * HIDDEN  # one layer
+
+    def unfused(self) -> None:
+        residual = self.hidden
+        delta = self.hidden
+        for i in range(LAYERS):
+            normed, residual = rms_norm_triton(delta, self.gamma, EPS, residual)
+            F.linear(normed, self.qkv[i])
+            delta = F.linear(self.attn_out, self.o[i])
+            normed, residual = rms_norm_triton(delta, self.gamma, EPS, residual)
+            delta = F.linear(silu_and_mul_triton(F.linear(normed, self.gate_up[i])), self.down[i])
+
+    def fused(self) -> None:
+        residual = self.hidden
+        norm_in = norm_input_reference(residual, self.gamma)
+        for i in range(LAYERS):
+            linear_rows_triton(norm_in.scaled, self.qkv[i], None, norm_in.partial_sq, EPS)
+            residual, norm_in = linear_rows_into_residual_triton(self.attn_out, self.o[i], residual, self.gamma)
+            act = linear_rows_triton(norm_in.scaled, self.gate_up[i], None, norm_in.partial_sq, EPS, gated=True)
+            residual, norm_in = linear_rows_into_residual_triton(act, self.down[i], residual, self.gamma)
+
+
+def _per_layer_ms(fn) -> float:
+    fn()  # compiles outside the capture
+    return graph_ms(fn) / LAYERS
+
+
+def run(rows_list: tuple[int, ...]) -> list[Row]:
+    out: list[Row] = []
+    for rows in rows_list:
+        layers = _Layers(rows)
+        shape = f"8B layer projections, {rows} row(s)"
+        base = _per_layer_ms(layers.unfused)
+        out.append(bandwidth_row("decoder layer", shape, "cuBLAS + RMSNorm/SiLU kernels [graph]", base,
+                                 layers.weight_bytes))  # fmt: skip
+        ms = _per_layer_ms(layers.fused)
+        out.append(bandwidth_row("decoder layer", shape, "fused small-batch kernels [graph]", ms, layers.weight_bytes,
+                                 note=f"{base / ms:.2f}x"))  # fmt: skip
+        del layers
+        head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=DTYPE)
+        shape = f"LM head {VOCAB}x{HIDDEN}, {rows} row(s)"
+        base = graph_ms(lambda x=x, head=head: F.linear(x, head))
+        out.append(bandwidth_row("lm head", shape, "cuBLAS [graph]", base, head.numel() * 2))
+        linear_rows_triton(x, head)
+        ms = graph_ms(lambda x=x, head=head: linear_rows_triton(x, head))
+        out.append(
+            bandwidth_row("lm head", shape, "linear_rows [graph]", ms, head.numel() * 2, note=f"{base / ms:.2f}x")
+        )
+        del head
+        torch.cuda.empty_cache()
+    return out
+
+
+def sweep(top: int = 3) -> None:
+    """Each fused kernel alone over 32 weight copies at one row, for a grid of tiles."""
+    configs = [
+        LaunchConfig(n, k, warps, stages)
+        for n, k, (warps, stages) in itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (4, 6), (8, 4)))
+    ]
+    layers = _Layers(1)
+    norm_in = norm_input_reference(layers.hidden, layers.gamma)
+    act = torch.randn(1, INTER, device="cuda", dtype=DTYPE)
+    kernels = {
+        "qkv (row scale)": (layers.qkv, lambda w, c: linear_rows_triton(norm_in.scaled, w, None, norm_in.partial_sq,
+                                                                         EPS, config=c)),
+        "o (into residual)": (layers.o, lambda w, c: linear_rows_into_residual_triton(layers.attn_out, w, layers.hidden,
+                                                                                       layers.gamma, config=c)),
+        "gate_up (row scale, gated)": (layers.gate_up, lambda w, c: linear_rows_triton(
+            norm_in.scaled, w, None, norm_in.partial_sq, EPS, gated=True, config=c)),
+        "down (into residual)": (layers.down, lambda w, c: linear_rows_into_residual_triton(act, w, layers.hidden,
+                                                                                            layers.gamma, config=c)),
+    }  # fmt: skip
+    for name, (weights, call) in kernels.items():
+        timed = []
+        for config in configs:
+
+            def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
+                for w in ws:
+                    fn(w, c)
+
+            try:
+                timed.append((_per_layer_ms(all_layers), config))
+            except Exception as err:  # a tile too large for shared memory: reported and skipped
+                print(f"  {name} {config}: {type(err).__name__}", flush=True)
+        timed.sort(key=lambda t: t[0])
+        nbytes = weights[0].numel() * 2
+        print(f"{name}, 1 row:")
+        for ms, config in timed[:top]:
+            print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA device")
+    if args.sweep:
+        sweep()
+    else:
+        print(format_table(run(tuple(args.rows))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Linear layers for a few rows (decode at small batch) with the decoder's small ops folded into their epilogues: the
+torch references, the Triton kernel and the wrappers.
+
+At batch 1-16 a projection just streams its weight matrix once. cuBLAS picks split-K kernels for the narrow ones (a
+reduce kernel after each), and every RMSNorm and SiLU-and-mul between projections is a launch of its own that moves a
+few KB; at batch 1 those launches cost about as much as 15% of the weight reads. Here one program computes BLOCK_N
+outputs of every row over the whole K (no split, no reduce) and finishes the op that follows:
+
+- `linear_rows`: y = a @ W^T (+ bias). With `norm_partials` the input is an RMSNorm whose scale was left out
+  (a = h * gamma, see below) and the epilogue multiplies each row by 1 / rms(h). With `gated`, W stacks gate and up
+  and the epilogue returns silu(gate) * up: the gated MLP's first projection and its activation in one launch.
+- `linear_rows_into_residual`: h = residual + (a @ W^T + bias) is the new residual stream; the epilogue also writes
+  h * gamma of the next RMSNorm and each program's sum of h^2 over its columns (`NormInput`). The next `linear_rows`
+  adds those partial sums (a fixed order: the result does not depend on timing) and scales. So a decoder layer's
+  two RMSNorms cost no launch at all.
+
+Normalising after the products instead of before rounds differently from RMSNorm-then-linear (h * gamma is rounded
+to 16 bits, not h * gamma / rms); the results agree to bf16 precision, not bit for bit.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tidal.kernels._triton_utils import exact_dot
+from tidal.kernels._validate import (
+    check_contiguous,
+    check_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_dtype,
+    check_shape,
+)
+
+# Rows are padded to one tensor-core tile of 16; beyond that a real GEMM wins.
+MAX_ROWS = 16
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class NormInput(NamedTuple):
+    """An RMSNorm's input, not yet scaled: rms_norm(h) = scaled * rsqrt(sum(partial_sq, dim 0) / H + eps)."""
+
+    scaled: torch.Tensor  # [M, H] h * gamma, in h's dtype
+    partial_sq: torch.Tensor  # [P, M] fp32 sums of h^2 over P disjoint column ranges
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(n_out: int, k_in: int, gated: bool = False) -> LaunchConfig:
+    """Tiles measured on an H200 at one row (benchmarks/kernels/bench_small_batch_linear.py --sweep), each the best
+    or within 1% of it for the 8B shapes: narrow outputs (o, down: 4096) take 32 outputs by 512 inputs, so 128
+    programs each stream a long run of K; wider ones (qkv, LM head) 64 by 256; the gated gate/up pair, whose program
+    reads two tiles per step, 64 by 128 with three in flight. K narrower than the tile takes a narrower tile."""
+    if gated:
+        block_n, block_k, stages = 64, 128, 3
+    elif n_out <= 4096:
+        block_n, block_k, stages = 32, 512, 4
+    else:
+        block_n, block_k, stages = 64, 256, 4
+    return LaunchConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k_in))), num_warps=4, num_stages=stages)
+
+
+def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+    check_ndim("a", a, 2)
+    check_dtype("a", a, (*HALF_DTYPES, torch.float32))
+    check_ndim("weight", weight, 2)
+    if weight.shape[1] != a.shape[1]:
+        raise ValueError(f"weight must have {a.shape[1]} input features, got shape {tuple(weight.shape)}")
+    check_same_dtype("a and weight", a, weight)
+    check_last_dim_contiguous("a", a)
+    check_last_dim_contiguous("weight", weight)
+    if bias is not None:
+        check_shape("bias", bias, (n_out,))
+        check_contiguous("bias", bias)
+    if a.shape[0] > MAX_ROWS:
+        raise ValueError(f"at most {MAX_ROWS} rows, got {a.shape[0]}: use a GEMM")
+
+
+def _check_partials(partial_sq: torch.Tensor, num_rows: int) -> None:
+    check_ndim("partial_sq", partial_sq, 2)
+    check_dtype("partial_sq", partial_sq, (torch.float32,))
+    if partial_sq.shape[1] != num_rows:
+        raise ValueError(f"partial_sq must have one column per row ({num_rows}), got {tuple(partial_sq.shape)}")
+    check_contiguous("partial_sq", partial_sq)
+
+
+# ----- references -----
+
+
+def norm_input_reference(hidden: torch.Tensor, gamma: torch.Tensor) -> NormInput:
+    """The NormInput of `hidden` [M, H] (one partial sum per row): how a stream enters the first layer."""
+    hf = hidden.float()
+    return NormInput((hf * gamma.float()).to(hidden.dtype), (hf * hf).sum(dim=1)[None, :].contiguous())
+
+
+def linear_rows_reference(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_partials: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+) -> torch.Tensor:
+    """a [M, K] @ weight [N, K]^T -> [M, N] (gated: [M, N / 2]); see the module docstring."""
+    n_out = weight.shape[0]
+    _check(a, weight, bias, n_out)
+    y = a.float() @ weight.float().T  # [M, N]
+    if norm_partials is not None:
+        _check_partials(norm_partials, a.shape[0])
+        y = y * torch.rsqrt(norm_partials.sum(dim=0) / a.shape[1] + eps)[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    if gated:
+        gate, up = y.chunk(2, dim=1)
+        y = F.silu(gate) * up
+    return y.to(a.dtype)
+
+
+def linear_rows_into_residual_reference(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, NormInput]:
+    """-> (h = residual + linear(a), NormInput of h for the RMSNorm with weight `gamma`); partial sums over
+    `block_n` columns each, as the kernel's programs make them."""
+    n_out = weight.shape[0]
+    _check(a, weight, bias, n_out)
+    check_shape("residual", residual, (a.shape[0], n_out))
+    check_shape("gamma", gamma, (n_out,))
+    y = (a.float() @ weight.float().T + (bias.float() if bias is not None else 0.0)).to(a.dtype)  # [M, N]
+    h = (y.float() + residual.float()).to(a.dtype)  # rounded as the unfused residual add rounds it
+    hf = h.float()
+    scaled = (hf * gamma.float()).to(a.dtype)
+    sq = F.pad(hf * hf, (0, -n_out % block_n)).view(a.shape[0], -1, block_n).sum(dim=2)  # [M, P]
+    return h, NormInput(scaled, sq.T.contiguous())
+
+
+# ----- the kernel -----
+
+
+@triton.jit
+def _linear_rows_kernel(
+    a_ptr,  # [M, K]
+    w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT)
+    bias_ptr,  # [N] when HAS_BIAS
+    norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
+    residual_ptr,  # [M, N_OUT] when INTO_RESIDUAL
+    gamma_ptr,  # [N_OUT] when INTO_RESIDUAL
+    y_ptr,  # [M, N_OUT]: the output, or the new residual when INTO_RESIDUAL
+    scaled_ptr,  # [M, N_OUT] h * gamma when INTO_RESIDUAL
+    partial_sq_ptr,  # [num programs, M] fp32 when INTO_RESIDUAL
+    num_rows,
+    n_out,
+    k_in,
+    a_stride,
+    w_stride,
+    residual_stride,
+    num_partials_in,
+    eps,
+    ROW_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
+    INTO_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    out_mask = outs < n_out
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_in
+        a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_offsets = outs[:, None] * w_stride + ks[None, :]
+        w_mask = out_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc = exact_dot(a, tl.trans(w), IS_FP32, acc)  # [BLOCK_M, BLOCK_N]
+        if GATED:
+            w_up = tl.load(w_ptr + n_out * w_stride + w_offsets, mask=w_mask, other=0.0)
+            acc_up = exact_dot(a, tl.trans(w_up), IS_FP32, acc_up)
+    if ROW_SCALE:
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for p0 in range(0, num_partials_in, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            part_mask = (ps < num_partials_in)[:, None] & row_mask[None, :]
+            parts = tl.load(norm_partials_ptr + ps[:, None] * num_rows + rows[None, :], mask=part_mask, other=0.0)
+            sum_sq += tl.sum(parts, axis=0)
+        inv_rms = tl.rsqrt(sum_sq / k_in + eps)[:, None]  # [BLOCK_M, 1]
+        acc = acc * inv_rms
+        acc_up = acc_up * inv_rms
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    y_mask = row_mask[:, None] & out_mask[None, :]
+    y_offsets = rows[:, None] * n_out + outs[None, :]
+    if INTO_RESIDUAL:
+        res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=y_mask, other=0.0)
+        # Rounded twice, as the unfused layer rounds: the projection's output, then the residual sum.
+        h = (acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + y_offsets, h, mask=y_mask)
+        hf = h.to(tl.float32)
+        gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + y_offsets, (hf * gamma[None, :]).to(scaled_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(partial_sq_ptr + pid * num_rows + rows, tl.sum(hf * hf, axis=1), mask=row_mask)
+    else:
+        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def _launch(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_out: int,
+    norm_partials: torch.Tensor | None,
+    eps: float,
+    gated: bool,
+    residual: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    config: LaunchConfig | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
+    num_rows, k_in = a.shape
+    config = config or choose_config(n_out, k_in, gated)
+    num_programs = triton.cdiv(n_out, config.block_n)
+    y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
+    into_residual = residual is not None
+    scaled = torch.empty((num_rows, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
+    partial_sq = torch.empty((num_programs if into_residual else 0, num_rows), dtype=torch.float32, device=a.device)
+    if num_rows == 0 or n_out == 0:
+        return y, scaled, partial_sq
+    if k_in == 0:
+        raise ValueError("a linear layer needs at least one input feature")
+    _linear_rows_kernel[(num_programs,)](
+        a,
+        weight,
+        bias if bias is not None else weight,
+        norm_partials if norm_partials is not None else a,
+        residual if residual is not None else a,
+        gamma if gamma is not None else weight,
+        y,
+        scaled,
+        partial_sq,
+        num_rows,
+        n_out,
+        k_in,
+        a.stride(0),
+        weight.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        norm_partials.shape[0] if norm_partials is not None else 0,
+        eps,
+        ROW_SCALE=norm_partials is not None,
+        GATED=gated,
+        INTO_RESIDUAL=into_residual,
+        HAS_BIAS=bias is not None,
+        IS_FP32=a.dtype == torch.float32,
+        BLOCK_M=16,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        BLOCK_P=64,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return y, scaled, partial_sq
+
+
+def linear_rows_triton(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_partials: torch.Tensor | None = None,
+    eps: float = 0.0,
+    gated: bool = False,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel; same contract as `linear_rows_reference`."""
+    n_total = weight.shape[0]
+    if gated and n_total % 2 != 0:
+        raise ValueError(f"a gated weight stacks gate and up: its rows must be even, got {n_total}")
+    _check(a, weight, bias, n_total)
+    if norm_partials is not None:
+        _check_partials(norm_partials, a.shape[0])
+    n_out = n_total // 2 if gated else n_total
+    return _launch(a, weight, bias, n_out, norm_partials, eps, gated, None, None, config)[0]
+
+
+def linear_rows_into_residual_triton(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    gamma: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, NormInput]:
+    """The Triton kernel; same contract as `linear_rows_into_residual_reference` with block_n = config.block_n."""
+    n_out = weight.shape[0]
+    _check(a, weight, bias, n_out)
+    check_shape("residual", residual, (a.shape[0], n_out))
+    check_same_dtype("a and residual", a, residual)
+    check_last_dim_contiguous("residual", residual)
+    check_shape("gamma", gamma, (n_out,))
+    check_contiguous("gamma", gamma)
+    h, scaled, partial_sq = _launch(a, weight, bias, n_out, None, 0.0, False, residual, gamma, config)
+    return h, NormInput(scaled, partial_sq)
+
+
+def uses_small_batch_kernels(x: torch.Tensor) -> bool:
+    """Whether a step of `x`'s rows takes these kernels: CUDA, 16-bit, at most MAX_ROWS rows. fp32 and larger
+    batches keep the unfused layers (cuBLAS and the RMSNorm / activation kernels)."""
+    return x.is_cuda and x.dtype in HALF_DTYPES and x.shape[0] <= MAX_ROWS
