@@ -11,9 +11,15 @@ the same engine runs its tiny forward on a GPU (CUDA graphs): there the host's w
 forward was launched is the device time, so the table is the host time of the real decode path.
 
 Phases: schedule (Scheduler.schedule), plan (build_step_plan), prep (ModelRunner.execute minus the model's
-forward and logits: building input tensors), sample (Sampler.sample, argmax included), advance
-(Scheduler.on_step_done), detok (the batched detokenization of a step, where the engine has one: older engines
-detokenize inside `outputs`), outputs (the rest of LLMEngine.step: stop checks, RequestOutput objects).
+forward and logits: building input tensors), sample (Sampler.sample_on_device, argmax included), advance
+(Scheduler.on_step_launched and commit; on_step_done in older engines), detok (the batched detokenization of a
+step, where the engine has one: older engines detokenize inside `outputs`), outputs (the rest of LLMEngine.step:
+reading the sampled tokens, stop checks, RequestOutput objects).
+
+With async scheduling (the default; --no-async-scheduling turns it off) a step() launches one step and reads the
+one before: the phases are those of one call either way. On a CPU nothing overlaps (the forward runs inside the
+call), and with --device cuda the wait after execute makes the GPU's work part of the call too, so the table is
+the host's work per step in both modes, not the overlap (benchmarks/perf measures that on a GPU).
 
 The printed digest covers every request's token ids and text, so two versions of the engine can be checked
 for identical outputs by comparing it.
@@ -92,8 +98,13 @@ def _instrument(engine: LLMEngine, times: StepTimes) -> Callable[[], None]:
     if original_push_each is not None:
         llm_engine_module.push_each = _timed(times, "detok", original_push_each)  # type: ignore[attr-defined]
     engine.scheduler.schedule = _timed(times, "schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
-    engine.sampler.sample = _timed(times, "sample", engine.sampler.sample)  # type: ignore[method-assign]
-    engine.scheduler.on_step_done = _timed(times, "advance", engine.scheduler.on_step_done)  # type: ignore[method-assign]
+    sampler, scheduler = engine.sampler, engine.scheduler
+    # The names of today's engine first, then those of older ones (the table compares versions).
+    sample_name = "sample_on_device" if hasattr(sampler, "sample_on_device") else "sample"
+    setattr(sampler, sample_name, _timed(times, "sample", getattr(sampler, sample_name)))
+    advance_names = ("on_step_launched", "commit") if hasattr(scheduler, "on_step_launched") else ("on_step_done",)
+    for name in advance_names:
+        setattr(scheduler, name, _timed(times, "advance", getattr(scheduler, name)))
     if engine.runner.device.type == "cuda":
         # The forward runs on the GPU (replayed graphs): execute only launches it. What the host then waits for
         # is the device time; the launch itself stays in prep.
@@ -130,9 +141,12 @@ class Result:
     digest: str
 
 
-def _build_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int, device: str) -> LLMEngine:
+def _build_engine(
+    model_dir: Path, batch: int, prompt_len: int, new_tokens: int, device: str, async_scheduling: bool
+) -> LLMEngine:
     block_size = 16
     blocks_per_seq = -(-(prompt_len + new_tokens) // block_size) + 1
+    extra = {"async_scheduling": async_scheduling} if "async_scheduling" in EngineConfig.model_fields else {}
     config = EngineConfig(
         model_path=model_dir,
         device=device,
@@ -142,6 +156,7 @@ def _build_engine(model_dir: Path, batch: int, prompt_len: int, new_tokens: int,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * prompt_len),
         enable_prefix_caching=True,
+        **extra,
     )
     return LLMEngine.from_config(config)
 
@@ -228,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
         "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the forward on a GPU, with CUDA graphs"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for the tiny forward")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="one step at a time (EngineConfig.async_scheduling off)"
+    )
     parser.add_argument("--profile", type=int, default=0, help="cProfile the steps of this batch size")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -236,12 +254,15 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model_dir or write_tiny_model("llama3", Path(tmp) / "llama3")
         results = []
         for batch in batches:
-            engine = _build_engine(model_dir, batch, args.prompt_len, args.new_tokens, args.device)
+            engine = _build_engine(
+                model_dir, batch, args.prompt_len, args.new_tokens, args.device, not args.no_async_scheduling
+            )
             profiler = cProfile.Profile() if batch == args.profile else None
             results.append(run_batch(engine, batch, args.prompt_len, args.new_tokens, profiler))
             if profiler is not None:
                 stats = pstats.Stats(profiler, stream=sys.stdout)
                 stats.sort_stats("tottime").print_stats(30)
+    print(f"async scheduling: {'off' if args.no_async_scheduling else 'on'}")
     print_table(results)
 
 

@@ -5,6 +5,7 @@ where in its sequence the token goes. With async scheduling one such step is in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
 from tidal.worker.engine.sampled_tokens import SampledTokens
@@ -20,10 +21,10 @@ class EngineRequest:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     text: TextStream
+    length_limit: int  # the sequence ends on reaching this many tokens, whatever they are (max_tokens, max_model_len)
 
 
-@dataclass(frozen=True, slots=True)
-class PendingToken:
+class PendingToken(NamedTuple):  # one per sampled row per step: the cheapest immutable record
     # The request object itself, not its id: an aborted request's id may come back as a new request before
     # the step is read, and the token must not go to that one.
     request: EngineRequest

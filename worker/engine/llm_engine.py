@@ -37,7 +37,7 @@ from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.scheduler import Scheduler, SchedulerLimits
 from tidal.worker.engine.sequence import Sequence
 from tidal.worker.engine.step_plan import build_step_plan
-from tidal.worker.engine.stop_checker import reaches_length_limit, token_stop_reason
+from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
@@ -115,7 +115,10 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
-        self._requests[request_id] = EngineRequest(seq, detokenizer, TextStream(detokenizer, params))
+        limit = self.max_model_len
+        if params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
+        self._requests[request_id] = EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
         self.scheduler.add(seq)
         self._num_prompt_tokens += seq.num_prompt_tokens
 
@@ -203,10 +206,10 @@ class LLMEngine:
     def _retire_length_stops(self, previous: InFlightStep) -> None:
         """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they
         leave the batch before the next step is scheduled, as they would have if `previous` had been read."""
-        for p in previous.pending:
-            seq = p.request.seq
-            if not seq.is_finished and reaches_length_limit(seq, p.index + 1, self.max_model_len):
-                self.scheduler.retire(seq)
+        retire = self.scheduler.retire
+        for request, index in previous.pending:
+            if index + 1 >= request.length_limit and not request.seq.is_finished:
+                retire(request.seq)
 
     def _read(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""

@@ -1,0 +1,176 @@
+"""Async scheduling on a CUDA device: the same delta streams as one step at a time (CUDA graphs and eager), a launch
+path that never waits for the device, the host's work on one step overlapping the device's on the next, and an
+idle device after abort_all and drain. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tidal.worker.engine import llm_engine as llm_engine_module
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.testing.hf_reference import prompt_ids
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+LONG = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make(model_dir, async_scheduling: bool = True, **overrides) -> LLMEngine:
+    config = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 256, **overrides}
+    return LLMEngine.from_config(
+        EngineConfig(model_path=model_dir, device="cuda", async_scheduling=async_scheduling, **config)
+    )
+
+
+def mixed_params(probe: list[list[int]]) -> list[SamplingParams]:
+    """Greedy with a stop token that occurs, seeded top-k/top-p sampling, unseeded sampling with length stops."""
+    out = []
+    for i, tokens in enumerate(probe):
+        if i % 3 == 0:
+            out.append(SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[tokens[2 + i % 5]]))
+        elif i % 3 == 1:
+            out.append(SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=i, max_tokens=16))
+        else:
+            out.append(SamplingParams(temperature=1.0, max_tokens=4 + i, ignore_eos=True))
+    return out
+
+
+def streams(engine: LLMEngine, prompts, params, calls=(0, 0, 0, 2, 3, 5, 5, 8, 13)) -> dict[str, list[tuple]]:
+    arrivals = sorted((calls[i % len(calls)], i) for i in range(len(prompts)))
+    out: dict[str, list[tuple]] = defaultdict(list)
+    call = 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= call:
+            _, i = arrivals.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        for delta in engine.step():
+            out[delta.request_id].append(tuple(delta))
+        call += 1
+    return dict(out)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"enforce_eager": True}, {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96}],
+    ids=["graphs", "eager", "graphs-preempting"],
+)
+def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides):
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+    probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
+    params = mixed_params(probe)
+    sync_engine, overlapped_engine = make(model_dir, False, **overrides), make(model_dir, True, **overrides)
+    if "enforce_eager" not in overrides:
+        assert overlapped_engine.runner.decode_graphs is not None
+    want = streams(sync_engine, prompts, params)
+    assert {s[-1][3] for s in want.values()} >= {"stop", "length"}
+    assert streams(overlapped_engine, prompts, params) == want
+    if "num_kv_blocks" in overrides:
+        assert sync_engine.stats().num_preemptions > 0 and overlapped_engine.stats().num_preemptions > 0
+
+
+def test_the_launch_of_a_decode_step_never_waits_for_the_device(tiny_model, monkeypatch):
+    """torch raises on any synchronizing call (a pageable copy, .tolist(), .item(), a synchronize) in the launch
+    of a graphed decode step: schedule, plan, inputs, the gather of unknown tokens, sampling, the host copy."""
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+    probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
+    engine = make(model_dir)
+    launch = engine._launch
+    strict = []
+
+    def strict_launch(previous):
+        scheduler = engine.scheduler
+        decode_only = not scheduler.waiting and all(
+            s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running
+        )
+        if not decode_only:  # prefill attention may read lengths on the host: not this test's business
+            return launch(previous)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            strict.append(previous is not None)
+
+    monkeypatch.setattr(engine, "_launch", strict_launch)
+    results = engine.generate(prompts, mixed_params(probe))
+    assert len(results) == len(prompts)
+    assert sum(strict) > 10  # many decode launches ran strictly, with the previous step in flight
+
+
+def _device_sleep_cycles(ms: float) -> int:
+    """Cycles of torch.cuda._sleep that keep the device busy for about `ms` milliseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / start.elapsed_time(end))
+
+
+def slowed(engine: LLMEngine, device_ms: float, monkeypatch, host_ms: float = 0.0) -> None:
+    """Every step keeps the device busy `device_ms` longer, and reading it keeps the host busy `host_ms` longer."""
+    cycles = _device_sleep_cycles(device_ms)
+    execute = engine.runner.execute
+
+    def slow_execute(plan, previous_tokens=None):
+        logits = execute(plan, previous_tokens)
+        torch.cuda._sleep(cycles)  # queued behind the forward, ahead of the sampling
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    if host_ms:
+        push_each = llm_engine_module.push_each
+
+        def slow_push_each(*args):
+            time.sleep(host_ms / 1000)
+            return push_each(*args)
+
+        monkeypatch.setattr(llm_engine_module, "push_each", slow_push_each)
+
+
+def test_the_host_reads_one_step_while_the_device_runs_the_next(tiny_model, monkeypatch):
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)[:4]
+
+    def seconds(async_scheduling: bool) -> float:
+        engine = make(model_dir, async_scheduling)
+        engine.generate(prompts, LONG)  # warm: first-call compilation outside the timing
+        with monkeypatch.context() as patch:
+            slowed(engine, device_ms=20, host_ms=20, monkeypatch=patch)
+            start = time.perf_counter()
+            engine.generate(prompts, LONG)
+            return time.perf_counter() - start
+
+    one_at_a_time, overlapped = seconds(False), seconds(True)
+    # 13 steps of 20 ms device + 20 ms host: about 0.52 s in turn, about 0.28 s overlapped.
+    assert overlapped < 0.75 * one_at_a_time, (overlapped, one_at_a_time)
+
+
+def test_abort_all_and_drain_leave_the_device_idle(tiny_model, monkeypatch):
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)[:3]
+    engine = make(model_dir)
+    slowed(engine, device_ms=100, monkeypatch=monkeypatch)
+    stream = torch.cuda.current_stream()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, LONG)
+    engine.step()
+    engine.step()
+    assert engine.has_step_in_flight and not stream.query()  # the device still works on the step in flight
+    outputs = engine.drain()
+    assert [o.num_output_tokens for o in outputs] == [2, 2, 2] and stream.query()
+    engine.step()
+    engine.step()
+    assert engine.has_step_in_flight and not stream.query()
+    finals = engine.abort_all()
+    assert {o.finish_reason for o in finals} == {"abort"} and stream.query()
+    assert not engine.has_unfinished_requests()
