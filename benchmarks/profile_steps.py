@@ -93,10 +93,10 @@ def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: 
     records: list[tuple[int, int, bool, float]] = []  # (tokens, seqs, decode-only, device ms)
     execute = runner.execute
 
-    def timed_execute(plan: StepPlan) -> torch.Tensor | None:
+    def timed_execute(plan: StepPlan, *args: torch.Tensor | None) -> torch.Tensor | None:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = execute(plan)
+        out = execute(plan, *args)
         torch.cuda.synchronize()
         records.append((plan.num_tokens, plan.num_seqs, plan.is_decode_only, (time.perf_counter() - start) * 1e3))
         return out
@@ -105,6 +105,8 @@ def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"trace-{i}", prompt, params)
     step_ms: list[float] = []
+    # One step per step() call, each synchronised: an overlapped step() would launch one step and read another.
+    engine.config = engine.config.model_copy(update={"async_scheduling": False})
     runner.execute = timed_execute  # type: ignore[method-assign]
     try:
         start_all = time.perf_counter()

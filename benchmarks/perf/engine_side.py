@@ -74,7 +74,7 @@ def measure_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int,
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     marks: list[float] = []  # marks[k]: when every row had k + 1 tokens
     while engine.has_unfinished_requests():
-        outputs = engine.step()  # returns after sampling, so the device is done with the step
+        outputs = engine.step()  # a step's outputs come once the device is done with it (the next may be queued)
         stamp = time.perf_counter()
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
