@@ -241,7 +241,10 @@ class LLMEngine:
                                   num_tokens - len(seq.prompt_token_ids))
                 )  # fmt: skip
             else:
-                del seq.token_ids[num_tokens:]  # the token a step already launched samples past the end
+                # A step already launched may sample past the end (a wasted row, never read): forget that token.
+                # The blocks freed here may be reused while that step still writes them: safe, the device runs
+                # steps in launch order.
+                del seq.token_ids[num_tokens:]
                 outputs.append(self._finish(request, reason, [token], new_text + request.text.flush()))
         return outputs
 
