@@ -206,10 +206,13 @@ class LLMEngine:
     def _retire_length_stops(self, previous: InFlightStep) -> None:
         """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they
         leave the batch before the next step is scheduled, as they would have if `previous` had been read."""
-        retire = self.scheduler.retire
-        for request, index in previous.pending:
-            if index + 1 >= request.length_limit and not request.seq.is_finished:
-                retire(request.seq)
+        ending = [
+            request.seq
+            for request, index in previous.pending
+            if index + 1 >= request.length_limit and not request.seq.is_finished
+        ]
+        if ending:
+            self.scheduler.retire(ending)
 
     def _read(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""

@@ -145,13 +145,16 @@ class Scheduler:
             if token is not None:
                 seq.token_ids.append(token)
 
-    def retire(self, seq: Sequence) -> None:
-        """Take a running sequence that must end once its last (unknown) token is read out of the batch and free
-        its blocks now, as if it had ended already: the next step is scheduled exactly as if it had. The blocks
-        may go to another sequence in that step while the step that samples this one's last token still runs on
-        the device and reads them; safe, because the device runs the steps in the order they were launched."""
-        self.running.remove(seq)
-        self.block_manager.free(seq)
+    def retire(self, seqs: list[Sequence]) -> None:
+        """Take running sequences that must end once their last (unknown) token is read out of the batch and free
+        their blocks now, as if they had ended already: the next step is scheduled exactly as if they had. The
+        blocks may go to another sequence in that step while the step that samples these ones' last tokens still
+        runs on the device and reads them; safe, because the device runs the steps in the order they were launched.
+        """
+        gone = set(seqs)  # identity: Sequence compares and hashes by object
+        self.running = [seq for seq in self.running if seq not in gone]
+        for seq in seqs:
+            self.block_manager.free(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""

@@ -85,7 +85,7 @@ def test_a_retired_sequence_frees_its_blocks_and_the_next_schedule_is_as_if_it_h
         end(s, seqs[0])
         return [(item.seq.seq_id, item.num_new_tokens) for item in s.schedule().scheduled], s
 
-    retired, s = first_two_steps(lambda s, x: s.retire(x))
+    retired, s = first_two_steps(lambda s, x: s.retire([x]))
     ended, _ = first_two_steps(lambda s, x: s.finish(x, "length"))
     assert retired == ended == [(1, 1), (2, 8)]  # the third prompt got the first one's blocks
     assert s.running[0].seq_id == 1
