@@ -35,7 +35,7 @@ from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.scheduler import Scheduler, SchedulerLimits
-from tidal.worker.engine.sequence import Sequence
+from tidal.worker.engine.sequence import Sequence, SequenceStatus
 from tidal.worker.engine.step_plan import build_step_plan
 from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
@@ -194,12 +194,16 @@ class LLMEngine:
         plan = build_step_plan(scheduled, self.config.block_size, sample_rows)
         previous_tokens = previous.samples.on_device if previous is not None else None
         logits = self.runner.execute(plan, previous_tokens)
-        # The sequences that sample, in batch order: the plan's sample_seq_ids.
-        requests = [self._requests[item.seq.request_id] for item in scheduled.scheduled if item.will_sample]
-        tokens = None
-        if logits is not None:
-            tokens = self.sampler.sample_on_device(logits, [r.seq.params for r in requests], plan.sample_seq_ids)
-        pending = [PendingToken(r, len(r.seq.token_ids)) for r in requests]
+        # The sequences that sample, in batch order (the plan's sample_seq_ids), and where their tokens will go.
+        requests = self._requests
+        pending: list[PendingToken] = []
+        params: list[SamplingParams] = []
+        for item in scheduled.scheduled:
+            if item.will_sample:
+                seq = item.seq
+                pending.append(PendingToken(requests[seq.request_id], len(seq.token_ids)))
+                params.append(seq.params)
+        tokens = None if logits is None else self.sampler.sample_on_device(logits, params, plan.sample_seq_ids)
         self.scheduler.on_step_launched(scheduled)
         return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
 
@@ -217,22 +221,26 @@ class LLMEngine:
     def _read(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""
         tokens = step.samples.wait()
-        live: list[tuple[PendingToken, int]] = []
+        live: list[PendingToken] = []
+        live_tokens: list[int] = []
+        detokenizers: list[IncrementalDetokenizer] = []
         for p, token in zip(step.pending, tokens, strict=True):
-            seq = p.request.seq
-            if seq.is_finished:  # aborted, or ended by the step before (this row was wasted)
-                continue
-            seq.token_ids[p.index] = token
-            live.append((p, token))
-        if not live:
-            return []
-        texts = push_each(self._window_decoder, [p.request.detokenizer for p, _ in live], [t for _, t in live])
-        self._num_generated_tokens += len(live)
-        outputs = []
-        for (p, token), text in zip(live, texts, strict=True):
             request = p.request
             seq = request.seq
-            num_tokens = p.index + 1  # the sequence as of this step (the next step's token may follow)
+            if seq.status is SequenceStatus.FINISHED:  # aborted, or ended by the step before (a wasted row)
+                continue
+            seq.token_ids[p.index] = token
+            live.append(p)
+            live_tokens.append(token)
+            detokenizers.append(request.detokenizer)
+        if not live:
+            return []
+        texts = push_each(self._window_decoder, detokenizers, live_tokens)
+        self._num_generated_tokens += len(live)
+        outputs = []
+        for (request, index), token, text in zip(live, live_tokens, texts, strict=True):
+            seq = request.seq
+            num_tokens = index + 1  # the sequence as of this step (the next step's token may follow)
             new_text = request.text.add_text(text) if text else ""
             if request.text.stopped:
                 reason: FinishReason | None = "stop"
