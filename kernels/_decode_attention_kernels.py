@@ -6,7 +6,7 @@ one split, a second kernel merges the splits' partial results by their log-sum-e
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import exact_dot
+from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -35,7 +35,10 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IS_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
+    let_next_kernel_launch(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,7 +105,10 @@ def decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
+    let_next_kernel_launch(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # flattened (sequence, head)
     splits = tl.arange(0, SPLITS_P2)
     dims = tl.arange(0, HEAD_DIM_P2)

@@ -3,6 +3,7 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -13,3 +14,18 @@ def exact_dot(a, b, IS_FP32: tl.constexpr, acc=None):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch this kernel may start while the previous one finishes; nothing it reads
+    from an earlier kernel is safe to read before this wait (weights and other inputs no kernel writes are)."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_launch(USE_PDL: tl.constexpr):
+    """Allows the next kernel, if launched with PDL, to start its programs now (they wait before reading our output)."""
+    if USE_PDL:
+        gdc_launch_dependents()

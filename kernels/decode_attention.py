@@ -8,7 +8,7 @@ import triton
 
 from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gather_context
 from tidal.kernels._decode_attention_kernels import LOG2E, decode_merge_kernel, decode_split_kernel
-from tidal.kernels._device import multiprocessor_count
+from tidal.kernels._device import multiprocessor_count, pdl_launch_options
 
 # A split shorter than this spends more on the merge than it wins in parallelism.
 MIN_SPLIT_TOKENS = 256
@@ -119,6 +119,7 @@ def paged_decode_attention_triton(
         IS_FP32=q.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch_options(q.device),
     )
     if num_splits > 1:
         decode_merge_kernel[(batch * num_heads,)](
@@ -130,6 +131,7 @@ def paged_decode_attention_triton(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM_P2=head_dim_p2,
             num_warps=4,
+            **pdl_launch_options(q.device),
         )
     return out
 

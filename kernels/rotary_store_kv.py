@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
 from tidal.kernels.kv_cache import _check_inputs as _check_store_inputs
 from tidal.kernels.kv_cache import store_kv_reference
 from tidal.kernels.rotary import _check_inputs as _check_rotary_inputs
@@ -60,7 +62,10 @@ def _rotary_store_kv_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
+    let_next_kernel_launch(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(cos_sin_ptr, positions_ptr, token, cos_sin_stride, HALF, HALF_P2)
     q_row = q_ptr + token * q_stride_t
@@ -115,6 +120,7 @@ def rotary_store_kv_triton(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         IS_NEOX=is_neox,
         num_warps=4,
+        **pdl_launch_options(q.device),
     )  # fmt: skip
     return q
 

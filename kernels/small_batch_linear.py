@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import exact_dot
+from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
 from tidal.kernels._validate import (
     check_contiguous,
     check_dtype,
@@ -180,7 +181,9 @@ def _linear_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,6 +202,7 @@ def _linear_rows_kernel(
         if GATED:
             w_up = tl.load(w_ptr + n_out * w_stride + w_offsets, mask=w_mask, other=0.0)
             acc_up = exact_dot(a, tl.trans(w_up), IS_FP32, acc_up)
+    let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
     if ROW_SCALE:
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for p0 in range(0, num_partials_in, BLOCK_P):
@@ -283,6 +287,7 @@ def _launch(
         BLOCK_P=64,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_launch_options(a.device),
     )
     return y, scaled, partial_sq
 
