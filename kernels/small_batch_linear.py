@@ -1,4 +1,3 @@
-# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
 """Linear layers for a few rows (decode at small batch) with the decoder's small ops folded into their epilogues: the
 torch references, the Triton kernel and the wrappers.
 
@@ -25,10 +24,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from tidal.kernels._device import pdl_launch_options
-from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._small_batch_kernels import linear_rows_kernel
 from tidal.kernels._validate import (
     check_contiguous,
     check_dtype,
@@ -150,90 +148,6 @@ def linear_rows_into_residual_reference(
     return h, NormInput(scaled, sq.T.contiguous())
 
 
-# ----- the kernel -----
-
-
-@triton.jit
-def _linear_rows_kernel(
-    a_ptr,  # [M, K]
-    w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT)
-    bias_ptr,  # [N] when HAS_BIAS
-    norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
-    residual_ptr,  # [M, N_OUT] when INTO_RESIDUAL
-    gamma_ptr,  # [N_OUT] when INTO_RESIDUAL
-    y_ptr,  # [M, N_OUT]: the output, or the new residual when INTO_RESIDUAL
-    scaled_ptr,  # [M, N_OUT] h * gamma when INTO_RESIDUAL
-    partial_sq_ptr,  # [num programs, M] fp32 when INTO_RESIDUAL
-    num_rows,
-    n_out,
-    k_in,
-    a_stride,
-    w_stride,
-    residual_stride,
-    num_partials_in,
-    eps,
-    ROW_SCALE: tl.constexpr,
-    GATED: tl.constexpr,
-    INTO_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    IS_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(USE_PDL)
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
-    out_mask = outs < n_out
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_in
-        a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_offsets = outs[:, None] * w_stride + ks[None, :]
-        w_mask = out_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc = exact_dot(a, tl.trans(w), IS_FP32, acc)  # [BLOCK_M, BLOCK_N]
-        if GATED:
-            w_up = tl.load(w_ptr + n_out * w_stride + w_offsets, mask=w_mask, other=0.0)
-            acc_up = exact_dot(a, tl.trans(w_up), IS_FP32, acc_up)
-    let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
-    if ROW_SCALE:
-        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for p0 in range(0, num_partials_in, BLOCK_P):
-            ps = p0 + tl.arange(0, BLOCK_P)
-            part_mask = (ps < num_partials_in)[:, None] & row_mask[None, :]
-            parts = tl.load(norm_partials_ptr + ps[:, None] * num_rows + rows[None, :], mask=part_mask, other=0.0)
-            sum_sq += tl.sum(parts, axis=0)
-        inv_rms = tl.rsqrt(sum_sq / k_in + eps)[:, None]  # [BLOCK_M, 1]
-        acc = acc * inv_rms
-        acc_up = acc_up * inv_rms
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    y_mask = row_mask[:, None] & out_mask[None, :]
-    y_offsets = rows[:, None] * n_out + outs[None, :]
-    if INTO_RESIDUAL:
-        res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=y_mask, other=0.0)
-        # Rounded twice, as the unfused layer rounds: the projection's output, then the residual sum.
-        h = (acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + y_offsets, h, mask=y_mask)
-        hf = h.to(tl.float32)
-        gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(scaled_ptr + y_offsets, (hf * gamma[None, :]).to(scaled_ptr.dtype.element_ty), mask=y_mask)
-        tl.store(partial_sq_ptr + pid * num_rows + rows, tl.sum(hf * hf, axis=1), mask=row_mask)
-    else:
-        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
 def _launch(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -258,7 +172,7 @@ def _launch(
         return y, scaled, partial_sq
     if k_in == 0:
         raise ValueError("a linear layer needs at least one input feature")
-    _linear_rows_kernel[(num_programs,)](
+    linear_rows_kernel[(num_programs,)](
         a,
         weight,
         bias if bias is not None else weight,

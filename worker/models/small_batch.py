@@ -1,9 +1,11 @@
-"""The decoder's forward for a few rows (decode at batch <= 16 on a GPU): seven launches per layer instead of twelve.
+"""The decoder's forward for a few rows (decode at batch <= 16 on a GPU): six launches per layer instead of twelve.
 
 Each projection is one `tidal.kernels.small_batch_linear` kernel whose epilogue does the op that follows it, so
 neither RMSNorm nor SiLU-and-mul nor cuBLAS's split-K reduce is a launch of its own:
 
-    qkv      <- linear_rows(h * gamma_in, scaled by 1/rms)        rotary + KV store, attention (unchanged)
+    q        <- linear_rows(h * gamma_in, scaled by 1/rms) for q, k, v; rotary on q and k, k and v into the
+                KV cache (small_batch_qkv; Qwen3's per-head q/k norm keeps the separate rotary+store kernel)
+    attention (unchanged: decode split + merge)
     h        <- h + o_proj(attention)    also writes h * gamma_post and partial sums of h^2
     act      <- silu(gate) * up of linear_rows(h * gamma_post, scaled by 1/rms)
     h        <- h + down_proj(act)       also writes h * gamma_in of the next layer, and its partial sums
@@ -24,10 +26,16 @@ from tidal.kernels.small_batch_linear import (
     linear_rows_triton,
     norm_input_reference,
 )
+from tidal.kernels.small_batch_qkv import can_fuse_rotary, qkv_rope_store_triton
 from tidal.worker.layers.attention import AttentionBatch
 
 if TYPE_CHECKING:
-    from tidal.worker.models.decoder import DecoderLayer, DecoderModel
+    from tidal.worker.models.decoder import DecoderAttention, DecoderLayer, DecoderModel
+
+
+def _rotary_fuses(attn: DecoderAttention) -> bool:
+    rotary = attn.rotary_emb
+    return can_fuse_rotary(attn.head_dim, rotary.cos_sin_cache.shape[1], rotary.is_neox, attn.q_norm is not None)
 
 
 def small_batch_forward(
@@ -56,8 +64,16 @@ def _layer(
 ) -> tuple[torch.Tensor, NormInput]:
     attn, mlp = layer.self_attn, layer.mlp
     eps = layer.input_layernorm.eps
-    qkv = linear_rows_triton(norm_in.scaled, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_in.partial_sq, eps)
-    out = attn.attend_qkv(positions, qkv, batch)  # [T, q_size]
+    if _rotary_fuses(attn):
+        k_cache, v_cache = attn.attn.kv_cache(batch)
+        q = qkv_rope_store_triton(
+            norm_in.scaled, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_in.partial_sq, eps, positions,
+            attn.rotary_emb.cos_sin_cache, k_cache, v_cache, batch.slot_mapping, attn.num_heads, attn.num_kv_heads,
+        )  # fmt: skip
+        out = attn.attn.attend(q, batch).reshape(q.shape[0], attn.q_size)  # [T, q_size]
+    else:
+        qkv = linear_rows_triton(norm_in.scaled, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_in.partial_sq, eps)
+        out = attn.attend_qkv(positions, qkv, batch)  # [T, q_size]
     residual, norm_in = linear_rows_into_residual_triton(
         out, attn.o_proj.weight, residual, layer.post_attention_layernorm.weight, attn.o_proj.bias
     )

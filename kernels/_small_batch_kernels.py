@@ -1,0 +1,203 @@
+# ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+"""Triton kernels of the small-batch projections (wrappers: small_batch_linear, small_batch_qkv). One program computes
+BLOCK_N outputs (or two tiles of BLOCK_N at a fixed distance: gate and up, or the two halves of a rotary pair) of every
+row over the whole K, then runs its epilogue."""
+
+import triton
+import triton.language as tl
+
+from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+
+
+@triton.jit
+def _products(
+    a_ptr,
+    w_ptr,
+    a_stride,
+    w_stride,
+    k_in,
+    rows,
+    row_mask,
+    outs,
+    out_mask,
+    second_offset,
+    PAIRED: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """(a @ W[outs]^T, a @ W[outs + second_offset]^T when PAIRED), each [BLOCK_M, BLOCK_N] fp32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_in
+        a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_offsets = outs[:, None] * w_stride + ks[None, :]
+        w_mask = out_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc = exact_dot(a, tl.trans(w), IS_FP32, acc)
+        if PAIRED:
+            w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0)
+            acc2 = exact_dot(a, tl.trans(w2), IS_FP32, acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _inv_rms(partials_ptr, num_partials, num_rows, rows, row_mask, k_in, eps, BLOCK_M: tl.constexpr,
+             BLOCK_P: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, 1] 1 / rms of each row from the partial sums of squares [num_partials, num_rows], added in order."""
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for p0 in range(0, num_partials, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        part_mask = (ps < num_partials)[:, None] & row_mask[None, :]
+        sum_sq += tl.sum(tl.load(partials_ptr + ps[:, None] * num_rows + rows[None, :], mask=part_mask, other=0.0), 0)
+    return tl.rsqrt(sum_sq / k_in + eps)[:, None]
+
+
+@triton.jit
+def linear_rows_kernel(
+    a_ptr,  # [M, K]
+    w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT)
+    bias_ptr,  # [N] when HAS_BIAS
+    norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
+    residual_ptr,  # [M, N_OUT] when INTO_RESIDUAL
+    gamma_ptr,  # [N_OUT] when INTO_RESIDUAL
+    y_ptr,  # [M, N_OUT]: the output, or the new residual when INTO_RESIDUAL
+    scaled_ptr,  # [M, N_OUT] h * gamma when INTO_RESIDUAL
+    partial_sq_ptr,  # [num programs, M] fp32 when INTO_RESIDUAL
+    num_rows,
+    n_out,
+    k_in,
+    a_stride,
+    w_stride,
+    residual_stride,
+    num_partials_in,
+    eps,
+    ROW_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
+    INTO_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    out_mask = outs < n_out
+    acc, acc_up = _products(
+        a_ptr, w_ptr, a_stride, w_stride, k_in, rows, row_mask, outs, out_mask, n_out, GATED, IS_FP32, BLOCK_M,
+        BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
+    if ROW_SCALE:
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
+        acc = acc * inv_rms
+        acc_up = acc_up * inv_rms
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    y_mask = row_mask[:, None] & out_mask[None, :]
+    y_offsets = rows[:, None] * n_out + outs[None, :]
+    if INTO_RESIDUAL:
+        res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=y_mask, other=0.0)
+        # Rounded twice, as the unfused layer rounds: the projection's output, then the residual sum.
+        h = (acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + y_offsets, h, mask=y_mask)
+        hf = h.to(tl.float32)
+        gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + y_offsets, (hf * gamma[None, :]).to(scaled_ptr.dtype.element_ty), mask=y_mask)
+        tl.store(partial_sq_ptr + pid * num_rows + rows, tl.sum(hf * hf, axis=1), mask=row_mask)
+    else:
+        tl.store(y_ptr + y_offsets, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def qkv_rope_kernel(
+    a_ptr,  # [M, K]
+    w_ptr,  # [(Hq + 2 Hkv) * D, K]: q heads, then k heads, then v heads
+    bias_ptr,  # [(Hq + 2 Hkv) * D] when HAS_BIAS
+    norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
+    positions_ptr,  # [M]
+    cos_sin_ptr,  # [max_position, D]: cos of the D/2 frequencies, then their sin
+    slot_ptr,  # [M] cache slot of each row's k and v; -1: not written
+    q_ptr,  # [M, Hq * D] rotated q out
+    k_cache_ptr,  # [num_blocks * block_size, Hkv, D] (dense slots)
+    v_cache_ptr,
+    num_rows,
+    k_in,
+    a_stride,
+    w_stride,
+    num_partials_in,
+    eps,
+    cos_sin_stride,
+    num_q_heads,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    TILES_PER_HALF: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program: BLOCK_N dims of the first half of one head and the same dims of its second half (a rotary pair,
+    rotate_half style), so the rotation happens in the epilogue; q goes out, k and v straight into the cache."""
+    wait_for_previous_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    head = pid // TILES_PER_HALF
+    dims = (pid % TILES_PER_HALF) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
+    dim_ok = dims < HALF
+    outs = head * HEAD_DIM + dims
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    x1, x2 = _products(
+        a_ptr, w_ptr, a_stride, w_stride, k_in, rows, row_mask, outs, dim_ok, HALF, True, IS_FP32, BLOCK_M, BLOCK_N,
+        BLOCK_K,
+    )  # fmt: skip
+    let_next_kernel_launch(USE_PDL)
+    if ROW_SCALE:
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
+        x1 = x1 * inv_rms
+        x2 = x2 * inv_rms
+    if HAS_BIAS:
+        x1 += tl.load(bias_ptr + outs, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x2 += tl.load(bias_ptr + outs + HALF, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    # Rounded to the activations' dtype first, as the unfused projection's output is before its rotation.
+    x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
+    x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    mask = row_mask[:, None] & dim_ok[None, :]
+    is_q = head < num_q_heads
+    is_v = head >= num_q_heads + num_kv_heads
+    is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
+    positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    angles = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
+    cos = tl.load(angles, mask=mask, other=1.0).to(tl.float32)
+    sin = tl.load(angles + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = tl.where(is_v, x1, x1 * cos - x2 * sin)
+    y2 = tl.where(is_v, x2, x2 * cos + x1 * sin)
+    q_out = q_ptr + rows[:, None] * (num_q_heads * HEAD_DIM) + outs[None, :]
+    tl.store(q_out, y1.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    tl.store(q_out + HALF, y2.to(q_ptr.dtype.element_ty), mask=mask & is_q)
+    slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
+    dest = slots[:, None] * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+    kv_mask = mask & (slots >= 0)[:, None] & (head >= num_q_heads)
+    tl.store(k_cache_ptr + dest, y1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask & is_k)
+    tl.store(k_cache_ptr + dest + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask & is_k)
+    tl.store(v_cache_ptr + dest, y1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask & is_v)
+    tl.store(v_cache_ptr + dest + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask & is_v)
