@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="the smallest workload (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="the engine one step at a time (no host/device overlap)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
@@ -142,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             report["ceilings"] = devinfo.measure_bandwidths(device)
             progress(f"ceilings: {report['ceilings']}")
 
-        config = engine_side.engine_config(model_dir, loaded, device, workload, args.gpu_memory_fraction)
+        config = engine_side.engine_config(
+            model_dir, loaded, device, workload, args.gpu_memory_fraction, not args.no_async_scheduling
+        )
         engine, report["engine"]["setup"] = engine_side.build_engine(config, loaded)
         if device.type == "cuda":
             report["engine"]["memory_after_setup"] = devinfo.memory_gib(device)

@@ -27,7 +27,12 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 
 def engine_config(
-    model_dir: Path, loaded: LoadedModel, device: torch.device, workload: Workload, gpu_memory_fraction: float
+    model_dir: Path,
+    loaded: LoadedModel,
+    device: torch.device,
+    workload: Workload,
+    gpu_memory_fraction: float,
+    async_scheduling: bool = True,
 ) -> EngineConfig:
     """Every decode batch's prompts fit one step (so its rows decode in lock step), and no prefix cache: a
     repeated prompt must cost a full prefill every time."""
@@ -41,6 +46,7 @@ def engine_config(
         ),
         enable_prefix_caching=False,
         gpu_memory_fraction=gpu_memory_fraction,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -60,6 +66,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "gpu_memory_fraction": config.gpu_memory_fraction if runner.device.type == "cuda" else None,
         "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
+        "async_scheduling": config.async_scheduling,
     }
     return engine, facts
 
