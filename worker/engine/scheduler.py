@@ -5,6 +5,10 @@ waiting ones while the token budget, the sequence limit and the free blocks allo
 share a step. Long prompts are prefilled in chunks that fit the budget. When a running sequence needs a block
 and none is free, the newest running sequence is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed (its full blocks usually come back through the prefix cache).
+
+With async scheduling a step is scheduled while the one before still runs: the sequences it samples for carry an
+UNKNOWN_TOKEN as their last token (a decode reads it on the device), and those that must end by length once it is
+read are retired first, so the schedule is the one made after reading.
 """
 
 from __future__ import annotations
