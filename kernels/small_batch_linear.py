@@ -3,8 +3,8 @@ torch references, the Triton kernel and the wrappers.
 
 At batch 1-16 a projection just streams its weight matrix once. cuBLAS picks split-K kernels for the narrow ones (a
 reduce kernel after each), and every RMSNorm and SiLU-and-mul between projections is a launch of its own that moves a
-few KB; at batch 1 those launches cost about as much as 15% of the weight reads. Here one program computes BLOCK_N
-outputs of every row over the whole K (no split, no reduce) and finishes the op that follows:
+few KB; on an 8B model at batch 1 the norms, activations and reduces took 0.3 ms of a 4.5 ms forward. Here one
+program computes BLOCK_N outputs of every row over the whole K (no split, no reduce) and finishes the op that follows:
 
 - `linear_rows`: y = a @ W^T (+ bias). With `norm_partials` the input is an RMSNorm whose scale was left out
   (a = h * gamma, see below) and the epilogue multiplies each row by 1 / rms(h). With `gated`, W stacks gate and up
