@@ -13,6 +13,7 @@ TOP_LEVEL_FOLDERS = {
     "tidal.worker": "worker",
     "tidal.kernels": "kernels",
     "tidal.devcluster": "devcluster",
+    "tidal.contract": "contract",
 }
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tidal.worker.control.schema import SleepRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.contract.control_api import SleepRequest, WakeUpRequest, WeightsUpdateRequest
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.config import LifecycleConfig

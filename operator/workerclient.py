@@ -1,4 +1,4 @@
-"""Async client of one worker's control API, built on the shared contract in tidal.worker.control.schema.
+"""Async client of one worker's control API, built on the shared contract in tidal.contract.control_api.
 
 Every answer is parsed with the schema's models, so a drift between the worker and the operator is an error here,
 not a silently missing field. A non-2xx answer becomes a `WorkerCallError` carrying the worker's `ControlError`.
@@ -11,7 +11,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from tidal.worker.control.schema import (
+from tidal.contract.control_api import (
     TOKEN_HEADER,
     ControlError,
     SleepLevel,

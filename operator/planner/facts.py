@@ -9,7 +9,7 @@ from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.builders.networkpolicy import OperatorIdentity
 from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation
-from tidal.worker.control.schema import SleepState, WorkerState
+from tidal.contract.control_api import SleepState, WorkerState
 
 
 class PlanInput(BaseModel):

@@ -1,6 +1,6 @@
 """What the planner is told about the world: pods as Kubernetes reports them, and each rank's worker.
 
-The worker's own `GET /state` model comes from the worker's control-API contract (tidal.worker.control.schema); the
+The worker's own `GET /state` model comes from the worker's control-API contract (tidal.contract.control_api); the
 planner adds what the executor learns from other calls (the checksum, a failed weight update)."""
 
 from typing import Any, Literal
@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from tidal.operator.api import constants as c
-from tidal.worker.control.schema import WorkerState
+from tidal.contract.control_api import WorkerState
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 CRASH_LOOP_REASON = "CrashLoopBackOff"

@@ -8,7 +8,7 @@ from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.status import Condition
 from tidal.operator.planner.actions import Action, SleepRank, WakeRank
 from tidal.operator.planner.facts import Facts
-from tidal.worker.control.schema import SleepState, WorkerState
+from tidal.contract.control_api import SleepState, WorkerState
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from tidal.worker.control.schema import SleepRequest, WeightsChecksum, WorkerState
+from tidal.contract.control_api import SleepRequest, WeightsChecksum, WorkerState
 
 STATE = {
     "sleep_state": "awake",

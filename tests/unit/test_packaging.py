@@ -13,6 +13,7 @@ MAPPED = {
     "tidal.worker": "worker",
     "tidal.kernels": "kernels",
     "tidal.devcluster": "devcluster",
+    "tidal.contract": "contract",
 }
 
 
@@ -54,7 +55,7 @@ def test_built_wheel_contains_and_imports_tidal_packages(tmp_path):
     )
     (wheel,) = (tmp_path / "dist").glob("tidal-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for folder in ("operator", "worker", "kernels", "devcluster"):
+    for folder in ("operator", "worker", "kernels", "devcluster", "contract"):
         assert any(n.startswith(f"tidal/{folder}/") for n in names), f"wheel lacks tidal/{folder}/"
     assert not any(n.startswith(("operator/", "worker/", "tests/")) for n in names)
     target = tmp_path / "site"

@@ -6,7 +6,7 @@ import pytest
 from pydantic import SecretStr
 
 from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
-from tidal.worker.control.schema import WorkerState
+from tidal.contract.control_api import WorkerState
 from tidal.worker.control.testing import TEST_TOKEN, ControlledWorker
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tidal.worker.control.schema import (
+from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     SleepRequest,
     StreamFinishRequest,

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from tidal.worker.control.schema import SleepRequest, WakeUpRequest
+from tidal.contract.control_api import SleepRequest, WakeUpRequest
 from tidal.worker.control.testing import greedy, running_manager
 from tidal.worker.lifecycle.device_memory import VmmRegion, allocate_region
 from tidal.worker.testing.hf_reference import prompt_ids

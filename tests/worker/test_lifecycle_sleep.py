@@ -8,7 +8,7 @@ import concurrent.futures
 
 import pytest
 
-from tidal.worker.control.schema import DrainMode, SleepRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.contract.control_api import DrainMode, SleepRequest, WakeUpRequest, WeightsUpdateRequest
 from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
 from tidal.worker.engine.async_engine import EngineNotRunningError
 from tidal.worker.engine.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def test_level2_wake_refuses_weights_that_cannot_be_reloaded(tiny_model, tmp_pat
             upload = await manager.stream_start(False)
             data = (stream_dir / "model.safetensors").read_bytes()
             await manager.stream_chunk(upload.upload_id, "model.safetensors", 0, data)
-            from tidal.worker.control.schema import StreamFinishRequest
+            from tidal.contract.control_api import StreamFinishRequest
 
             await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="streamed"))
             await manager.sleep(SleepRequest(level=2))

@@ -125,7 +125,7 @@ def test_a_trainer_that_cannot_be_reached_is_a_collective_failure():
 def test_announced_tensor_shapes_are_not_negative():
     from pydantic import ValidationError
 
-    from tidal.worker.control.schema import TensorSpec
+    from tidal.contract.control_api import TensorSpec
 
     assert TensorSpec(name="w", shape=[0, 3], dtype="float32").shape == [0, 3]
     with pytest.raises(ValidationError, match="greater than or equal to 0"):  # else torch.empty fails mid-transfer

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidal.worker.control.schema import StreamFinishRequest, WeightsUpdateRequest
+from tidal.contract.control_api import StreamFinishRequest, WeightsUpdateRequest
 from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError

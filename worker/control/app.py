@@ -1,7 +1,7 @@
 """The control API app: state, sleep/wake, weight updates (disk, streamed, collective), checksums, group membership.
 
 Every route requires the bearer token (401 and no effect otherwise); bodies and answers are the models of
-`tidal.worker.control.schema`, and every failure is a `ControlError` with a stable code. Served on its own port
+`tidal.contract.control_api`, and every failure is a `ControlError` with a stable code. Served on its own port
 (TIDAL_CONTROL_PORT), beside the OpenAI API, from the same process and event loop.
 """
 
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal.worker.control.auth import is_authorized
-from tidal.worker.control.schema import (
+from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     ControlError,
     GroupReconfigureRequest,

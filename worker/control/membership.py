@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.worker.control.schema import GroupReconfigureRequest
+from tidal.contract.control_api import GroupReconfigureRequest
 from tidal.worker.lifecycle.errors import BadRequestError, StaleEpochError
 
 

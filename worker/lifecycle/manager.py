@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tidal.worker.control.membership import GroupMembership
-from tidal.worker.control.schema import (
+from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     DrainMode,
     GroupReconfigureRequest,

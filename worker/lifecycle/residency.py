@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.worker.control.schema import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
+from tidal.contract.control_api import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
 from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective

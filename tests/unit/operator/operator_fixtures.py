@@ -16,7 +16,7 @@ from tidal.operator.builders.services import build_group_service, build_serving_
 from tidal.operator.planner.facts import PlanInput
 from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation, observe_child
 from tidal.operator.planner.plan import Plan, plan
-from tidal.worker.control.schema import ResidentTag, SleepState, WorkerState
+from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TOKEN = SecretStr("t" * 48)

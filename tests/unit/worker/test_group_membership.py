@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from tidal.worker.control.membership import GroupMembership
-from tidal.worker.control.schema import GroupReconfigureRequest
+from tidal.contract.control_api import GroupReconfigureRequest
 from tidal.worker.lifecycle.errors import BadRequestError, StaleEpochError
 
 
