@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from tidal.worker.control.membership import GroupMembership
 from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     DrainMode,
@@ -44,6 +43,7 @@ from tidal.worker.lifecycle.errors import (
     LifecycleError,
     NotLoadedError,
 )
+from tidal.worker.lifecycle.membership import GroupMembership
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import StageReport

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tidal.worker.control.membership import GroupMembership
 from tidal.contract.control_api import GroupReconfigureRequest
 from tidal.worker.lifecycle.errors import BadRequestError, StaleEpochError
+from tidal.worker.lifecycle.membership import GroupMembership
 
 
 def _request(epoch: int, ranks: list[int], leader: int = 0) -> GroupReconfigureRequest:

@@ -6,6 +6,9 @@ worker therefore applies an epoch only if it is newer than the last one it appli
 same membership is a retry and changes nothing; anything older, or the same epoch with another membership, comes
 from a stale caller and is refused. The membership is kept in memory only: a restarted worker starts at epoch 0,
 and the operator sends it the next epoch once it is loaded.
+
+It lives with the lifecycle because the lifecycle manager holds it (applies it, reports it in `/state`) and its
+refusals are lifecycle errors; nothing here touches HTTP, the engine or the weights.
 """
 
 from __future__ import annotations
