@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.contract.error_codes import ErrorCode
+
 CONTROL_API_VERSION = "v1"
 TOKEN_HEADER = "Authorization"  # "Bearer <token>"
 
@@ -205,7 +207,8 @@ class GroupReconfigureResult(_Response):
 
 
 class ControlError(_Response):
-    """Body of every non-2xx answer of the control API."""
+    """Body of every non-2xx answer of the control API. A code added after the reader was built does not validate
+    here; the operator's client reports such an answer with a code of its own, as it does any unreadable error."""
 
-    code: str = Field(description="stable machine-readable reason, e.g. bad_checkpoint, asleep, unauthorized")
+    code: ErrorCode = Field(description="stable machine-readable reason: one of `ErrorCode`")
     message: str

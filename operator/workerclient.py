@@ -1,11 +1,13 @@
 """Async client of one worker's control API, built on the shared contract in tidal.contract.control_api.
 
 Every answer is parsed with the schema's models, so a drift between the worker and the operator is an error here,
-not a silently missing field. A non-2xx answer becomes a `WorkerCallError` carrying the worker's `ControlError`.
+not a silently missing field. A non-2xx answer becomes a `WorkerCallError` carrying the worker's `ControlError`,
+or, when there was no answer the client can read, one of the client's own `CallErrorCode`s.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TypeVar
 
 import httpx
@@ -23,6 +25,7 @@ from tidal.contract.control_api import (
     WeightsUpdateResult,
     WorkerState,
 )
+from tidal.contract.error_codes import ErrorCode
 
 _T = TypeVar("_T", bound=BaseModel)
 
@@ -32,10 +35,20 @@ STATE_TIMEOUT_S = 3.0
 TRANSITION_TIMEOUT_S = 600.0
 
 
-class WorkerCallError(Exception):
-    """The worker answered with an error, or could not be reached (code `unreachable`)."""
+class CallErrorCode(StrEnum):
+    """Codes this client gives a call that got no answer it can read. Kept apart from the contract's `ErrorCode`
+    because no worker ever sends them: the worker's table of statuses covers exactly what it answers, and a reader of
+    a failure can tell the worker's refusal from the road to it failing."""
 
-    def __init__(self, code: str, message: str) -> None:
+    UNREACHABLE = "unreachable"  # no HTTP answer: connection refused or reset, timeout, DNS
+    BAD_RESPONSE = "bad_response"  # a 2xx answer whose body does not fit the contract's model
+    UNRECOGNIZED_ERROR = "unrecognized_error"  # an error answer that is no ControlError (a newer code, or a proxy)
+
+
+class WorkerCallError(Exception):
+    """The worker refused the call (an `ErrorCode`), or the call got no answer the client can read."""
+
+    def __init__(self, code: ErrorCode | CallErrorCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -61,17 +74,19 @@ class WorkerClient:
                 method, self._base + path, json=payload, headers=self._headers(), timeout=timeout
             )
         except httpx.HTTPError as exc:
-            raise WorkerCallError("unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+            message = f"{method} {path}: {type(exc).__name__}: {exc}"
+            raise WorkerCallError(CallErrorCode.UNREACHABLE, message) from None
         if resp.status_code >= 400:
             try:
                 err = ControlError.model_validate_json(resp.content)
             except ValidationError:
-                err = ControlError(code=f"http_{resp.status_code}", message=resp.text[:2000])
+                message = f"{method} {path}: HTTP {resp.status_code}: {resp.text[:2000]}"
+                raise WorkerCallError(CallErrorCode.UNRECOGNIZED_ERROR, message) from None
             raise WorkerCallError(err.code, err.message)
         try:
             return out.model_validate_json(resp.content)
         except ValidationError as exc:
-            raise WorkerCallError("bad_response", f"{method} {path}: {exc}") from None
+            raise WorkerCallError(CallErrorCode.BAD_RESPONSE, f"{method} {path}: {exc}") from None
 
     async def state(self) -> WorkerState:
         return await self._call("GET", "/state", WorkerState)

@@ -16,17 +16,26 @@ from dataclasses import dataclass
 import httpx
 from pydantic import SecretStr
 
+from tidal.contract.error_codes import ErrorCode
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.actions import SleepRank, UpdateWeights, WakeRank
 from tidal.operator.planner.observed import RankObservation, UpdateFailure
-from tidal.operator.workerclient import WorkerCallError, WorkerClient
+from tidal.operator.workerclient import CallErrorCode, WorkerCallError, WorkerClient
 
 log = logging.getLogger("tidal.operator.workers")
 
 Key = tuple[str, str]
-# Control-API error codes that say "not now" rather than "this checkpoint is wrong".
-TRANSIENT_CODES = frozenset(
-    {"unreachable", "busy", "not_loaded", "asleep", "drain_timeout", "weights_unavailable", "bad_response"}
+# Failures that say "not now" rather than "this checkpoint is wrong": the worker's refusals of the moment, and the
+# client's own codes for a call that got no readable answer.
+TRANSIENT_CODES: frozenset[ErrorCode | CallErrorCode] = frozenset(
+    {
+        ErrorCode.BUSY,
+        ErrorCode.NOT_LOADED,
+        ErrorCode.DRAIN_TIMEOUT,
+        ErrorCode.WEIGHTS_UNAVAILABLE,
+        CallErrorCode.UNREACHABLE,
+        CallErrorCode.BAD_RESPONSE,
+    }
 )
 
 

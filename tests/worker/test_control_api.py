@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from pydantic import SecretStr
 
+from tidal.contract.control_api import ControlError, WorkerState
+from tidal.contract.error_codes import ErrorCode
 from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
-from tidal.contract.control_api import WorkerState
 from tidal.worker.control.testing import TEST_TOKEN, ControlledWorker
 
 
@@ -52,8 +56,8 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
         assert worker.post("/group/reconfigure", _membership(2, [1, 2], leader=2)).status_code == 200
         assert (state().group_epoch, state().leader_rank, state().group_formed, state().world_size) == (2, 2, False, 3)
         for body, status, code, reason in (
-            (_membership(1, [0, 1, 2]), 409, "stale_epoch", "older than epoch 2"),
-            (_membership(2, [0, 1, 2]), 409, "stale_epoch", "already applied"),
+            (_membership(1, [0, 1, 2]), 409, ErrorCode.STALE_EPOCH, "older than epoch 2"),
+            (_membership(2, [0, 1, 2]), 409, ErrorCode.STALE_EPOCH, "already applied"),
             (_membership(3, [0, 2]), 400, "invalid_request", "rank 1, which is not among"),
             (_membership(3, [1, 4], leader=1), 400, "invalid_request", "outside this worker's group of world_size 3"),
             (_membership(3, [1, 2], leader=0), 400, "invalid_request", "leader_rank 0 is not one of the members"),
@@ -138,6 +142,30 @@ def test_the_token_is_checked_before_the_body_or_the_route():
         assert client.get("/state", headers=authorized).json()["model_loaded"] is False
 
 
+def test_every_code_has_one_status_and_every_refusal_answers_with_its_code():
+    from fastapi.testclient import TestClient
+
+    from tidal.worker.control.app import HTTP_STATUS, build_control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.errors import LifecycleError
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    assert set(HTTP_STATUS) == set(ErrorCode), "every code the worker may send needs an HTTP status"
+    assert all(400 <= status < 600 for status in HTTP_STATUS.values())
+    assert all(isinstance(error.code, ErrorCode) for error in LifecycleError.__subclasses__())
+    app = build_control_app(LifecycleManager(LifecycleConfig(weights_version="a")), SecretStr(TEST_TOKEN))
+    with TestClient(app, headers={"Authorization": f"Bearer {TEST_TOKEN}"}) as client:
+        for method, path, code in (
+            ("GET", "/no-such-route", ErrorCode.NOT_FOUND),
+            ("DELETE", "/state", ErrorCode.METHOD_NOT_ALLOWED),
+            ("POST", "/sleep", ErrorCode.NOT_LOADED),  # nothing loaded: a lifecycle refusal
+            ("DELETE", "/weights/stream/nope", ErrorCode.UNKNOWN_UPLOAD),
+        ):
+            response = client.request(method, path, json={} if method == "POST" else None)
+            error = ControlError.model_validate(response.json())
+            assert (error.code, response.status_code) == (code, HTTP_STATUS[code]), response.text
+
+
 def test_an_oversized_chunk_is_a_400(monkeypatch):
     from fastapi.testclient import TestClient
 
@@ -151,3 +179,14 @@ def test_an_oversized_chunk_is_a_400(monkeypatch):
         response = client.post("/weights/stream/abc/chunk?file=model.safetensors&offset=0", content=b"0123456789")
         assert response.status_code == 400 and response.json()["code"] == "invalid_request"
         assert "at most 8 bytes" in response.json()["message"]
+
+
+def test_the_architecture_doc_names_codes_with_the_status_they_answer_with():
+    from tidal.worker.control.app import HTTP_STATUS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    pairs = re.findall(r"\b([45]\d\d)\s+`([a-z][a-z_]*)`", text)  # "409 `stale_epoch`", across line breaks too
+    assert len(pairs) >= 4, "the pattern no longer finds the doc's codes"
+    for status, code in pairs:
+        assert code in set(ErrorCode), f"docs/ARCHITECTURE.md names {code}, which is not an ErrorCode"
+        assert HTTP_STATUS[ErrorCode(code)] == int(status), f"docs/ARCHITECTURE.md says {status} {code}"

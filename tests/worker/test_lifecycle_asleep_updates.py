@@ -185,7 +185,7 @@ def test_no_room_for_a_spare_buffer_refuses_the_update_and_keeps_the_old_weights
             with pytest.raises(HostMemoryError, match="wake the model first") as err:
                 await manager.update_from_disk(WeightsUpdateRequest(source=str(incoming), version="c"))
             monkeypatch.undo()
-            assert err.value.status == 409 and manager.version == "a"
+            assert err.value.code == "no_host_memory" and manager.version == "a"
             assert (await manager.checksum(recompute=True)).overall == checksum
             await manager.wake_up(WakeUpRequest())
             assert await greedy(manager, PROMPTS) == outputs

@@ -1,5 +1,6 @@
-"""The worker's control API: sleep/wake, weight updates, checksums and group membership.
+"""The worker's control API: sleep/wake, weight updates, checksums and group membership, over HTTP.
 
-`schema` holds the request/response models shared with the operator's client; it imports pydantic only, so the
-operator (which never installs torch) can import it.
+The request/response models and error codes it serves are the contract shared with the operator's client
+(`tidal.contract`); what each call does is the lifecycle's (`tidal.worker.lifecycle`). This package holds only
+the HTTP side: routes, the bearer token, error codes to statuses, and the listener's assembly.
 """

@@ -1,13 +1,15 @@
 """The control API app: state, sleep/wake, weight updates (disk, streamed, collective), checksums, group membership.
 
 Every route requires the bearer token (401 and no effect otherwise); bodies and answers are the models of
-`tidal.contract.control_api`, and every failure is a `ControlError` with a stable code. Served on its own port
+`tidal.contract.control_api`, and every failure is a `ControlError` whose code is an `ErrorCode` of
+`tidal.contract.error_codes`, answered with the status `HTTP_STATUS` gives it. Served on its own port
 (TIDAL_CONTROL_PORT), beside the OpenAI API, from the same process and event loop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -18,7 +20,6 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tidal.worker.control.auth import is_authorized
 from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     ControlError,
@@ -36,6 +37,8 @@ from tidal.contract.control_api import (
     WeightsUpdateResult,
     WorkerState,
 )
+from tidal.contract.error_codes import ErrorCode
+from tidal.worker.control.auth import is_authorized
 from tidal.worker.lifecycle.errors import BadRequestError, LifecycleError
 from tidal.worker.lifecycle.manager import LifecycleManager
 from tidal.worker.server.errors import describe_validation_errors
@@ -44,9 +47,32 @@ log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 1 << 30
 
+# The one place a code becomes an HTTP status; a test fails when a member of ErrorCode has none.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.UNKNOWN_UPLOAD: 404,
+    ErrorCode.BAD_OFFSET: 409,
+    ErrorCode.BUSY: 409,
+    ErrorCode.DRAIN_TIMEOUT: 409,
+    ErrorCode.WEIGHTS_UNAVAILABLE: 409,
+    ErrorCode.NO_HOST_MEMORY: 409,
+    ErrorCode.STALE_EPOCH: 409,
+    ErrorCode.BAD_CHECKPOINT: 422,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.COLLECTIVE_FAILED: 502,
+    ErrorCode.NOT_LOADED: 503,
+}
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ControlError(code=code, message=message).model_dump(), status_code=status, headers=headers)
+# Refusals starlette makes itself, before a route runs.
+_ROUTING_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
+
+
+def _error(code: ErrorCode, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = ControlError(code=code, message=message).model_dump(mode="json")
+    return JSONResponse(body, status_code=HTTP_STATUS[code], headers=headers)
 
 
 class _RequireToken:
@@ -61,7 +87,8 @@ class _RequireToken:
         if scope["type"] == "http":
             header = Headers(scope=scope).get("authorization")
             if not is_authorized(header, self.token):
-                response = _error(401, "unauthorized", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+                headers = {"WWW-Authenticate": "Bearer"}
+                response = _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token", headers)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -139,18 +166,20 @@ def _router(manager: LifecycleManager) -> APIRouter:
 
 def _install_error_handlers(app: FastAPI) -> None:
     async def on_lifecycle_error(_: Request, exc: LifecycleError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message)
+        return _error(exc.code, exc.message)
 
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, _ = describe_validation_errors(exc.errors())
-        return _error(400, "invalid_request", message)
+        return _error(ErrorCode.INVALID_REQUEST, message)
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, f"http_{exc.status_code}", str(exc.detail))
+        # Routing refuses with 404 or 405; any other HTTPException is a request starlette could not take.
+        fallback = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
+        return _error(_ROUTING_CODES.get(exc.status_code, fallback), str(exc.detail), exc.headers)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("control call %s %s failed", request.method, request.url.path, exc_info=exc)
-        return _error(500, "internal", f"{type(exc).__name__}: {exc}")
+        return _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     app.add_exception_handler(LifecycleError, on_lifecycle_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]

@@ -1,11 +1,20 @@
-"""Lifecycle failures, each with the HTTP status and the stable code the control API answers with."""
+"""Lifecycle refusals, each with the stable code the control API answers with.
+
+The code says what went wrong; which HTTP status that is belongs to the control app (`control/app.py`), so the
+lifecycle knows nothing about HTTP and another front end could report the same errors its own way.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+from tidal.contract.error_codes import ErrorCode
+
 
 class LifecycleError(Exception):
-    status = 409
-    code = "conflict"
+    """Base of the refusals the control API reports; raise a subclass, each names its code."""
+
+    code: ClassVar[ErrorCode]
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -13,58 +22,53 @@ class LifecycleError(Exception):
 
 
 class NotLoadedError(LifecycleError):
-    status = 503
-    code = "not_loaded"
+    code = ErrorCode.NOT_LOADED
 
 
 class BusyError(LifecycleError):
-    code = "busy"
+    code = ErrorCode.BUSY
 
 
 class DrainTimeoutError(LifecycleError):
-    code = "drain_timeout"
+    code = ErrorCode.DRAIN_TIMEOUT
 
 
 class WeightsUnavailableError(LifecycleError):
-    code = "weights_unavailable"
+    code = ErrorCode.WEIGHTS_UNAVAILABLE
 
 
 class HostMemoryError(LifecycleError):
     """A buffer an operation needs does not fit in host memory; nothing was changed."""
 
-    code = "no_host_memory"
+    code = ErrorCode.NO_HOST_MEMORY
 
 
 class StaleEpochError(LifecycleError):
     """A group membership older than the one applied, or a different one under the same epoch."""
 
-    code = "stale_epoch"
+    code = ErrorCode.STALE_EPOCH
 
 
 class UploadNotFoundError(LifecycleError):
-    status = 404
-    code = "unknown_upload"
+    code = ErrorCode.UNKNOWN_UPLOAD
 
 
 class UploadOffsetError(LifecycleError):
-    code = "bad_offset"
+    code = ErrorCode.BAD_OFFSET
 
 
 class BadRequestError(LifecycleError):
-    status = 400
-    code = "invalid_request"
+    code = ErrorCode.INVALID_REQUEST
 
 
 class CollectiveError(LifecycleError):
-    status = 502
-    code = "collective_failed"
+    code = ErrorCode.COLLECTIVE_FAILED
 
 
 class CheckpointRejectedError(LifecycleError):
     """The new weights do not fit the model; nothing was changed."""
 
-    status = 422
-    code = "bad_checkpoint"
+    code = ErrorCode.BAD_CHECKPOINT
 
     def __init__(self, problems: list[str]) -> None:
         super().__init__("checkpoint rejected, nothing changed: " + "; ".join(problems))

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from tidal.contract.control_api import GroupReconfigureRequest
+from tidal.contract.error_codes import ErrorCode
 from tidal.worker.lifecycle.errors import BadRequestError, StaleEpochError
 from tidal.worker.lifecycle.membership import GroupMembership
 
@@ -47,7 +48,7 @@ def test_stale_or_conflicting_epochs_are_refused_and_change_nothing(request_, ma
     group.apply(_request(3, [0, 1, 2]))
     with pytest.raises(StaleEpochError, match=match) as err:
         group.apply(request_)
-    assert err.value.status == 409 and err.value.code == "stale_epoch"
+    assert err.value.code == ErrorCode.STALE_EPOCH
     assert (group.epoch, group.leader_rank, group.is_formed) == (3, 0, True)
 
 
