@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import SecretStr
 
+from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 from tidal.operator.api import constants as c
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
@@ -16,7 +17,6 @@ from tidal.operator.builders.services import build_group_service, build_serving_
 from tidal.operator.planner.facts import PlanInput
 from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation, observe_child
 from tidal.operator.planner.plan import Plan, plan
-from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 TOKEN = SecretStr("t" * 48)
