@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from tidal.operator.api import constants as c
 from tidal.operator.runtime.app import OperatorApp
+from tidal.operator.runtime.queue import Key
 
 KOPF_PREFIX = "kopf.tidal.dev"
+
+
+def model_key(namespace: str | None, name: str) -> Key:
+    """kopf types `namespace` for any resource; it is None only for cluster-scoped ones, and ours are namespaced."""
+    if namespace is None:
+        raise ValueError(f"{name}: a namespaced resource arrived without a namespace")
+    return namespace, name
 
 
 def register(registry: kopf.OperatorRegistry, app: OperatorApp) -> None:
@@ -41,14 +50,14 @@ def register(registry: kopf.OperatorRegistry, app: OperatorApp) -> None:
     @kopf.on.resume(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
     @kopf.on.create(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
     @kopf.on.update(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
-    async def model_changed(namespace: str, name: str, **_: Any) -> None:
-        await app.queue.request((namespace, name))
+    async def model_changed(namespace: str | None, name: str, **_: Any) -> None:
+        await app.queue.request(model_key(namespace, name))
 
     @kopf.on.event(c.GROUP, c.VERSION, c.PLURAL, registry=registry)
-    async def model_event(type: str | None, namespace: str, name: str, **_: Any) -> None:
+    async def model_event(type: str | None, namespace: str | None, name: str, **_: Any) -> None:
         if type == "DELETED":
-            app.forget((namespace, name))
+            app.forget(model_key(namespace, name))
 
     @kopf.on.event("", "v1", "pods", labels={c.LABEL_MODEL: kopf.PRESENT}, registry=registry)
-    async def pod_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-        await app.queue.request((namespace, labels[c.LABEL_MODEL]))
+    async def pod_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+        await app.queue.request(model_key(namespace, labels[c.LABEL_MODEL]))

@@ -1,27 +1,35 @@
 """Pure planner: desired spec + observed pods and worker states -> typed actions and the next status.
 
 `plan(PlanInput) -> Plan` is one level-based pass; it calls no API and keeps no state between passes (what must
-survive, such as a failed weights version, lives in the status it returns). The layer that runs it (kopf handlers
-and an executor) owes it the following.
+survive, such as a failed weights version, lives in the status it returns). It runs inside the operator's runtime:
+kopf's handlers only queue the model, and `runtime/reconcile.py` observes, plans and hands `Plan.actions` to
+`runtime/execute.py`. The planner owes nothing to kopf; it relies on the runtime for the following.
 
 Observing (build a `PlanInput`):
-- `model`: `InferenceModel.model_validate(body)`; the status must be Tidal's alone, so kopf has to keep its
-  progress in annotations (`settings.persistence.progress_storage = kopf.AnnotationsProgressStorage()`) and handlers
-  must return None (the structural schema prunes anything else in status).
-- `pods`: the model's pods (label `tidal.dev/model=<name>`) through `observed.observe_pod`.
+- `model`: `InferenceModel.model_validate(body)`. The status must be Tidal's alone, so kopf keeps its progress in
+  annotations and the handlers return None (the structural schema prunes anything else in status).
+- `pods`: the model's pods (label `tidal.dev/model=<name>`, controlled by this model's UID) through
+  `observed.observe_pod`.
 - `ranks`: per running pod, `GET /state` (and `GET /weights/checksum` for `checksum`) on `pod_ip:controlPort` with
-  the bearer token from the Secret; `state=None` when it does not answer. A failed `POST /weights/update` from the
-  previous pass goes into `update_failure` if the worker does not report it itself.
+  the bearer token from the Secret; `state=None` when it does not answer, `token_rejected` when it answers 401. A
+  `POST /weights/update` the worker refused on an earlier pass goes into `update_failure` (the worker does not report
+  it in `/state`) until a later update of that rank succeeds.
 - `children`: `observed.observe_child` of each Service, Secret and NetworkPolicy that exists.
-- `operator`: `OperatorConfig.from_env(os.environ).identity()`; `now`: an aware UTC datetime; `fresh_token`: a new
-  random token (`secrets.token_urlsafe(32)`), used only if the Secret is missing.
+- `operator`: the operator's `OperatorConfig.identity()`; `now`: an aware UTC datetime in whole seconds; `fresh_token`:
+  a new random token (`secrets.token_urlsafe(32)`), used only if the Secret is missing.
 
-Executing `Plan.actions`, in order:
-- Create* (409 AlreadyExists is fine), Patch* (merge patch with the manifest), DeletePod (404 is fine).
-- SleepRank / WakeRank: independent; run them concurrently (`POST /sleep {level}`, `POST /wake_up {}`).
-- UpdateWeights: all ranks of one replica come together; run them concurrently and wait for every result before
-  the next pass (the planner's maxUnavailable budget assumes no update is still running).
-- PatchStatus: patch the status subresource with `status.model_dump(mode="json", by_alias=True)`, nulls included,
-  so cleared fields (e.g. weightsRollout) are removed. EmitEvent: an Event on the model.
-- Never log `CreateSecret.manifest`; `describe()` of every action is safe to log.
+Executing `Plan.actions`: in three phases, not in list order.
+1. Children: CreateSecret, CreateService, CreateNetworkPolicy (409 AlreadyExists is fine) and PatchService,
+   PatchNetworkPolicy (merge patch with the manifest), one after another, so the Secret exists before any pod that
+   mounts it. Then every CreatePod and DeletePod (404 is fine) at once.
+2. PatchStatus (a merge patch of the status subresource: top-level nulls remove cleared fields such as
+   weightsRollout; inside lists, which a merge patch replaces whole, unset fields are left out), then each EmitEvent
+   as an Event on the model. This comes before the worker calls, which may run for minutes: meanwhile the status this
+   plan computed ("Updating", "WakingUp") is the true one.
+3. SleepRank (`POST /sleep {level}`), WakeRank (`POST /wake_up {}`) and UpdateWeights (`POST /weights/update`), all
+   at once. All ranks of one replica come in the same plan, and the executor waits for every answer before the next
+   pass (the maxUnavailable budget assumes no update is still running). A failed call becomes a Warning Event; one
+   answered "not now" (busy, draining, unreachable) is asked again on a later pass.
+A failed Kubernetes write ends the pass; the next pass plans again from what it observes. Never log
+`CreateSecret.manifest`; `describe()` of every action is safe to log, and the executor logs one line per action.
 """

@@ -24,7 +24,8 @@ from tidal.operator.planner.status import Progress, compute_status
 
 @dataclass(frozen=True)
 class Plan:
-    """Actions in the order to run them, and the status they lead to (also inside PatchStatus when it changed)."""
+    """The actions of one pass (the executor runs them by phase: see the package docstring) and the status they
+    lead to (also inside PatchStatus when it changed)."""
 
     actions: list[Action]
     status: InferenceModelStatus

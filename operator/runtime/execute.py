@@ -1,8 +1,15 @@
-"""Carry out a plan's actions: Kubernetes objects first, then the status and Events, then the workers' calls.
+"""Carry out a plan's actions in three phases: Kubernetes objects, then the status and Events, then the workers' calls.
 
-The status is written before the (possibly long) worker calls on purpose: while a weight update or a wake runs, the
-status the planner computed for this pass ("Updating", "WakingUp") is the true one. The next pass, which comes right
-after the calls, records their outcome.
+- Children (Secret, Services, NetworkPolicy) one after another in the plan's order, then pods all at once: a pod
+  mounts the token Secret, so the Secret exists first.
+- The status and Events. They are written before the (possibly long) worker calls on purpose: while a weight update
+  or a wake runs, the status the planner computed for this pass ("Updating", "WakingUp") is the true one. The next
+  pass, which comes right after the calls, records their outcome.
+- Sleeps, wakes and weight updates, all at once; the pass waits for every answer (the planner's maxUnavailable budget
+  assumes no update is still running when it plans again). A failed call also becomes a Warning Event.
+
+Every action gets one log line, written once its outcome is known: its `describe()` (safe to log, even for the
+Secret) and what came of it.
 """
 
 from __future__ import annotations
@@ -31,12 +38,24 @@ from tidal.operator.planner.actions import (
     UpdateWeights,
     WakeRank,
 )
+from tidal.operator.runtime.memory import ModelMemory
 from tidal.operator.runtime.workers import CallFailure, Target, WorkerFleet
 
 log = logging.getLogger("tidal.operator.execute")
 
-_CHILD_CREATES = (CreateSecret, CreateService, CreateNetworkPolicy)
-_CHILD_PATCHES = (PatchService, PatchNetworkPolicy)
+ChildAction = CreateSecret | CreateService | PatchService | CreateNetworkPolicy | PatchNetworkPolicy
+PodAction = CreatePod | DeletePod
+StatusAction = PatchStatus | EmitEvent
+WorkerAction = SleepRank | WakeRank | UpdateWeights
+KubeAction = ChildAction | PodAction | StatusAction
+
+# Which phase carries out which action; together they cover every kind of Action (a unit test holds them to it).
+CHILD_ACTIONS = (CreateSecret, CreateService, PatchService, CreateNetworkPolicy, PatchNetworkPolicy)
+POD_ACTIONS = (CreatePod, DeletePod)
+STATUS_ACTIONS = (PatchStatus, EmitEvent)
+WORKER_ACTIONS = (SleepRank, WakeRank, UpdateWeights)
+
+_FAILURE_REASONS = {"sleep": "SleepFailed", "wake_up": "WakeFailed", "weights/update": "WeightsUpdateFailed"}
 
 
 def status_patch(status: InferenceModelStatus) -> dict[str, Any]:
@@ -71,66 +90,116 @@ class Executed:
 
 @dataclass(frozen=True)
 class Context:
+    """One pass's model and how to reach its ranks, for everything the executor does besides its actions."""
+
     body: dict[str, Any]
     namespace: str
     name: str
     control_port: int
     targets: dict[str, Target]
     token: SecretStr | None
+    memory: ModelMemory
+
+
+def _log(ctx: Context, action: Action, outcome: str, level: int = logging.INFO) -> None:
+    log.log(level, "%s/%s: %s: %s", ctx.namespace, ctx.name, action.describe(), outcome)
+
+
+async def _write(kube: KubeApi, ctx: Context, action: KubeAction) -> str:
+    """One Kubernetes write; returns what came of it, in a word or two."""
+    if isinstance(action, CreatePod | CreateSecret | CreateService | CreateNetworkPolicy):
+        return "created" if await kube.create(action.manifest) else "already exists"
+    if isinstance(action, PatchService | PatchNetworkPolicy):
+        await kube.patch(action.manifest)
+        return "patched"
+    if isinstance(action, DeletePod):
+        await kube.delete_pod(ctx.namespace, action.name)
+        return "deleted"
+    if isinstance(action, PatchStatus):
+        await kube.patch_status(ctx.namespace, ctx.name, status_patch(action.status))
+        return "written"
+    await kube.post_event(ctx.body, action.type, action.reason, action.message)
+    return "posted"
+
+
+async def _apply(kube: KubeApi, ctx: Context, action: KubeAction) -> None:
+    try:
+        outcome = await _write(kube, ctx, action)
+    except Exception as exc:
+        # The pass ends here and the reconciler logs the traceback; this line says which action it was.
+        _log(ctx, action, f"failed ({type(exc).__name__})", logging.WARNING)
+        raise
+    _log(ctx, action, outcome)
+
+
+async def apply_children(kube: KubeApi, ctx: Context, actions: list[Action]) -> bool:
+    """Services, the Secret and the NetworkPolicy, one after another; True when there were any."""
+    children = [a for a in actions if isinstance(a, CHILD_ACTIONS)]
+    for action in children:
+        await _apply(kube, ctx, action)
+    return bool(children)
+
+
+async def apply_pods(kube: KubeApi, ctx: Context, actions: list[Action]) -> bool:
+    """Create and delete pods, all at once (each stands alone); True when there were any."""
+    pods = [a for a in actions if isinstance(a, POD_ACTIONS)]
+    await asyncio.gather(*(_apply(kube, ctx, a) for a in pods))
+    return bool(pods)
+
+
+async def write_status(kube: KubeApi, ctx: Context, actions: list[Action]) -> None:
+    """The status patch (the planner asks for one only when the status changed), then the Events."""
+    for action in actions:
+        if isinstance(action, STATUS_ACTIONS):
+            await _apply(kube, ctx, action)
+
+
+def _failure_line(failure: CallFailure) -> str:
+    later = " (asked again on a later pass)" if failure.transient else ""
+    return f"failed: {failure.code}: {failure.message}{later}"
+
+
+async def call_workers(
+    kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]
+) -> list[tuple[WorkerAction, CallFailure | None]]:
+    """Sleeps, wakes and weight updates, all at once; returns each call made with its failure (None: it worked)."""
+    sleeps = [a for a in actions if isinstance(a, SleepRank)]
+    wakes = [a for a in actions if isinstance(a, WakeRank)]
+    updates = [a for a in actions if isinstance(a, UpdateWeights)]
+    calls: list[WorkerAction] = [*sleeps, *wakes, *updates]
+    if not calls:
+        return []
+    if ctx.token is None:
+        for action in calls:
+            _log(ctx, action, "skipped: no control token yet")
+        return []
+    sleep_failures, wake_failures, update_failures = await asyncio.gather(
+        fleet.transition(sleeps, ctx.targets, ctx.control_port, ctx.token),
+        fleet.transition(wakes, ctx.targets, ctx.control_port, ctx.token),
+        fleet.update_weights(ctx.memory, updates, ctx.targets, ctx.control_port, ctx.token),
+    )
+    outcomes = list(zip(calls, [*sleep_failures, *wake_failures, *update_failures], strict=True))
+    for action, failure in outcomes:
+        if failure is None:
+            _log(ctx, action, "done")
+        else:
+            _log(ctx, action, _failure_line(failure), logging.WARNING)
+    for failure in (f for _, f in outcomes if f is not None):
+        reason = "WorkerUnavailable" if failure.transient else _FAILURE_REASONS[failure.call]
+        await kube.post_event(ctx.body, "Warning", reason, f"{failure.pod}: {failure.call}: {failure.message}")
+    return outcomes
 
 
 async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]) -> Executed:
-    done = Executed()
-    key = (ctx.namespace, ctx.name)
-    pod_calls = []
-    for action in actions:
-        if isinstance(action, _CHILD_CREATES):
-            log.info("%s/%s: %s", *key, action.describe())
-            await kube.create(action.manifest)
-            done.acted = done.changed_objects = True
-        elif isinstance(action, _CHILD_PATCHES):
-            log.info("%s/%s: %s", *key, action.describe())
-            await kube.patch(action.manifest)
-            done.acted = done.changed_objects = True
-        elif isinstance(action, CreatePod):
-            log.info("%s/%s: %s", *key, action.describe())
-            pod_calls.append(kube.create(action.manifest))
-        elif isinstance(action, DeletePod):
-            log.info("%s/%s: %s", *key, action.describe())
-            pod_calls.append(kube.delete_pod(ctx.namespace, action.name))
-    if pod_calls:
-        await asyncio.gather(*pod_calls)
-        done.acted = done.changed_objects = True
-
-    for action in actions:
-        if isinstance(action, PatchStatus):
-            log.info("%s/%s: %s", *key, action.describe())
-            await kube.patch_status(ctx.namespace, ctx.name, status_patch(action.status))
-        elif isinstance(action, EmitEvent):
-            log.info("%s/%s: %s", *key, action.describe())
-            await kube.post_event(ctx.body, action.type, action.reason, action.message)
-
-    transitions = [a for a in actions if isinstance(a, SleepRank | WakeRank)]
-    updates = [a for a in actions if isinstance(a, UpdateWeights)]
-    if (transitions or updates) and ctx.token is not None:
-        for action in transitions + updates:
-            log.info("%s/%s: %s", *key, action.describe())
-        sleeps = [a for a in transitions if isinstance(a, SleepRank)]
-        wakes = [a for a in transitions if isinstance(a, WakeRank)]
-        results = await asyncio.gather(
-            fleet.transition(key, sleeps, ctx.targets, ctx.control_port, ctx.token),
-            fleet.transition(key, wakes, ctx.targets, ctx.control_port, ctx.token),
-            fleet.update_weights(key, updates, ctx.targets, ctx.control_port, ctx.token),
-        )
-        done.failures = [f for group in results for f in group]
-        done.calls = len(transitions) + len(updates)
-        done.updates = updates
-        done.acted = True
-    for failure in done.failures:
-        log.warning("%s/%s: %s on %s failed: %s", *key, failure.call, failure.pod, failure.message)
-        if failure.transient:
-            reason = "WorkerUnavailable"  # asked again on the next pass
-        else:
-            reason = {"sleep": "SleepFailed", "wake_up": "WakeFailed"}.get(failure.call, "WeightsUpdateFailed")
-        await kube.post_event(ctx.body, "Warning", reason, f"{failure.pod}: {failure.call}: {failure.message}")
-    return done
+    """Run the phases in order; a Kubernetes write that fails ends the pass (the next one plans again)."""
+    children = await apply_children(kube, ctx, actions)
+    pods = await apply_pods(kube, ctx, actions)
+    await write_status(kube, ctx, actions)
+    calls = await call_workers(kube, fleet, ctx, actions)
+    return Executed(
+        acted=children or pods or bool(calls),
+        changed_objects=children or pods,
+        calls=len(calls),
+        failures=[f for _, f in calls if f is not None],
+        updates=[a for a, _ in calls if isinstance(a, UpdateWeights)],
+    )

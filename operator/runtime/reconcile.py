@@ -2,6 +2,8 @@
 
 get the model -> observe its pods, children and ranks -> plan (pure) -> execute -> say when to come back.
 Every trigger (create/update/resume, an owned pod's event, the requeue timer) ends up here through ReconcileQueue.
+What a pass leaves for the next one (back-off streaks, the roll's start, checksums, refused updates) is the model's
+`ModelMemory`; forgetting a deleted model drops it whole.
 """
 
 from __future__ import annotations
@@ -22,16 +24,21 @@ from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.facts import PlanInput
 from tidal.operator.planner.plan import plan
 from tidal.operator.runtime.execute import Context, Executed, execute
+from tidal.operator.runtime.memory import ModelMemories, ModelMemory, RollStart
 from tidal.operator.runtime.observe import observe_kube
+from tidal.operator.runtime.queue import Key
 from tidal.operator.runtime.workers import WorkerFleet
 
 log = logging.getLogger("tidal.operator.reconcile")
 
-Key = tuple[str, str]
 # After acting, look again soon: pods and workers move on their own, and not every move is a pod event.
 ACTED_REQUEUE_S = 1.0
 MAX_ERROR_BACKOFF_S = 30.0
-MAX_ERROR_STREAK = 16  # 2**16 s is far past the cap already
+
+
+def back_off(streak: int) -> float:
+    """Seconds to wait after `streak` passes in a row that failed or found every worker "not now"."""
+    return min(MAX_ERROR_BACKOFF_S, 2.0**streak)
 
 
 def now_utc() -> datetime:
@@ -46,33 +53,28 @@ class Reconciler:
         self._fleet = fleet
         self._metrics = metrics
         self._config = config
-        self._errors: dict[Key, int] = {}
-        self._unavailable: dict[Key, int] = {}  # passes in a row whose every worker call was answered "not now"
-        self._roll_started: dict[Key, tuple[str, float]] = {}
+        self.memories = ModelMemories()
 
     async def __call__(self, key: Key) -> float | None:
         started = time.monotonic()
+        # Taken once: if the model is forgotten during the pass, the pass writes into a detached object, not the map.
+        memory = self.memories.of(key)
         try:
-            result, delay = await self._pass(key)
-            self._errors.pop(key, None)
+            result, delay = await self._pass(key, memory)
+            memory.error_streak = 0
         except Exception:
             log.exception("%s/%s: reconcile failed", *key)
             result = "error"
-            # The count stops growing at the cap: 2.0**count overflows a float after 1023 failures.
-            count = self._errors[key] = min(self._errors.get(key, 0) + 1, MAX_ERROR_STREAK)
-            delay = min(MAX_ERROR_BACKOFF_S, 2.0**count)
+            delay = back_off(memory.count_error())
         self._metrics.reconciles.labels(result).inc()
         self._metrics.reconcile_seconds.observe(time.monotonic() - started)
         return delay
 
     def forget(self, key: Key) -> None:
-        self._errors.pop(key, None)
-        self._unavailable.pop(key, None)
-        self._roll_started.pop(key, None)
-        self._fleet.forget(key)
+        self.memories.forget(key)
         self._metrics.set_phase(key, None)
 
-    async def _pass(self, key: Key) -> tuple[str, float | None]:
+    async def _pass(self, key: Key, memory: ModelMemory) -> tuple[str, float | None]:
         body = await self._kube.get_model(*key)
         if body is None:
             self.forget(key)
@@ -86,7 +88,7 @@ class Reconciler:
             log.error("%s/%s: invalid object, not reconciled: %s", *key, exc)
             return "error", self._config.resync_seconds
         obs = await observe_kube(self._kube, body, model)
-        ranks = await self._fleet.observe(key, obs.targets, model.spec.serving.control_port, obs.token)
+        ranks = await self._fleet.observe(key, memory, obs.targets, model.spec.serving.control_port, obs.token)
         result = plan(
             PlanInput(
                 model=model,
@@ -98,24 +100,25 @@ class Reconciler:
                 fresh_token=SecretStr(secrets.token_urlsafe(32)),
             )
         )
-        ctx = Context(body, *key, model.spec.serving.control_port, obs.targets, obs.token)
+        ctx = Context(body, *key, model.spec.serving.control_port, obs.targets, obs.token, memory)
         done = await execute(self._kube, self._fleet, ctx, result.actions)
         self._metrics.set_phase(key, result.status.phase)
-        self._track_roll(key, result.status, done)
+        self._track_roll(memory, result.status, done)
         if done.only_unavailable_workers:
             # Asked again later, with back-off: each call may hold the rank's requests (a drain) and posts an Event.
-            streak = self._unavailable[key] = min(self._unavailable.get(key, 0) + 1, MAX_ERROR_STREAK)
-            return "acted", min(MAX_ERROR_BACKOFF_S, 2.0**streak)
-        self._unavailable.pop(key, None)
+            return "acted", back_off(memory.count_unavailable())
+        memory.unavailable_streak = 0
         return ("acted" if done.acted else "ok"), (ACTED_REQUEUE_S if done.acted else self._config.resync_seconds)
 
-    def _track_roll(self, key: Key, status: InferenceModelStatus, done: Executed) -> None:
+    def _track_roll(self, memory: ModelMemory, status: InferenceModelStatus, done: Executed) -> None:
         if done.updates:
             version = done.updates[0].version
-            if self._roll_started.get(key, ("", 0.0))[0] != version:
-                self._roll_started[key] = (version, time.monotonic())
-        started = self._roll_started.get(key)
+            if memory.roll is None or memory.roll.version != version:
+                memory.roll = RollStart(version, time.monotonic())
+        roll = memory.roll
+        if roll is None or status.weights_version != roll.version:
+            return
         synced = find_condition(status.conditions, "WeightsSynced")
-        if started and synced is not None and synced.status == "True" and status.weights_version == started[0]:
-            self._metrics.roll_seconds.observe(time.monotonic() - started[1])
-            del self._roll_started[key]
+        if synced is not None and synced.status == "True":
+            self._metrics.roll_seconds.observe(time.monotonic() - roll.started)
+            memory.roll = None

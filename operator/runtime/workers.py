@@ -1,9 +1,7 @@
 """The operator's side of every rank's control API: read states for a pass, carry out sleep/wake/weight actions.
 
-It remembers two things between passes, both only as hints the planner can do without: checksums per (pod UID,
-weights version), because hashing a large checkpoint on every pass would be wasteful and the digest of one version in
-one process cannot change; and failed weight updates, which the worker does not report in `/state` (the planner
-copies them into status.weightsRollout, which is what survives an operator restart).
+The fleet holds no per-model state: what it learns that is worth keeping between passes (checksums, refused weight
+updates) goes into the model's `ModelMemory`, which the caller passes in.
 """
 
 from __future__ import annotations
@@ -20,11 +18,12 @@ from tidal.contract.error_codes import ErrorCode
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.actions import SleepRank, UpdateWeights, WakeRank
 from tidal.operator.planner.observed import RankObservation, UpdateFailure
+from tidal.operator.runtime.memory import ModelMemory
+from tidal.operator.runtime.queue import Key
 from tidal.operator.workerclient import CallErrorCode, WorkerCallError, WorkerClient
 
 log = logging.getLogger("tidal.operator.workers")
 
-Key = tuple[str, str]
 # Failures that say "not now" rather than "this checkpoint is wrong": the worker's refusals of the moment, and the
 # client's own codes for a call that got no readable answer.
 TRANSIENT_CODES: frozenset[ErrorCode | CallErrorCode] = frozenset(
@@ -52,7 +51,7 @@ class CallFailure:
     pod: str
     call: str
     message: str
-    code: str = "unreachable"
+    code: ErrorCode | CallErrorCode = CallErrorCode.UNREACHABLE
 
     @property
     def transient(self) -> bool:
@@ -63,21 +62,17 @@ class WorkerFleet:
     def __init__(self, http: httpx.AsyncClient, metrics: OperatorMetrics) -> None:
         self._http = http
         self._metrics = metrics
-        self._checksums: dict[Key, dict[tuple[str, str], str]] = {}
-        self._failures: dict[Key, dict[str, UpdateFailure]] = {}
 
     def _client(self, target: Target, port: int, token: SecretStr) -> WorkerClient:
         return WorkerClient(self._http, target.address, port, token)
 
     async def observe(
-        self, key: Key, targets: dict[str, Target], port: int, token: SecretStr | None
+        self, key: Key, memory: ModelMemory, targets: dict[str, Target], port: int, token: SecretStr | None
     ) -> dict[str, RankObservation]:
         """`GET /state` (and the checksum when not known yet) of every reachable rank, in parallel."""
-        failures = self._failures.get(key, {})
-        # Keep only the checksums of pods that still exist, so the cache stays as small as the model.
-        uids = {t.uid for t in targets.values()}
-        checksums = {k: v for k, v in self._checksums.get(key, {}).items() if k[0] in uids}
-        self._checksums[key] = checksums
+        failures = memory.update_failures
+        memory.keep_checksums_of({t.uid for t in targets.values()})
+        checksums = memory.checksums
         if token is None:
             return {pod: RankObservation(update_failure=failures.get(pod)) for pod in targets}
 
@@ -87,7 +82,7 @@ class WorkerFleet:
                 state = await client.state()
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
-                rejected = exc.code == "unauthorized"
+                rejected = exc.code == ErrorCode.UNAUTHORIZED
                 return pod, RankObservation(update_failure=failures.get(pod), token_rejected=rejected)
             checksum = None
             if state.model_loaded and state.weights_version is not None:
@@ -106,9 +101,9 @@ class WorkerFleet:
         return dict(pairs)
 
     async def transition(
-        self, key: Key, actions: list[SleepRank | WakeRank], targets: dict[str, Target], port: int, token: SecretStr
-    ) -> list[CallFailure]:
-        """Sleep or wake every rank named, all at once; returns the calls that failed."""
+        self, actions: list[SleepRank] | list[WakeRank], targets: dict[str, Target], port: int, token: SecretStr
+    ) -> list[CallFailure | None]:
+        """Sleep or wake every rank named, all at once; returns each call's failure (None: done), in their order."""
         if not actions:
             return []
         started = time.monotonic()
@@ -132,12 +127,13 @@ class WorkerFleet:
         results = await asyncio.gather(*(one(a) for a in actions))
         kind = "sleep" if isinstance(actions[0], SleepRank) else "wake"
         self._metrics.transition_seconds.labels(kind).observe(time.monotonic() - started)
-        return [r for r in results if r is not None]
+        return results
 
     async def update_weights(
-        self, key: Key, actions: list[UpdateWeights], targets: dict[str, Target], port: int, token: SecretStr
-    ) -> list[CallFailure]:
-        """Every rank named gets its update concurrently; the pass waits for all of them."""
+        self, memory: ModelMemory, actions: list[UpdateWeights], targets: dict[str, Target], port: int, token: SecretStr
+    ) -> list[CallFailure | None]:
+        """Every rank named gets its update concurrently; the pass waits for all of them. Returns each call's failure
+        (None: done), in their order."""
 
         async def one(action: UpdateWeights) -> CallFailure | None:
             target = targets.get(action.pod)
@@ -152,17 +148,10 @@ class WorkerFleet:
                 # previous operator process asked for), not loaded, asleep or draining is asked again next pass.
                 if exc.code not in TRANSIENT_CODES:
                     message = f"{exc.code}: {exc.message}"
-                    self._failures.setdefault(key, {})[action.pod] = UpdateFailure(
-                        version=action.version, message=message
-                    )
+                    memory.update_failures[action.pod] = UpdateFailure(version=action.version, message=message)
                 return CallFailure(action.pod, "weights/update", exc.message, exc.code)
-            self._checksums.setdefault(key, {})[(target.uid, result.version)] = result.checksum
-            self._failures.get(key, {}).pop(action.pod, None)
+            memory.checksums[(target.uid, result.version)] = result.checksum
+            memory.update_failures.pop(action.pod, None)
             return None
 
-        results = await asyncio.gather(*(one(a) for a in actions))
-        return [r for r in results if r is not None]
-
-    def forget(self, key: Key) -> None:
-        self._failures.pop(key, None)
-        self._checksums.pop(key, None)
+        return list(await asyncio.gather(*(one(a) for a in actions)))

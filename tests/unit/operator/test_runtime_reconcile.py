@@ -1,6 +1,6 @@
 """A whole reconcile pass (observe -> plan -> execute) against an in-memory Kubernetes API: the first pass creates
 the children and the pod and writes the status once; a pass with nothing new writes nothing (the status read
-back through JSON compares equal); a deleted model is forgotten."""
+back through JSON compares equal); a deleted model is forgotten, and its memory with it."""
 
 import asyncio
 import copy
@@ -68,6 +68,10 @@ class MemoryKube:
         self.writes.append(f"event {reason}")
 
 
+async def _broken(*args, **kwargs):
+    raise RuntimeError("API down")
+
+
 CONFIG = OperatorConfig(namespace="tidal-system", pod_labels={"app.kubernetes.io/name": "tidal-operator"})
 
 
@@ -101,11 +105,7 @@ def test_first_pass_creates_then_a_quiet_pass_writes_nothing_then_deletion_is_fo
 
 def test_a_failing_api_backs_off_and_counts_an_error():
     kube = MemoryKube()
-
-    async def broken(*args, **kwargs):
-        raise RuntimeError("API down")
-
-    kube.list_model_pods = broken
+    kube.list_model_pods = _broken
     metrics = OperatorMetrics(CollectorRegistry())
 
     async def main():
@@ -121,17 +121,13 @@ def test_back_off_stays_capped_after_many_failures():
     # 2.0 ** count overflows a float after 1023 failures (about 8.5 hours at 30 s): the pass must still return the
     # cap, or the exception escapes the queue and the model is never scheduled again.
     kube = MemoryKube()
-
-    async def broken(*args, **kwargs):
-        raise RuntimeError("API down")
-
-    kube.list_model_pods = broken
+    kube.list_model_pods = _broken
     metrics = OperatorMetrics(CollectorRegistry())
 
     async def main():
         async with httpx.AsyncClient() as http:
             reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
-            reconcile._errors[("ml", "tiny")] = 1100
+            reconcile.memories.of(("ml", "tiny")).error_streak = 1100
             return await reconcile(("ml", "tiny"))
 
     assert asyncio.run(main()) == 30.0
@@ -160,6 +156,90 @@ def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
     assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
 
 
+def _worker_state(version: str) -> dict:
+    return {
+        "sleep_state": "awake", "sleep_level": None, "resident": ["weights", "kv_cache"], "weights_version": version,
+        "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0, "leader_rank": 0, "group_formed": True,
+        "in_flight_requests": 0, "seconds_since_last_request": None,
+    }  # fmt: skip
+
+
+def _start_pod(kube: MemoryKube) -> None:
+    kube.objects[("Pod", "tiny-r0-0")]["status"] = {
+        "phase": "Running",
+        "podIP": "127.0.9.1",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
+
+
+def test_a_deleted_model_leaves_nothing_behind():
+    # Every kind of memory is filled (checksums, a refused update, the roll's start, back-off streaks), then the
+    # model is deleted: one pass that finds it gone drops all of it.
+    kube = MemoryKube()
+    kube.model["spec"]["weights"] = {"source": "tiny-llama-v2", "version": "v2"}
+    answer = {"code": "busy", "message": "another operation is running"}
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            return httpx.Response(200, json=_worker_state("base"))
+        if request.url.path == "/weights/checksum":
+            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+        return httpx.Response(409 if answer["code"] == "busy" else 400, json=answer)
+
+    metrics = OperatorMetrics(CollectorRegistry())
+    key = ("ml", "tiny")
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(key)  # creates the children and the pod
+            _start_pod(kube)
+            await reconcile(key)  # the update is answered "busy": the roll has started, asked again later
+            memory = reconcile.memories.of(key)
+            assert memory.unavailable_streak == 1 and memory.roll is not None and memory.roll.version == "v2"
+            answer.update(code="bad_checkpoint", message="truncated file")
+            await reconcile(key)  # refused: remembered until a later update succeeds
+            list_model_pods, kube.list_model_pods = kube.list_model_pods, _broken
+            await reconcile(key)
+            kube.list_model_pods = list_model_pods
+            assert memory.checksums == {("uid-4", "base"): "sum-base"}
+            assert memory.update_failures["tiny-r0-0"].version == "v2"
+            assert memory.roll is not None and memory.error_streak == 1
+            kube.model = None
+            assert await reconcile(key) is None
+            return reconcile
+
+    reconcile = asyncio.run(main())
+    assert key not in reconcile.memories and len(reconcile.memories) == 0
+    by_phase = [line for line in generate_latest(metrics.registry).decode().splitlines() if "_models{" in line]
+    assert by_phase and all(line.endswith(" 0.0") for line in by_phase)
+
+
+def test_a_model_forgotten_during_its_pass_is_not_remembered_again():
+    # kopf's DELETED event can arrive while a pass for the model runs; what that pass learns afterwards must not
+    # bring the model back into the map.
+    kube = MemoryKube()
+    metrics = OperatorMetrics(CollectorRegistry())
+    key = ("ml", "tiny")
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            get_model = kube.get_model
+
+            async def deleted_meanwhile(namespace, name):
+                body = await get_model(namespace, name)
+                reconcile.forget(key)
+                return body
+
+            kube.list_model_pods = _broken
+            kube.get_model = deleted_meanwhile
+            assert await reconcile(key) == 2.0  # the pass fails after the forget and counts its error...
+            return reconcile
+
+    assert key not in asyncio.run(main()).memories  # ...in a memory no longer in the map
+
+
 def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
     # A rank refusing "not now" (busy, draining) is asked again on a later pass, but not every second: each pass
     # re-sends the update (a drain holds the rank's new requests) and posts a Warning Event.
@@ -169,11 +249,7 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
 
     def worker(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/state":
-            return httpx.Response(200, json={
-                "sleep_state": "awake", "sleep_level": None, "resident": ["weights", "kv_cache"],
-                "weights_version": "base", "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0,
-                "leader_rank": 0, "group_formed": True, "in_flight_requests": 0, "seconds_since_last_request": None,
-            })  # fmt: skip
+            return httpx.Response(200, json=_worker_state("base"))
         if request.url.path == "/weights/checksum":
             return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
         updates.append(request.url.path)
@@ -185,12 +261,7 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
         async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
             reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
             await reconcile(("ml", "tiny"))  # creates the children and the pod
-            pod = kube.objects[("Pod", "tiny-r0-0")]
-            pod["status"] = {
-                "phase": "Running",
-                "podIP": "127.0.9.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            }
+            _start_pod(kube)
             return [await reconcile(("ml", "tiny")) for _ in range(3)]
 
     delays = asyncio.run(main())

@@ -1,9 +1,11 @@
-"""The worker control client against an in-process fake worker (httpx.MockTransport), the fleet's memory of checksums
-and failed updates, and the executor's order of work, all without a cluster."""
+"""The worker control client against an in-process fake worker (httpx.MockTransport), the checksums and failed updates
+the fleet leaves in a model's memory, and the executor's phases and log lines, all without a cluster."""
 
 import asyncio
 import base64
 import json
+import logging
+import typing
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -11,10 +13,28 @@ from pydantic import SecretStr
 
 from tidal.operator.api.status import InferenceModelStatus, WeightsRolloutStatus
 from tidal.operator.metrics import OperatorMetrics
-from tidal.operator.planner.actions import CreatePod, EmitEvent, PatchStatus, SleepRank, UpdateWeights
-from tidal.operator.runtime.execute import Context, execute, status_patch
+from tidal.operator.planner.actions import (
+    Action,
+    CreatePod,
+    CreateSecret,
+    EmitEvent,
+    PatchStatus,
+    SleepRank,
+    UpdateWeights,
+    WakeRank,
+)
+from tidal.operator.runtime.execute import (
+    CHILD_ACTIONS,
+    POD_ACTIONS,
+    STATUS_ACTIONS,
+    WORKER_ACTIONS,
+    Context,
+    execute,
+    status_patch,
+)
+from tidal.operator.runtime.memory import ModelMemory
 from tidal.operator.runtime.observe import owned_by, read_token, targets_of
-from tidal.operator.runtime.workers import Target, WorkerFleet
+from tidal.operator.runtime.workers import CallFailure, Target, WorkerFleet
 from tidal.operator.workerclient import WorkerCallError, WorkerClient
 
 TOKEN = SecretStr("s" * 40)
@@ -98,35 +118,39 @@ def test_unreachable_worker_is_an_error_with_its_own_code():
 def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
     worker = FakeWorker()
     metrics = OperatorMetrics(CollectorRegistry())
-    key, targets = ("ns", "m"), {"m-r0-0": Target("10.0.0.1", "uid-1")}
+    key, targets, memory = ("ns", "m"), {"m-r0-0": Target("10.0.0.1", "uid-1")}, ModelMemory()
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.MockTransport(worker.handle)) as http:
             fleet = WorkerFleet(http, metrics)
-            first = await fleet.observe(key, targets, 8001, TOKEN)
-            await fleet.observe(key, targets, 8001, TOKEN)
+            first = await fleet.observe(key, memory, targets, 8001, TOKEN)
+            await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert first["m-r0-0"].checksum == "sum-base"
             assert worker.calls.count("GET /weights/checksum") == 1  # cached for (uid, version)
+            assert memory.checksums == {("uid-1", "base"): "sum-base"}
             busy = await fleet.update_weights(
-                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/busy", version="v2")], targets, 8001, TOKEN
+                memory, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/busy", version="v2")], targets, 8001, TOKEN
             )
             assert [f.message for f in busy] == ["another operation is running"]
-            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            seen = await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert seen["m-r0-0"].update_failure is None  # busy is "not now": the roll is not stopped
             failed = await fleet.update_weights(
-                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/broken", version="v2")], targets, 8001, TOKEN
+                memory, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/broken", version="v2")], targets, 8001, TOKEN
             )
             assert [f.message for f in failed] == ["truncated file"]
-            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            seen = await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert seen["m-r0-0"].update_failure.version == "v2"
             assert "bad_checkpoint" in seen["m-r0-0"].update_failure.message
             ok = await fleet.update_weights(
-                key, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/good", version="v3")], targets, 8001, TOKEN
+                memory, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/good", version="v3")], targets, 8001, TOKEN
             )
-            assert ok == []
-            seen = await fleet.observe(key, targets, 8001, TOKEN)
+            assert ok == [None]
+            seen = await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert seen["m-r0-0"].update_failure is None and seen["m-r0-0"].checksum == "sum-v3"
             assert worker.calls.count("GET /weights/checksum") == 1  # the update's answer carried it
+            # The pod is replaced: the old process's checksums go with it.
+            await fleet.observe(key, memory, {"m-r0-0": Target("10.0.0.1", "uid-2")}, 8001, TOKEN)
+            assert set(memory.checksums) == {("uid-2", "v3")}
 
     _run(main())
 
@@ -139,8 +163,8 @@ def test_fleet_marks_a_rank_that_rejects_the_token():
     async def main():
         async with httpx.AsyncClient(transport=httpx.MockTransport(worker.handle)) as http:
             fleet = WorkerFleet(http, metrics)
-            good = await fleet.observe(key, targets, 8001, TOKEN)
-            other = await fleet.observe(key, targets, 8001, SecretStr("o" * 40))
+            good = await fleet.observe(key, ModelMemory(), targets, 8001, TOKEN)
+            other = await fleet.observe(key, ModelMemory(), targets, 8001, SecretStr("o" * 40))
             return good["m-r0-0"], other["m-r0-0"]
 
     good, other = _run(main())
@@ -165,7 +189,7 @@ class FakeKube:
 
     async def create(self, manifest):
         self.log.append(f"create {manifest['metadata']['name']}")
-        return True
+        return manifest["kind"] != "Secret"  # the Secret "already exists"
 
     async def patch_status(self, namespace, name, status):
         self.log.append("status")
@@ -175,15 +199,29 @@ class FakeKube:
 
 
 class RecordingFleet:
+    """Sleeps succeed; wakes are answered "busy"; weight updates are refused."""
+
     def __init__(self, kube: FakeKube) -> None:
         self.kube = kube
 
-    async def transition(self, key, actions, targets, port, token):
-        self.kube.log += [f"sleep {a.pod}" for a in actions]
-        return []
+    async def transition(self, actions, targets, port, token):
+        self.kube.log += [f"{a.describe()}" for a in actions]
+        return [
+            None if isinstance(a, SleepRank) else CallFailure(a.pod, "wake_up", "another operation", "busy")
+            for a in actions
+        ]
 
-    async def update_weights(self, key, actions, targets, port, token):
-        return []
+    async def update_weights(self, memory, actions, targets, port, token):
+        self.kube.log += [f"{a.describe()}" for a in actions]
+        return [CallFailure(a.pod, "weights/update", "truncated file", "bad_checkpoint") for a in actions]
+
+
+def _context(token: SecretStr | None = TOKEN) -> Context:
+    body = {"metadata": {"name": "m", "namespace": "ns"}}
+    return Context(body, "ns", "m", 8001, {}, token, ModelMemory())
+
+
+SECRET = CreateSecret(manifest={"kind": "Secret", "metadata": {"name": "m-token"}, "data": {"token": "hidden"}})
 
 
 def test_executor_acts_on_kubernetes_then_writes_status_then_calls_workers():
@@ -193,11 +231,55 @@ def test_executor_acts_on_kubernetes_then_writes_status_then_calls_workers():
         CreatePod(manifest={"kind": "Pod", "metadata": {"name": "m-r1-0", "namespace": "ns"}}, reason="missing"),
         PatchStatus(status=InferenceModelStatus()),
         EmitEvent(type="Normal", reason="Synced", message="m"),
+        SECRET,
     ]
-    ctx = Context({"metadata": {"name": "m", "namespace": "ns"}}, "ns", "m", 8001, {}, TOKEN)
-    done = _run(execute(kube, RecordingFleet(kube), ctx, actions))
-    assert kube.log == ["create m-r1-0", "status", "event Synced", "sleep m-r0-0"]
-    assert done.acted
+    done = _run(execute(kube, RecordingFleet(kube), _context(), actions))
+    assert kube.log == [
+        "create m-token", "create m-r1-0", "status", "event Synced", "sleep m-r0-0 (level 1)",
+    ]  # fmt: skip
+    assert done.acted and done.changed_objects and done.calls == 1 and done.failures == []
+
+
+def test_executor_logs_each_action_once_with_its_outcome(caplog):
+    kube = FakeKube()
+    actions = [
+        SECRET,
+        CreatePod(manifest={"kind": "Pod", "metadata": {"name": "m-r1-0", "namespace": "ns"}}, reason="missing"),
+        SleepRank(pod="m-r0-0", level=1),
+        WakeRank(pod="m-r2-0"),
+        UpdateWeights(pod="m-r3-0", replica=3, source="/m/broken", version="v2"),
+        PatchStatus(status=InferenceModelStatus()),
+    ]
+    with caplog.at_level(logging.INFO, logger="tidal.operator.execute"):
+        done = _run(execute(kube, RecordingFleet(kube), _context(), actions))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "ns/m: create Secret m-token: already exists"),
+        ("INFO", "ns/m: create pod m-r1-0 (missing): created"),
+        ("INFO", "ns/m: patch status (phase Pending, ready 0/0): written"),
+        ("INFO", "ns/m: sleep m-r0-0 (level 1): done"),
+        ("WARNING", "ns/m: wake m-r2-0: failed: busy: another operation (asked again on a later pass)"),
+        ("WARNING", "ns/m: update weights of m-r3-0 to v2 from /m/broken: failed: bad_checkpoint: truncated file"),
+    ]
+    assert "hidden" not in caplog.text
+    # Each failed call is also an Event on the model, after the calls.
+    assert kube.log[-2:] == ["event WorkerUnavailable", "event WeightsUpdateFailed"]
+    assert done.calls == 3 and len(done.failures) == 2 and [u.pod for u in done.updates] == ["m-r3-0"]
+
+
+def test_executor_without_a_token_skips_the_worker_calls_and_says_so(caplog):
+    kube = FakeKube()
+    with caplog.at_level(logging.INFO, logger="tidal.operator.execute"):
+        done = _run(execute(kube, RecordingFleet(kube), _context(token=None), [WakeRank(pod="m-r0-0")]))
+    assert [r.getMessage() for r in caplog.records] == ["ns/m: wake m-r0-0: skipped: no control token yet"]
+    assert kube.log == [] and not done.acted and done.calls == 0
+
+
+def test_every_kind_of_action_has_exactly_one_phase():
+    union = typing.get_args(Action)[0]
+    kinds = set(typing.get_args(union))
+    phases = [CHILD_ACTIONS, POD_ACTIONS, STATUS_ACTIONS, WORKER_ACTIONS]
+    assert sum(len(p) for p in phases) == len(kinds)  # no kind in two phases
+    assert set().union(*phases) == kinds  # and none left out
 
 
 def test_observe_helpers():
