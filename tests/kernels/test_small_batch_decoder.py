@@ -1,14 +1,20 @@
-"""The decoder's fused small-batch forward (worker/models/small_batch.py) against its unfused layers, on tiny
-models.
+"""The decoder's fused small-batch forward (`DecoderLayer.forward_small_batch` in worker/models/decoder.py) against
+its unfused layers, on tiny models, and the small-batch kernels it launches per layer.
 
 On CPU the kernels run under the Triton interpreter in fp16 (the interpreter's bf16 tl.dot is wrong, see
 tolerances.py), with the fused path switched on by hand since it normally takes CUDA tensors only; on a GPU the same
 test runs the compiled kernels in bf16.
 """
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
+import tidal.kernels.small_batch_linear as small_batch_linear
+import tidal.kernels.small_batch_qkv as small_batch_qkv
 import tidal.worker.models.decoder as decoder_module
 from tidal.kernels.small_batch_linear import MAX_ROWS
 from tidal.worker.engine.model_runner import ModelRunner
@@ -51,7 +57,9 @@ def _prefill_then_decode_plans(prompt_len: int, num_decodes: int) -> tuple[StepP
     return prefill, decode
 
 
-def _run(model_dir, device, dtype, fused: bool, monkeypatch) -> list[torch.Tensor]:
+def _runner(
+    model_dir: Path, device: torch.device, dtype: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> ModelRunner:
     def choose(hidden: torch.Tensor) -> bool:
         return fused and hidden.shape[0] <= MAX_ROWS
 
@@ -59,18 +67,79 @@ def _run(model_dir, device, dtype, fused: bool, monkeypatch) -> list[torch.Tenso
     loaded = load_model(model_dir, dtype, device)
     runner = ModelRunner(loaded.model, loaded.dtype, device, BLOCK_SIZE)
     runner.allocate_kv_cache(32)
+    return runner
+
+
+def _run(
+    model_dir: Path, device: torch.device, dtype: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[torch.Tensor]:
+    runner = _runner(model_dir, device, dtype, fused, monkeypatch)
     prefill, decode = _prefill_then_decode_plans(prompt_len=12, num_decodes=3)
     return [runner.execute(prefill), runner.execute(decode)]  # logits [1, V] and [3, V], fp32
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, biased q/k/v, q/k norm
-def test_fused_small_batch_forward_matches_the_unfused_layers(arch, tmp_path, device, monkeypatch):
+def test_fused_small_batch_forward_matches_the_unfused_layers(
+    arch: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = write_tiny_model(arch, tmp_path / arch)
-    device = torch.device(device)
-    dtype = "bfloat16" if device.type == "cuda" else "float16"
-    want = _run(model_dir, device, dtype, fused=False, monkeypatch=monkeypatch)
-    got = _run(model_dir, device, dtype, fused=True, monkeypatch=monkeypatch)
+    dev = torch.device(device)
+    dtype = "bfloat16" if dev.type == "cuda" else "float16"
+    want = _run(model_dir, dev, dtype, fused=False, monkeypatch=monkeypatch)
+    got = _run(model_dir, dev, dtype, fused=True, monkeypatch=monkeypatch)
     for g, w in zip(got, want, strict=True):
         scale = w.abs().max().item()
         torch.testing.assert_close(g, w, atol=0.03 * scale, rtol=0.03)
         assert (g.argmax(dim=-1) == w.argmax(dim=-1)).float().mean() >= 0.5
+
+
+class _RecordLaunches:
+    """Stands in for a Triton kernel object: `kernel[grid](...)` launches it and appends a name for the launch."""
+
+    def __init__(self, kernel: Any, name_launch: Callable[[dict[str, Any]], str], launches: list[str]) -> None:
+        self.kernel, self.name_launch, self.launches = kernel, name_launch, launches
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            self.launches.append(self.name_launch(kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _projection(flags: dict[str, Any]) -> str:
+    """Which of a layer's projections a `linear_rows_kernel` launch is, from its compile-time flags."""
+    if flags["GATED"]:
+        return "gate_up"
+    if flags["INTO_RESIDUAL"]:
+        return "into_residual"  # o and down
+    return "qkv" if flags["ROW_SCALE"] else "plain"  # plain: the LM head
+
+
+@pytest.mark.parametrize(
+    ("arch", "per_layer"),
+    [
+        ("llama", ["qkv_rope_store", "into_residual", "gate_up", "into_residual"]),
+        ("qwen3", ["qkv", "into_residual", "gate_up", "into_residual"]),  # the q/k norm keeps rotary+store apart
+    ],
+)
+def test_fused_small_batch_forward_launches_one_kernel_per_projection(
+    arch: str, per_layer: list[str], tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch plan the path is tuned to (six launches per layer on a GPU, with decode split and merge): another
+    small-batch launch, or an RMSNorm or SiLU-and-mul no longer folded into a projection, changes this sequence."""
+    dev = torch.device(device)
+    dtype = "bfloat16" if dev.type == "cuda" else "float16"
+    runner = _runner(write_tiny_model(arch, tmp_path / arch), dev, dtype, fused=True, monkeypatch=monkeypatch)
+    prefill, decode = _prefill_then_decode_plans(prompt_len=12, num_decodes=3)
+    runner.execute(prefill)
+    launches: list[str] = []
+    linear = _RecordLaunches(small_batch_linear.linear_rows_kernel, _projection, launches)
+    qkv = _RecordLaunches(
+        small_batch_qkv.qkv_rope_kernel, lambda flags: "qkv_rope_store" if flags["ROW_SCALE"] else "unnormed", launches
+    )
+    monkeypatch.setattr(small_batch_linear, "linear_rows_kernel", linear)
+    monkeypatch.setattr(small_batch_qkv, "qkv_rope_kernel", qkv)
+    runner.execute(decode)
+    lm_head = ["plain"] if dev.type == "cuda" else []  # the LM head takes linear_rows on CUDA tensors only
+    assert launches == per_layer * runner.model.kv_cache_spec.num_layers + lm_head

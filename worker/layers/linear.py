@@ -1,4 +1,8 @@
-"""Linear layers: a plain one and one that fuses several checkpoint projections into one matmul."""
+"""Linear layers: a plain one and one that fuses several checkpoint projections into one matmul.
+
+Besides the cuBLAS forward, a linear layer runs its projection for a few rows on the small-batch kernels
+(tidal.kernels.small_batch_linear), with the RMSNorm before it or the residual add after it in the same launch.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.kernels.small_batch_linear import NormInput, linear_rows_into_residual_triton, linear_rows_triton
 from tidal.worker.layers.checkpoint import new_weight
 
 
@@ -19,6 +24,19 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return F.linear(x, self.weight, self.bias)
+
+    def forward_normed_rows(self, x: NormInput, eps: float, gated: bool = False) -> torch.Tensor:
+        """linear(rms_norm(h)) of at most 16 rows in one launch, the norm given by its unscaled input `x` and its
+        `eps`: the products are scaled by 1/rms. `gated`: the weight stacks gate and up, and the result is
+        silu(gate) * up ([T, out / 2])."""
+        return linear_rows_triton(x.scaled, self.weight, self.bias, x.partial_sq, eps, gated=gated)
+
+    def forward_into_residual(
+        self, x: torch.Tensor, residual: torch.Tensor, next_gamma: torch.Tensor
+    ) -> tuple[torch.Tensor, NormInput]:
+        """x [T <= 16, in] -> (h = residual + linear(x), the input of the RMSNorm with weight `next_gamma` over h),
+        in one launch."""
+        return linear_rows_into_residual_triton(x, self.weight, residual, next_gamma, self.bias)
 
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
         tensors = {f"{path}.weight": self.weight.data}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.kernels.small_batch_linear import NormInput
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.linear import Linear, MergedLinear
 
@@ -21,3 +22,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(self.act(self.gate_up_proj(x)))  # via [T, 2*I] and [T, I]
+
+    def forward_small_batch(
+        self, x: NormInput, eps: float, residual: torch.Tensor, next_gamma: torch.Tensor
+    ) -> tuple[torch.Tensor, NormInput]:
+        """residual + forward(rms_norm(h)) for at most 16 rows in two launches, from the norm's unscaled input `x` and
+        its `eps`: gate/up scales by 1/rms and applies SiLU-and-mul, down adds into the residual stream and writes the
+        input of the next norm (weight `next_gamma`). -> (the new residual stream [T, H], that input)."""
+        act = self.gate_up_proj.forward_normed_rows(x, eps, gated=True)  # [T, I]
+        return self.down_proj.forward_into_residual(act, residual, next_gamma)

@@ -12,6 +12,8 @@ from tidal.kernels.rotary_store_kv import rotary_store_kv
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]
+
     def __init__(
         self,
         rotary_dim: int,
@@ -27,6 +29,11 @@ class RotaryEmbedding(nn.Module):
         # A buffer, not a checkpoint tensor: derived from the config, never loaded.
         cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling, dtype, device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_position, rotary_dim]
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head rotate (all of them unless the config rotates part of a head)."""
+        return self.cos_sin_cache.shape[1]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], rotated in place."""

@@ -3,18 +3,23 @@
 A family file turns its Hugging Face config into a `DecoderSpec` (what differs: biases, q/k norm, rope); the
 layers here do the rest. A mixture-of-experts family overrides `CausalLM.make_mlp` to put its expert layer in
 place of the dense MLP.
+
+Each layer has two forwards over the same weight tensors (weight updates, sleep and checksums see one set): the
+unfused one, and for a step of at most 16 tokens on a GPU in 16-bit the small-batch one, six launches per layer instead
+of twelve (`DecoderLayer.forward_small_batch`). `DecoderModel.forward` picks one of them per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tidal.kernels.small_batch_linear import uses_small_batch_kernels
+from tidal.kernels.small_batch_linear import NormInput, uses_small_batch_kernels
+from tidal.kernels.small_batch_qkv import can_fuse_rotary, qkv_rope_store_triton
 from tidal.worker.layers.attention import AttentionBatch, PagedAttention
 from tidal.worker.layers.embedding import LMHead, VocabEmbedding
 from tidal.worker.layers.linear import Linear, MergedLinear
@@ -22,7 +27,6 @@ from tidal.worker.layers.mlp import GatedMLP
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
 from tidal.worker.models.base import CausalLM, KVCacheSpec
-from tidal.worker.models.small_batch import small_batch_forward
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,38 @@ class DecoderAttention(nn.Module):
             spec.rotary_dim, spec.max_position, spec.rope_theta, spec.rope_scaling, True, dtype, device
         )
         self.attn = PagedAttention(layer_idx, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        # Whether the small-batch qkv kernel rotates q and k and writes the cache in its epilogue; a per-head q/k
+        # norm (Qwen3) has to come between the projection and the rotation, so it keeps the rotary+store kernel.
+        self.fuses_rotary_into_qkv = can_fuse_rotary(
+            spec.head_dim, self.rotary_emb.rotary_dim, self.rotary_emb.is_neox, self.q_norm is not None
+        )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        return self.o_proj(self.attend_qkv(positions, self.qkv_proj(hidden), batch))
+        return self.o_proj(self._attend_qkv(positions, self.qkv_proj(hidden), batch))
 
-    def attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward_small_batch(
+        self,
+        positions: torch.Tensor,
+        x: NormInput,
+        eps: float,
+        residual: torch.Tensor,
+        next_gamma: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, NormInput]:
+        """residual + forward(rms_norm(h)) for at most 16 rows, from the input norm's unscaled input `x` and its
+        `eps`. -> (the new residual stream [T, H], the input of the next norm (weight `next_gamma`) over it)."""
+        if self.fuses_rotary_into_qkv:
+            k_cache, v_cache = self.attn.kv_cache(batch)
+            q = qkv_rope_store_triton(
+                x.scaled, self.qkv_proj.weight, self.qkv_proj.bias, x.partial_sq, eps, positions,
+                self.rotary_emb.cos_sin_cache, k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
+            )  # fmt: skip
+            out = self.attn.attend(q, batch).reshape(q.shape[0], self.q_size)  # [T, q_size]
+        else:
+            out = self._attend_qkv(positions, self.qkv_proj.forward_normed_rows(x, eps), batch)  # [T, q_size]
+        return self.o_proj.forward_into_residual(out, residual, next_gamma)
+
+    def _attend_qkv(self, positions: torch.Tensor, qkv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """qkv [T, q_size + 2 * kv_size] -> attention output [T, q_size], before o_proj."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -121,6 +152,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        # The small-batch path folds the post-attention norm into the dense MLP's gate/up projection; an expert layer
+        # routes in between, so a layer with one has the unfused forward only.
+        self.fuses_small_batches = isinstance(mlp, GatedMLP)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch
@@ -134,25 +168,68 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_small_batch(
+        self,
+        positions: torch.Tensor,
+        residual: torch.Tensor,
+        x: NormInput,
+        next_gamma: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> tuple[torch.Tensor, NormInput]:
+        """The same layer for at most 16 rows, on the small-batch kernels (tidal.kernels.small_batch_linear and
+        small_batch_qkv), whose epilogues do the small op after each projection; no RMSNorm, SiLU-and-mul or split-K
+        reduce is a launch of its own:
+
+            qkv       linear_rows(h * gamma_in) scaled by 1/rms; rotary on q and k, k and v into the KV cache
+                      (Qwen3's per-head q/k norm keeps its norm kernels and the separate rotary+store kernel)
+            attention decode split + merge, as unfused
+            o         h <- h + o_proj(attention), also h * gamma_post and partial sums of h^2
+            gate/up   silu(gate) * up of linear_rows(h * gamma_post) scaled by 1/rms
+            down      h <- h + down_proj(act), also h * next_gamma and its partial sums
+
+        `residual` [T, H] is the stream entering the layer and `x` its input norm's unscaled input (the previous
+        layer's down projection wrote it); `next_gamma` is the weight of the norm after this layer. It rounds h * gamma
+        where the unfused layers round normed h: the results agree to bf16 precision, not bit for bit.
+        """
+        residual, x = self.self_attn.forward_small_batch(
+            positions, x, self.input_layernorm.eps, residual, self.post_attention_layernorm.gamma, batch
+        )
+        mlp = cast(GatedMLP, self.mlp)  # the decoder takes this path only where `fuses_small_batches`
+        return mlp.forward_small_batch(x, self.post_attention_layernorm.eps, residual, next_gamma)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, mlps: list[nn.Module], dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, mlp, dtype, device) for i, mlp in enumerate(mlps))
+        layers = [DecoderLayer(spec, i, mlp, dtype, device) for i, mlp in enumerate(mlps)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        # The fused small-batch layers fold the RMSNorms into the dense MLP's projections; an expert layer has its
-        # own router in between, so a mixture-of-experts model keeps the unfused layers.
-        self.fuses_small_batches = all(isinstance(mlp, GatedMLP) for mlp in mlps)
+        self.fuses_small_batches = all(layer.fuses_small_batches for layer in layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
         if self.fuses_small_batches and uses_small_batch_kernels(hidden):
-            return small_batch_forward(self, hidden, positions, batch)
+            return self._forward_small_batch(positions, hidden, batch)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def _forward_small_batch(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """hidden [T, H] (the embeddings, T <= 16) -> the final normed hidden states [T, H]."""
+        layers = cast("list[DecoderLayer]", list(self.layers))
+        x = layers[0].input_layernorm.norm_input(hidden)
+        residual = hidden
+        for i, layer in enumerate(layers):
+            # The last layer's epilogue prepares the final norm's input; the final norm's own kernel normalises below
+            # instead, rounding exactly as the unfused path does before the LM head.
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            residual, x = layer.forward_small_batch(positions, residual, x, next_norm.gamma, batch)
+        hidden = self.norm(residual)
         return hidden
 
 
