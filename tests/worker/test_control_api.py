@@ -102,14 +102,11 @@ def test_token_sources(tmp_path):
 
 
 def test_no_token_means_no_control_listener(tiny_model):
-    from prometheus_client import CollectorRegistry
-
     from tidal.worker.config import WorkerConfig
-    from tidal.worker.control.wiring import build_control
+    from tidal.worker.process import assemble_worker
 
-    config = WorkerConfig(model_path=tiny_model("llama"), device="cpu")
-    _, listener = build_control(config, CollectorRegistry())
-    assert listener is None
+    config = WorkerConfig.from_flat(model_path=tiny_model("llama"), device="cpu")
+    assert [listener.name for listener in assemble_worker(config).servers.listeners] == ["serving"]
 
 
 def test_a_bad_token_setting_exits_2_without_echoing_it(tiny_model, capsys):
