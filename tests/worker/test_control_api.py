@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
 from tidal.contract.control_api import WorkerState
-from tidal.worker.control.testing import TEST_TOKEN, ControlledWorker
+from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
+from tidal.worker.testing.in_process import TEST_TOKEN, ControlledWorker
 
 
 def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):

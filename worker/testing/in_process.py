@@ -1,4 +1,5 @@
-"""A whole worker (serving API + control API, assembled as the CLI does) on a background thread, for tests and demos."""
+"""A whole worker (serving API + control API, assembled as the CLI does) on a background thread, or only its
+lifecycle manager and engine, in-process: for tests and demos."""
 
 from __future__ import annotations
 
