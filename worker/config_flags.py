@@ -63,8 +63,9 @@ class Option:
         return f"{self.field.description or ''} [{env}{default}]"
 
 
-def _is_component(annotation: object) -> bool:
-    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+def _component(annotation: object) -> type[BaseModel] | None:
+    """The nested model a field holds, or None for a leaf."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 class FlatOptions(Generic[Config]):
@@ -96,9 +97,10 @@ class FlatOptions(Generic[Config]):
 
     def _collect(self, model: type[BaseModel], path: tuple[str, ...]) -> None:
         for name, field in model.model_fields.items():
-            if _is_component(field.annotation):
+            component = _component(field.annotation)
+            if component is not None:
                 self.components.append((*path, name))
-                self._collect(field.annotation, (*path, name))  # type: ignore[arg-type]
+                self._collect(component, (*path, name))
                 continue
             self._leaf_names.add(name)
             if name not in self._exclude:
