@@ -26,11 +26,12 @@ import torch
 from safetensors.torch import save_file
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest, WeightsUpdateRequest
-from tidal.worker.engine.config import EngineConfig
+from tidal.worker.config import WorkerConfig, WorkerEngineConfig
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.config import LifecycleConfig
 from tidal.worker.lifecycle.manager import LifecycleManager
 from tidal.worker.models.registry import resolve_model_class
+from tidal.worker.process import assemble_worker
 from tidal.worker.testing.tiny_models import tiny_config
 from tidal.worker.testing.tiny_tokenizer import BOS, EOS, IM_END, PAD, save_tokenizer
 
@@ -125,15 +126,16 @@ async def run(args: argparse.Namespace) -> None:
     model_dir = write_model(root / "model", shape, device)
     line("model written", f"{time.monotonic() - start:.1f}s at {model_dir}")
 
-    manager = LifecycleManager(LifecycleConfig(weights_version="a"))
     kv_size = {"gpu_memory_fraction": args.kv_fraction} if device.type == "cuda" else {"num_kv_blocks": 256}
-    config = EngineConfig(
+    engine_config = WorkerEngineConfig(
         model_path=model_dir, dtype="bfloat16", device=str(device), max_num_seqs=8, max_num_batched_tokens=2048,
         max_model_len=1024, **kv_size,
     )  # fmt: skip
+    # The worker as the CLI assembles it (its servers are never bound here).
+    process = assemble_worker(WorkerConfig(engine=engine_config, lifecycle=LifecycleConfig(weights_version="a")))
+    manager = process.lifecycle
     start = time.monotonic()
-    engine = await asyncio.to_thread(manager.load_engine, config)
-    await engine.start()
+    await process.runtime.load()
     assert manager.residency is not None
     w, kv, llm = manager.residency.weights, manager.residency.kv, manager.residency.llm
     line("engine loaded + moved to releasable memory", f"{time.monotonic() - start:.1f}s")
@@ -223,7 +225,7 @@ async def run(args: argparse.Namespace) -> None:
         reserved, allocated = torch.cuda.memory_reserved(device) / GiB, torch.cuda.memory_allocated(device) / GiB
         segments = stats.get("segment.all.current")
         line("  torch segments / reserved / allocated", f"{segments} / {reserved:.2f} / {allocated:.2f} GiB")
-    await engine.shutdown()
+    await process.runtime.shutdown()
 
 
 def main() -> None:

@@ -5,44 +5,29 @@ import json
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from tidal.devcluster import cluster
-from tidal.devcluster.config import ClusterConfig, default_state_dir
+from tidal.devcluster.config import CLUSTER_OPTIONS, default_state_dir
+
+PROG = "tidal-devcluster"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tidal-devcluster", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a fresh cluster and return once its node is Ready")
+    CLUSTER_OPTIONS.add_arguments(up)
     down = sub.add_parser("down", help="stop the cluster's processes (files stay for post-mortems)")
     status = sub.add_parser("status", help="show which components run and where")
-    for p in (up, down, status):
+    for p in (down, status):
         p.add_argument("--dir", type=Path, default=None, help=f"state directory (default {default_state_dir()})")
-    up.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity of the node (default 0)")
-    up.add_argument("--node-name", default="devnode")
-    up.add_argument("--cpu", default="8", help="the node's cpu capacity (default 8)")
-    up.add_argument("--memory", default="32Gi", help="the node's memory capacity (default 32Gi)")
-    up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for readiness (default 90)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    state_dir = args.dir or default_state_dir()
-    if args.command == "up":
-        try:
-            cfg = ClusterConfig(
-                state_dir=state_dir,
-                gpus=args.gpus,
-                node_name=args.node_name,
-                cpu=args.cpu,
-                memory=args.memory,
-                startup_timeout_s=args.timeout,
-            )
-        except ValidationError as exc:
-            print(f"invalid settings: {exc}", file=sys.stderr)
-            return 2
+    args = vars(_parser().parse_args(argv))
+    command = args.pop("command")
+    if command == "up":
+        cfg = CLUSTER_OPTIONS.build_or_exit(args, f"{PROG} up")
         try:
             info = cluster.up(cfg)
         except (RuntimeError, TimeoutError) as exc:
@@ -50,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"export KUBECONFIG={info.kubeconfig}")
         return 0
-    if args.command == "down":
+    state_dir = args["dir"] or default_state_dir()
+    if command == "down":
         stopped = cluster.down(state_dir)
         print(f"stopped: {', '.join(stopped)}" if stopped else f"nothing was running in {state_dir}")
         return 0

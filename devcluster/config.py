@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tidal.worker.config_flags import FlatOptions
+
 # Each name is a symlink to hack/kube's multi-call binary, except helm (which the control plane does not need).
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 BUILD_HINT = "build them with `bash hack/build-binaries.sh` (then `source hack/env.sh` so $TIDAL_BIN points at them)"
@@ -26,17 +28,21 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     state_dir: Path = Field(
-        default_factory=default_state_dir, description="certs, kubeconfigs, logs, pidfiles, etcd data"
+        default_factory=default_state_dir, description="State directory: certs, kubeconfigs, logs, pidfiles, etcd data."
     )
-    bin_dir: Path | None = Field(default=None, description="where the binaries are; None: $TIDAL_BIN, then PATH")
-    node_name: str = Field(default="devnode", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    gpus: int = Field(default=0, ge=0, le=64, description="the node's nvidia.com/gpu capacity")
-    cpu: str = Field(default="8", description="the node's cpu capacity (a Kubernetes quantity)")
-    memory: str = Field(default="32Gi", description="the node's memory capacity (a Kubernetes quantity)")
-    max_pods: int = Field(default=110, ge=1, le=250)
-    service_cidr: str = "10.96.0.0/16"
-    startup_timeout_s: float = Field(default=90.0, gt=0)
-    die_with_parent: bool = Field(default=False, description="stop the cluster when the process that started it dies")
+    bin_dir: Path | None = Field(
+        default=None, description="Where the control-plane binaries are; None: $TIDAL_BIN, then PATH."
+    )
+    node_name: str = Field(
+        default="devnode", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63, description="The node's name."
+    )
+    gpus: int = Field(default=0, ge=0, le=64, description="The node's nvidia.com/gpu capacity.")
+    cpu: str = Field(default="8", description="The node's cpu capacity (a Kubernetes quantity).")
+    memory: str = Field(default="32Gi", description="The node's memory capacity (a Kubernetes quantity).")
+    max_pods: int = Field(default=110, ge=1, le=250, description="Most pods on the node.")
+    service_cidr: str = Field(default="10.96.0.0/16", description="IPv4 range of Service cluster IPs.")
+    startup_timeout_s: float = Field(default=90.0, gt=0, description="Seconds to wait for the cluster to be ready.")
+    die_with_parent: bool = Field(default=False, description="Stop the cluster when the process that started it dies.")
 
     @field_validator("service_cidr")
     @classmethod
@@ -56,6 +62,13 @@ class ClusterConfig(BaseModel):
             return self.bin_dir
         env_dir = os.environ.get("TIDAL_BIN")
         return Path(env_dir) if env_dir else None
+
+
+# `tidal-devcluster up`'s flags; --dir and --timeout are the short spellings the docs and scripts use. No
+# --die-with-parent: the parent would be `up` itself, which returns once the cluster is ready.
+CLUSTER_OPTIONS: FlatOptions[ClusterConfig] = FlatOptions(
+    ClusterConfig, aliases={"state_dir": ("dir",), "startup_timeout_s": ("timeout",)}, exclude={"die_with_parent"}
+)
 
 
 def find_binary(name: str, bin_dir: Path | None) -> Path | None:

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from pydantic import ValidationError
+from tidal.devcluster.nodeagent.config import AGENT_OPTIONS
 
-from tidal.devcluster.nodeagent.config import AgentConfig
+PROG = "tidal-node-agent"
 
 
 class _Stop(Exception):
@@ -21,20 +21,10 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tidal-node-agent", description=__doc__)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="register the node and run its pods' commands as local processes")
-    run.add_argument("--kubeconfig", type=Path, required=True)
-    run.add_argument("--node-name", default="devnode")
-    run.add_argument("--state-dir", type=Path, required=True)
-    run.add_argument("--gpus", type=int, default=0)
-    run.add_argument("--cpu", default="8")
-    run.add_argument("--memory", default="32Gi")
-    run.add_argument("--max-pods", type=int, default=110)
-    run.add_argument("--pod-subnet", type=int, default=1)
-    run.add_argument("--serving-cert", type=Path, default=None, help="with --serving-key/--client-ca: serve logs")
-    run.add_argument("--serving-key", type=Path, default=None)
-    run.add_argument("--client-ca", type=Path, default=None)
+    AGENT_OPTIONS.add_arguments(run)
     fault = sub.add_parser("fault", help="signal a pod's processes now: crash (SIGKILL), freeze (SIGSTOP), thaw")
     fault.add_argument("action", choices=["crash", "freeze", "thaw"])
     fault.add_argument("pod", help="NAMESPACE/NAME")
@@ -59,26 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"{args.action}: signalled pids {pids}")
         return 0
+    flat = {name: value for name, value in vars(args).items() if name != "command"}
+    cfg = AGENT_OPTIONS.build_or_exit(flat, f"{PROG} run")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     # One line per probe request would drown the agent's own log.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        cfg = AgentConfig(
-            kubeconfig=args.kubeconfig,
-            node_name=args.node_name,
-            state_dir=args.state_dir,
-            gpus=args.gpus,
-            cpu=args.cpu,
-            memory=args.memory,
-            max_pods=args.max_pods,
-            pod_subnet=args.pod_subnet,
-            serving_cert=args.serving_cert,
-            serving_key=args.serving_key,
-            client_ca=args.client_ca,
-        )
-    except ValidationError as exc:
-        print(f"invalid settings: {exc}", file=sys.stderr)
-        return 2
     from tidal.devcluster.nodeagent.agent import NodeAgent  # the kubernetes client import is slow; only here
 
     agent = NodeAgent(cfg)

@@ -11,7 +11,7 @@ from pydantic import SecretStr
 from tidal.contract.control_api import ControlError, WorkerState
 from tidal.contract.error_codes import ErrorCode
 from tidal.worker.control.auth import ControlTokenError, is_authorized, resolve_control_token
-from tidal.worker.control.testing import TEST_TOKEN, ControlledWorker
+from tidal.worker.testing.in_process import TEST_TOKEN, ControlledWorker
 
 
 def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):
@@ -106,14 +106,11 @@ def test_token_sources(tmp_path):
 
 
 def test_no_token_means_no_control_listener(tiny_model):
-    from prometheus_client import CollectorRegistry
-
     from tidal.worker.config import WorkerConfig
-    from tidal.worker.control.wiring import build_control
+    from tidal.worker.process import assemble_worker
 
-    config = WorkerConfig(model_path=tiny_model("llama"), device="cpu")
-    _, listener = build_control(config, CollectorRegistry())
-    assert listener is None
+    config = WorkerConfig.from_flat(model_path=tiny_model("llama"), device="cpu")
+    assert [listener.name for listener in assemble_worker(config).servers.listeners] == ["serving"]
 
 
 def test_a_bad_token_setting_exits_2_without_echoing_it(tiny_model, capsys):

@@ -25,10 +25,10 @@ from tidal.contract.control_api import (
     WakeUpRequest,
     WeightsUpdateRequest,
 )
-from tidal.worker.control.testing import greedy, running_manager
 from tidal.worker.lifecycle import staging
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, CollectiveError, HostMemoryError
 from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.testing.in_process import greedy, running_manager
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 9]]

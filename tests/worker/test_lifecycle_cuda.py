@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest
-from tidal.worker.control.testing import greedy, running_manager
 from tidal.worker.lifecycle.device_memory import VmmRegion, allocate_region
 from tidal.worker.testing.hf_reference import prompt_ids
+from tidal.worker.testing.in_process import greedy, running_manager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

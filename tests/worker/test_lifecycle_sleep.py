@@ -9,11 +9,11 @@ import concurrent.futures
 import pytest
 
 from tidal.contract.control_api import DrainMode, SleepRequest, WakeUpRequest, WeightsUpdateRequest
-from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
 from tidal.worker.engine.async_engine import EngineNotRunningError
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import WeightsUnavailableError
 from tidal.worker.testing.hf_reference import prompt_ids
+from tidal.worker.testing.in_process import ControlledWorker, greedy, running_manager
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from tidal.worker.cli import build_parser, load_config
-from tidal.worker.config import WorkerConfig, env_name
-from tidal.worker.engine.config import EngineConfig
+from tidal.worker.config import WORKER_OPTIONS
 
 
 @pytest.fixture
@@ -21,9 +20,9 @@ def model_dir(tmp_path):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in WorkerConfig.model_fields:
-        monkeypatch.delenv(env_name(name), raising=False)
-        monkeypatch.delenv(f"TIDAL_{name.upper()}", raising=False)
+    for option in WORKER_OPTIONS.options.values():
+        for name in option.env_names:
+            monkeypatch.delenv(name, raising=False)
 
 
 def test_flags_set_every_field(model_dir):
@@ -31,13 +30,21 @@ def test_flags_set_every_field(model_dir):
         ["--model", str(model_dir), "--port", "9001", "--host", "127.0.0.1", "--max-num-seqs", "8",
          "--no-enable-prefix-caching", "--log-level", "DEBUG", "--served-model-name", "tiny"]
     )  # fmt: skip
-    assert config.model_path == model_dir
-    assert (config.port, config.host, config.max_num_seqs) == (9001, "127.0.0.1", 8)
-    assert config.enable_prefix_caching is False
-    assert config.log_level == "debug"
-    engine = config.engine_config()
-    assert type(engine) is EngineConfig
-    assert (engine.max_num_seqs, engine.model_name) == (8, "tiny")
+    assert config.engine.model_path == model_dir
+    assert (config.server.port, config.server.host, config.engine.max_num_seqs) == (9001, "127.0.0.1", 8)
+    assert config.engine.enable_prefix_caching is False
+    assert config.server.log_level == "debug"
+    assert config.engine.model_name == "tiny"
+
+
+def test_lifecycle_and_control_flags_reach_their_components(model_dir, tmp_path):
+    config = load_config(
+        ["--model", str(model_dir), "--asleep-retry-after-s", "7", "--rank", "2", "--world-size", "4",
+         "--no-stable-device-memory", "--control-port", "9301", "--control-token-file", str(tmp_path / "token")]
+    )  # fmt: skip
+    assert (config.lifecycle.asleep_retry_after_s, config.lifecycle.rank, config.lifecycle.world_size) == (7, 2, 4)
+    assert config.lifecycle.stable_device_memory is False
+    assert (config.control.control_port, config.control.control_token_file) == (9301, tmp_path / "token")
 
 
 def test_environment_sets_options_and_flags_win(model_dir, monkeypatch):
@@ -45,16 +52,20 @@ def test_environment_sets_options_and_flags_win(model_dir, monkeypatch):
     monkeypatch.setenv("TIDAL_PORT", "9100")
     monkeypatch.setenv("TIDAL_MAX_MODEL_LEN", "128")
     monkeypatch.setenv("TIDAL_STREAM_WRITE_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("TIDAL_ASLEEP_REQUESTS", "wake")
+    monkeypatch.setenv("TIDAL_ENABLE_PREFIX_CACHING", "false")
     config = load_config(["--port", "9200"])
-    assert config.model_path == model_dir
-    assert config.port == 9200  # the flag beats TIDAL_PORT
-    assert config.max_model_len == 128
-    assert config.stream_write_timeout_s == 2.5
+    assert config.engine.model_path == model_dir
+    assert config.server.port == 9200  # the flag beats TIDAL_PORT
+    assert config.engine.max_model_len == 128
+    assert config.server.stream_write_timeout_s == 2.5
+    assert config.lifecycle.asleep_requests == "wake"
+    assert config.engine.enable_prefix_caching is False
 
 
 def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):
     monkeypatch.setenv("TIDAL_MODEL_PATH", str(model_dir))
-    assert load_config([]).model_path == model_dir
+    assert load_config([]).engine.model_path == model_dir
 
 
 @pytest.mark.parametrize(
@@ -67,6 +78,8 @@ def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):
         (["--block-size", "24"], {}, "block_size must be a power of two"),
         (["--log-level", "loud"], {}, "--log-level / TIDAL_LOG_LEVEL: Input should be"),
         ([], {"TIDAL_DEVICE": "tpu"}, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ([], {"TIDAL_WORLD_SIZE": "0"}, "--world-size / TIDAL_WORLD_SIZE: Input should be greater than or equal to 1"),
+        (["--asleep-requests", "sleep"], {}, "--asleep-requests / TIDAL_ASLEEP_REQUESTS: Input should be"),
     ],
 )
 def test_bad_values_exit_2_with_a_clear_message(model_dir, monkeypatch, capsys, argv, env, expected):

@@ -22,9 +22,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal.worker.engine.async_engine import AsyncEngine
-from tidal.worker.engine.config import EngineConfig
-from tidal.worker.server.background import LocalWorker
+from tidal.worker.config import WorkerConfig, WorkerEngineConfig
+from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.process import assemble_worker
+from tidal.worker.server.background import BackgroundServers
+from tidal.worker.server.config import ServerConfig
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 MAX_MODEL_LEN = 256
@@ -36,8 +38,8 @@ def model_dir(tmp_path_factory):
     return write_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
-def engine_config(model_dir) -> EngineConfig:
-    return EngineConfig(
+def worker_config(model_dir, **server) -> WorkerConfig:
+    engine = WorkerEngineConfig(
         model_path=model_dir,
         served_model_name=MODEL,
         device="cpu",
@@ -46,12 +48,16 @@ def engine_config(model_dir) -> EngineConfig:
         num_kv_blocks=512,
         max_num_seqs=64,
     )
+    return WorkerConfig(engine=engine, server=ServerConfig(host="127.0.0.1", port=0, log_level="warning", **server))
+
+
+def serve(config: WorkerConfig) -> BackgroundServers:
+    return BackgroundServers(assemble_worker(config).servers).start()
 
 
 @pytest.fixture(scope="module")
 def worker(model_dir):
-    config = engine_config(model_dir)
-    local = LocalWorker(lambda: AsyncEngine.from_config(config), stream_write_timeout_s=10.0).start().wait_ready()
+    local = serve(worker_config(model_dir, stream_write_timeout_s=10.0)).wait_ready()
     yield local
     assert local.stop() == 0
 
@@ -75,15 +81,15 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_models_and_probes(worker):
-    assert httpx.get(f"{worker.base_url}/health").status_code == 200
-    assert httpx.get(f"{worker.base_url}/ready").status_code == 200
-    models = httpx.get(f"{worker.base_url}/v1/models").json()
+    assert httpx.get(f"{worker.url()}/health").status_code == 200
+    assert httpx.get(f"{worker.url()}/ready").status_code == 200
+    models = httpx.get(f"{worker.url()}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
 
 def test_64_concurrent_requests_complete_and_are_counted(worker):
-    base = worker.base_url
+    base = worker.url()
     before = metric(base, "tidal_requests_total", endpoint="completions", outcome="length")
     tokens_before = metric(base, "tidal_generation_tokens_total")
     ttft_before = metric(base, "tidal_time_to_first_token_seconds_count")
@@ -116,32 +122,32 @@ def test_64_concurrent_requests_complete_and_are_counted(worker):
 @pytest.mark.parametrize("as_tokens", [True, False])
 def test_oversized_prompt_is_a_400(worker, as_tokens):
     prompt = [5] * (MAX_MODEL_LEN + 10) if as_tokens else "hello world " * 400
-    response = httpx.post(f"{worker.base_url}/v1/completions", json={"model": MODEL, "prompt": prompt})
+    response = httpx.post(f"{worker.url()}/v1/completions", json={"model": MODEL, "prompt": prompt})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded"
     assert f"max_model_len is {MAX_MODEL_LEN}" in error["message"]
     # The server is still serving.
-    ok = httpx.post(f"{worker.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    ok = httpx.post(f"{worker.url()}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200
 
 
 def test_engine_refusal_is_a_400(worker):
-    response = httpx.post(f"{worker.base_url}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**6]})
+    response = httpx.post(f"{worker.url()}/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**6]})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_prompt"
     assert "outside the vocabulary" in response.json()["error"]["message"]
 
 
 def test_unknown_model_is_a_404(worker):
-    response = httpx.post(f"{worker.base_url}/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    response = httpx.post(f"{worker.url()}/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
 
 
 def test_disconnect_mid_stream_frees_the_sequence(worker):
-    engine = worker.runtime.engine
-    base = worker.base_url
+    engine = worker.servers.runtime.engine
+    base = worker.url()
     aborted_before = metric(base, "tidal_requests_total", endpoint="completions", outcome="abort")
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as client, client.stream("POST", f"{base}/v1/completions", json=body) as response:
@@ -164,8 +170,8 @@ def test_disconnect_mid_stream_frees_the_sequence(worker):
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
-    engine = worker.runtime.engine
-    base = worker.base_url
+    engine = worker.servers.runtime.engine
+    base = worker.url()
     aborted_before = metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="abort")
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 220, "ignore_eos": True}
@@ -174,7 +180,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
-    with socket.create_connection(("127.0.0.1", worker.listener.bound_port)) as sock:
+    with socket.create_connection(("127.0.0.1", worker.servers.listener("serving").bound_port)) as sock:
         sock.sendall(request)
         assert wait_until(lambda: engine.stats().num_running == 1)
     # The socket is closed while the server is still collecting the answer.
@@ -185,7 +191,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
 
 
 def test_a_client_that_never_reads_does_not_hold_its_sequence(worker):
-    engine = worker.runtime.engine
+    engine = worker.servers.runtime.engine
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
     request = (
         f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -193,7 +199,7 @@ def test_a_client_that_never_reads_does_not_hold_its_sequence(worker):
     ).encode() + body
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the smallest window the kernel allows
-        sock.connect(("127.0.0.1", worker.listener.bound_port))
+        sock.connect(("127.0.0.1", worker.servers.listener("serving").bound_port))
         sock.sendall(request)
         assert wait_until(lambda: engine.stats().num_running == 1)
         # The engine never waits on a client: the sequence ends (and frees its blocks) while nothing was read.
@@ -202,33 +208,33 @@ def test_a_client_that_never_reads_does_not_hold_its_sequence(worker):
 
 def test_a_model_that_fails_to_load_ends_the_servers_with_exit_code_1(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"]}')
-    config = EngineConfig(model_path=tmp_path, device="cpu")
-    local = LocalWorker(lambda: AsyncEngine.from_config(config)).start()
+    local = serve(worker_config(tmp_path))
     with pytest.raises(RuntimeError, match="exited with code 1"):
         local.wait_ready(timeout_s=60)
     assert local.stop() == 1
-    assert local.runtime.failure is not None
+    assert local.servers.runtime.failure is not None
 
 
-def test_ready_is_503_until_the_model_is_loaded(model_dir):
-    config = engine_config(model_dir)
+def test_ready_is_503_until_the_model_is_loaded(model_dir, monkeypatch):
     gate = threading.Event()
+    load_engine = LifecycleManager.load_engine
 
-    def gated_load() -> AsyncEngine:
+    def gated_load(manager, engine_config):
         # Holds the real load back so the test can look at the server while the model is "still loading".
         if not gate.wait(60):
             raise TimeoutError("test gate never opened")
-        return AsyncEngine.from_config(config)
+        return load_engine(manager, engine_config)
 
-    local = LocalWorker(gated_load).start()
+    monkeypatch.setattr(LifecycleManager, "load_engine", gated_load)
+    local = serve(worker_config(model_dir))
     try:
-        assert wait_until(lambda: _status(f"{local.base_url}/health") == 200)
-        assert _status(f"{local.base_url}/ready") == 503
-        response = httpx.post(f"{local.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert wait_until(lambda: _status(f"{local.url()}/health") == 200)
+        assert _status(f"{local.url()}/ready") == 503
+        response = httpx.post(f"{local.url()}/v1/completions", json={"model": MODEL, "prompt": "hi"})
         assert response.status_code == 503
         gate.set()
         local.wait_ready()
-        assert _status(f"{local.base_url}/ready") == 200
+        assert _status(f"{local.url()}/ready") == 200
     finally:
         gate.set()
         assert local.stop() == 0

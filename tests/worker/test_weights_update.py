@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tidal.contract.control_api import StreamFinishRequest, WeightsUpdateRequest
-from tidal.worker.control.testing import ControlledWorker, greedy, running_manager
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError
 from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
+from tidal.worker.testing.in_process import ControlledWorker, greedy, running_manager
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""The engine's one typed configuration, validated when it is built (the server's WorkerConfig embeds it)."""
+"""The engine's one typed configuration, validated when it is built (the worker's WorkerConfig nests it)."""
 
 from __future__ import annotations
 

@@ -162,7 +162,7 @@ class LifecycleManager:
         return EngineNotRunningError(
             f"the model is asleep (level {level or 'pending'}); it serves again after POST /wake_up",
             code="asleep",
-            retry_after_s=self.config.retry_after_s,
+            retry_after_s=self.config.asleep_retry_after_s,
         )
 
     # ----- operations -----

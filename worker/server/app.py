@@ -1,7 +1,7 @@
 """App factories and the process's servers: one uvicorn server per listener, one event loop, one engine.
 
-The serving API is one listener; the control API (sleep/wake, weight updates) will be another on its own port, built
-by its own factory from the same `WorkerRuntime` and added to the list `WorkerServers` runs. The supervisor owns the
+The serving API is one listener; the control API (sleep/wake, weight updates) is another on its own port, built by
+its own factory; `tidal.worker.process` assembles the list `WorkerServers` runs. The supervisor owns the
 signals (uvicorn's per-server handling would stop only one listener, then re-raise the signal and kill the process
 before the engine is shut down), binds every socket before starting anything (a busy port is a clear error, and a
 test can ask for port 0), loads the model while the probes already answer, and exits non-zero if loading fails.
@@ -89,6 +89,12 @@ class WorkerServers:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Remembered so that a stop asked for before the servers exist is not lost.
         self._stopping = False
+
+    def listener(self, name: str) -> Listener:
+        found = [lst for lst in self.listeners if lst.name == name]
+        if not found:
+            raise LookupError(f"no {name} listener (this worker serves {[lst.name for lst in self.listeners]})")
+        return found[0]
 
     def bind(self) -> None:
         for listener in self.listeners:

@@ -2,7 +2,9 @@
 
 The servers start listening before the model is loaded, so that `/health` answers at once and `/ready` says 503
 until the engine can serve; Kubernetes then neither kills a pod that is still loading nor sends it traffic. The
-loader is passed in (normally `AsyncEngine.from_config`), which keeps this module free of configuration.
+loader is passed in: the composition root (`tidal.worker.process`) passes `LifecycleManager.load_engine`, which
+builds the engine in memory the lifecycle can release; this module calls it on a worker thread, starts the engine's
+step loop, and knows nothing of configuration.
 """
 
 from __future__ import annotations

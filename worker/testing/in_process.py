@@ -1,23 +1,22 @@
-"""A whole worker (serving API + control API, wired as the CLI does) on a background thread, for tests and demos."""
+"""A whole worker (serving API + control API, assembled as the CLI does) on a background thread, or only its
+lifecycle manager and engine, in-process: for tests and demos."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tidal.worker.cli import build_servers
-from tidal.worker.config import WorkerConfig
-from tidal.worker.engine.config import EngineConfig
+from tidal.worker.config import WorkerConfig, WorkerEngineConfig
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.config import LifecycleConfig
 from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.process import assemble_worker
 from tidal.worker.server.background import BackgroundServers
 
 _ids = itertools.count()
@@ -26,25 +25,22 @@ TEST_TOKEN = "test-control-token-0123456789abcdef"
 
 
 class ControlledWorker:
+    """`config` takes flat field names, as the flags do (`model_path=..., num_kv_blocks=64, rank=1`)."""
+
     def __init__(self, **config: Any) -> None:
         settings = {"host": "127.0.0.1", "port": 0, "control_port": 0, "control_token": TEST_TOKEN, "device": "cpu"}
-        self.config = WorkerConfig(**{**settings, **config})
-        self.servers = build_servers(self.config)
-        self.background = BackgroundServers(self.servers)
+        self.config = WorkerConfig.from_flat(**{**settings, **config})
+        self.process = assemble_worker(self.config)
+        self.background = BackgroundServers(self.process.servers)
         self.api: httpx.Client | None = None
         self.control: httpx.Client | None = None
 
     def __enter__(self) -> ControlledWorker:
         self.background.start()
-        ports = {lst.name: lst.bound_port for lst in self.servers.listeners}
-        self.api = httpx.Client(base_url=f"http://127.0.0.1:{ports['serving']}", timeout=120)
+        self.api = httpx.Client(base_url=self.background.url("serving"), timeout=120)
         headers = {"Authorization": f"Bearer {TEST_TOKEN}"}
-        self.control = httpx.Client(base_url=f"http://127.0.0.1:{ports['control']}", headers=headers, timeout=120)
-        deadline = time.monotonic() + 120
-        while self.api.get("/ready").status_code != 200:
-            if time.monotonic() > deadline or self.background.exit_code is not None:
-                raise RuntimeError("the worker did not become ready")
-            time.sleep(0.05)
+        self.control = httpx.Client(base_url=self.background.url("control"), headers=headers, timeout=120)
+        self.background.wait_ready(timeout_s=120)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -62,7 +58,7 @@ class ControlledWorker:
 
     def complete(self, prompt: str | list[int], max_tokens: int = 12) -> httpx.Response:
         assert self.api is not None
-        body = {"model": self.config.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body = {"model": self.config.engine.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         return self.api.post("/v1/completions", json={**body, "ignore_eos": True})
 
     def text(self, prompt: str | list[int], max_tokens: int = 12) -> str:
@@ -79,16 +75,19 @@ class ControlledWorker:
 async def running_manager(
     model_dir: Path, engine: dict[str, Any] | None = None, **lifecycle: Any
 ) -> AsyncIterator[LifecycleManager]:
-    """A lifecycle manager and its started engine (CPU, fp32 unless `engine` says otherwise), without HTTP."""
-    manager = LifecycleManager(LifecycleConfig(**{"weights_version": "a", **lifecycle}))
+    """A worker's lifecycle manager and its started engine (CPU, fp32 unless `engine` says otherwise), not serving."""
     settings = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 128, **(engine or {})}
-    config = EngineConfig(model_path=model_dir, **settings)
-    engine = await asyncio.to_thread(manager.load_engine, config)
-    await engine.start()
+    process = assemble_worker(
+        WorkerConfig(
+            engine=WorkerEngineConfig(model_path=model_dir, **settings),
+            lifecycle=LifecycleConfig(**{"weights_version": "a", **lifecycle}),
+        )
+    )
+    await process.runtime.load()
     try:
-        yield manager
+        yield process.lifecycle
     finally:
-        await engine.shutdown()
+        await process.runtime.shutdown()
 
 
 async def greedy(manager: LifecycleManager, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:

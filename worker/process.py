@@ -1,0 +1,56 @@
+"""The worker process's composition root: config -> lifecycle manager -> runtime -> listeners, in one place.
+
+The command line, the in-process test harness, the benchmarks and the tests all assemble a worker here, so they run
+what production runs. Nothing is bound or loaded yet: `WorkerServers.run()` binds the listeners and loads the model
+through the runtime, which calls `LifecycleManager.load_engine` (the manager owns the weights' memory, so the
+engine is always built by it).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from tidal.worker.config import WorkerConfig
+from tidal.worker.control.app import build_control_app
+from tidal.worker.control.auth import resolve_control_token
+from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.lifecycle.metrics import LifecycleMetrics
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.app import Listener, WorkerServers, build_api_app
+from tidal.worker.server.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    config: WorkerConfig
+    lifecycle: LifecycleManager
+    servers: WorkerServers
+
+    @property
+    def runtime(self) -> WorkerRuntime:
+        return self.servers.runtime
+
+
+def assemble_worker(config: WorkerConfig, registry: CollectorRegistry | None = None) -> WorkerProcess:
+    """Everything one worker serves, around one engine: the serving API always, the control API when a token is
+    set. Raises ControlTokenError (a ValueError) for a token setting that is wrong."""
+    registry = registry if registry is not None else CollectorRegistry()
+    lifecycle = LifecycleManager(config.lifecycle, LifecycleMetrics(registry))
+    runtime = WorkerRuntime(functools.partial(lifecycle.load_engine, config.engine))
+    metrics = WorkerMetrics(registry, runtime.stats)
+    server = config.server
+    api_app = build_api_app(runtime, metrics, server.stream_write_timeout_s)
+    listeners = [Listener("serving", api_app, server.host, server.port)]
+    token = resolve_control_token(config.control.control_token, config.control.control_token_file)
+    if token is None:
+        log.warning("no control token (TIDAL_CONTROL_TOKEN / TIDAL_CONTROL_TOKEN_FILE): the control API is off")
+    else:
+        control_app = build_control_app(lifecycle, token)
+        listeners.append(Listener("control", control_app, server.host, config.control.control_port))
+    return WorkerProcess(config, lifecycle, WorkerServers(runtime, listeners, log_level=server.log_level))
