@@ -57,7 +57,7 @@ def _run(model_dir, device, dtype, fused: bool, monkeypatch) -> list[torch.Tenso
 
     monkeypatch.setattr(decoder_module, "uses_small_batch_kernels", choose)
     loaded = load_model(model_dir, dtype, device)
-    runner = ModelRunner(loaded.model, loaded.dtype, device, BLOCK_SIZE)
+    runner = ModelRunner(loaded, device, BLOCK_SIZE)
     runner.allocate_kv_cache(32)
     prefill, decode = _prefill_then_decode_plans(prompt_len=12, num_decodes=3)
     return [runner.execute(prefill), runner.execute(decode)]  # logits [1, V] and [3, V], fp32
