@@ -1,13 +1,27 @@
-"""Device memory without a GPU: region packing, and the VMM region's bookkeeping over a fake driver."""
+"""Device memory without a GPU: parameters and the KV cache placed once in regions, region packing, and the VMM
+region's bookkeeping over a fake driver."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.loader.hf_config import load_hf_config
+from tidal.worker.loader.model_loader import build_model, load_model
 from tidal.worker.memory import cuda_vmm
+from tidal.worker.memory.kv_region import KVCacheRegion
 from tidal.worker.memory.layout import ALIGNMENT, check_tiling, pack
+from tidal.worker.memory.parameters import place_parameters
+from tidal.worker.memory.provider import TorchMemory
 from tidal.worker.memory.regions import VmmRegion
+from tidal.worker.models.base import CausalLM
+from tidal.worker.testing.hf_reference import prompt_ids
+
+CPU = torch.device("cpu")
 
 
 def test_pack_aligns_and_tiling_is_checked():
@@ -17,6 +31,74 @@ def test_pack_aligns_and_tiling_is_checked():
     assert check_tiling([("x", 0, 10), ("y", 256, 300), ("z", 768, 1)], covered) == []
     assert check_tiling([("x", 0, 10), ("y", 5, 300)], covered)[0] == "x and y overlap"
     assert "cover" in check_tiling([("x", 0, 10)], covered)[0]
+
+
+def _inside(tensor: torch.Tensor, region: object) -> bool:
+    return 0 <= tensor.data_ptr() - region.data_ptr() < region.nbytes  # type: ignore[attr-defined]
+
+
+def test_a_model_built_on_meta_gets_its_parameters_in_one_region_and_its_buffers_on_the_device(tiny_model):
+    hf_config = load_hf_config(tiny_model("qwen2", tie_embeddings=True))
+    model, region = build_model(hf_config, torch.float32, CPU, TorchMemory())
+    params = list(model.parameters())
+    assert all(p.device == CPU and _inside(p, region) for p in params)
+    assert region.nbytes == pack([p.numel() * p.element_size() for p in params])[1]
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: still one Parameter
+    assert all(not p.requires_grad for p in params)
+    rotary = model.model.layers[0].self_attn.rotary_emb
+    built_here = type(rotary)(*rotary._cache_args[:4], True, torch.float32, CPU)
+    assert torch.equal(rotary.cos_sin_cache, built_here.cos_sin_cache)  # computed, not left empty
+
+
+def test_only_a_module_built_on_meta_is_placed_and_every_buffer_must_be_built():
+    with pytest.raises(ValueError, match="meta device"):
+        place_parameters(nn.Linear(2, 2), TorchMemory(), CPU)
+
+    class Opaque(nn.Module):  # a derived buffer that nothing knows how to compute
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.empty(4, device="meta"))
+
+    holder = nn.Module()  # the method needs nothing of a CausalLM but its modules
+    holder.inner = Opaque()
+    with pytest.raises(RuntimeError, match="table"):
+        CausalLM.materialize_buffers(holder, CPU)  # type: ignore[arg-type]
+
+
+def test_the_kv_cache_is_views_into_one_zeroed_region_that_survives_a_release():
+    kv = KVCacheRegion(TorchMemory(), num_layers=3, block_shape=(4, 2, 8), num_blocks=5, dtype=torch.float16,
+                       device=CPU)  # fmt: skip
+    assert len(kv.caches) == 3 and all(k.shape == (5, 4, 2, 8) for pair in kv.caches for k in pair)
+    assert all(_inside(t, kv.region) and not t.any() for pair in kv.caches for t in pair)
+    assert kv.usable_blocks == 5 and kv.nbytes == kv.placement.total
+    k0 = kv.caches[0][0]
+    kv.release()
+    assert not kv.is_resident and kv.usable_blocks == 0
+    kv.restore()
+    k0.fill_(1)  # the same view object, over the restored storage
+    assert kv.usable_blocks == 5 and bool((kv.caches[0][0] == 1).all())
+
+
+def test_an_engine_serves_the_same_after_its_regions_were_released_and_restored(tiny_model):
+    model_dir = tiny_model("llama")
+    engine = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=64))
+    prompts = prompt_ids(model_dir)[:3]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    before = [r.output_token_ids for r in engine.generate(prompts, params)]
+    host = engine.runner.weights_memory.tensor.clone()
+    for region in (engine.runner.weights_memory, engine.runner.kv_memory):
+        region.release()
+        region.restore()
+    engine.runner.weights_memory.tensor.copy_(host)
+    engine.reset_prefix_cache()
+    assert engine.runner.recapture_graphs_if_moved() is False  # no graphs on a CPU
+    assert [r.output_token_ids for r in engine.generate(prompts, params)] == before
+
+
+def test_load_model_reads_the_checkpoint_into_the_region(tiny_model):
+    loaded = load_model(tiny_model("llama"), "float32", CPU)
+    assert all(_inside(t, loaded.weights) for t in loaded.model.checkpoint_weights().values())
+    assert isinstance(loaded.memory, TorchMemory)
 
 
 class _FakePhysicalMemory:

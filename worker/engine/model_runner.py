@@ -133,7 +133,7 @@ class ModelRunner:
         is_cuda = self.device.type == "cuda"
         if is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)  # weights (+ the tiny throwaway cache)
+            before = torch.cuda.memory_allocated(self.device)  # + the throwaway cache; the weights unless in VMM
         self._forward(plan, caches)
         del caches
         if is_cuda:
