@@ -4,11 +4,11 @@
     python benchmarks/lifecycle.py --shape tiny --device cpu     # the same steps on a tiny model (minutes -> seconds)
 
 Writes a model directory with random weights (--dir, default a temporary one), builds the engine through the
-lifecycle manager (weights and KV cache in releasable memory, CUDA graphs captured there), then prints: the device
-memory freed by sleep levels 1 and 2 and what stays held; sleep and wake seconds per level; the host<->device copy
-rate of the weights; whether greedy outputs (which replay the CUDA graphs captured before the first sleep) are
-unchanged after each wake; the update-from-disk time and rate with the files in the page cache and evicted from it
-(posix_fadvise DONTNEED); the checksum time; and what recapturing the CUDA graphs would cost.
+lifecycle manager (weights and KV cache allocated in releasable memory, CUDA graphs captured there), then prints:
+the device memory freed by sleep levels 1 and 2 and what stays held; sleep and wake seconds per level; the
+host<->device copy rate of the weights; whether greedy outputs (which replay the CUDA graphs captured before the
+first sleep) are unchanged after each wake; the update-from-disk time and rate with the files in the page cache and
+evicted from it (posix_fadvise DONTNEED); the checksum time; and what recapturing the CUDA graphs would cost.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ async def run(args: argparse.Namespace) -> None:
     await process.runtime.load()
     assert manager.residency is not None
     w, kv, llm = manager.residency.weights, manager.residency.kv, manager.residency.llm
-    line("engine loaded + moved to releasable memory", f"{time.monotonic() - start:.1f}s")
+    line("engine loaded, in releasable memory", f"{time.monotonic() - start:.1f}s")
     line("weights / KV cache", f"{w.nbytes / GiB:.2f} GiB / {kv.nbytes / GiB:.2f} GiB ({type(w.region).__name__})")
     line("CUDA graphs captured", str(llm.runner.decode_graphs is not None))
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.worker.lifecycle import device_memory
-from tidal.worker.lifecycle.device_memory import VmmRegion
+from tidal.worker.memory import regions
+from tidal.worker.memory.regions import VmmRegion
 
 GIB = 2**30
 
@@ -105,7 +105,7 @@ def main() -> None:
         flush=True,
     )
     for chunk_gib in args.chunks_gib:
-        device_memory.VMM_CHUNK_BYTES = chunk_gib * GIB
+        regions.VMM_CHUNK_BYTES = chunk_gib * GIB
         weights = VmmRegion(int(args.weights_gib * GIB), device)
         kv = VmmRegion(int(args.kv_gib * GIB), device)
         for name, seconds in measure(weights, kv, host, args.trials).items():

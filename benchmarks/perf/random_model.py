@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from tidal.worker.loader.hf_config import load_hf_config
-from tidal.worker.loader.model_loader import LoadedModel
+from tidal.worker.loader.model_loader import LoadedModel, build_model
 from tidal.worker.loader.weights import LoadReport
-from tidal.worker.models.registry import resolve_model_class
+from tidal.worker.memory.provider import TorchMemory
 
 
 @torch.no_grad()
@@ -39,16 +39,18 @@ def fill_random_(weights: dict[str, torch.Tensor], seed: int) -> None:
 
 @torch.no_grad()
 def build_random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
-    """Our implementation of the architecture in `model_dir`/config.json, weights drawn on `device`."""
+    """Our implementation of the architecture in `model_dir`/config.json, weights drawn on `device` (plain torch
+    memory, as `LLMEngine.from_config` uses by default)."""
     start = time.monotonic()
     hf_config = load_hf_config(model_dir)
-    model = resolve_model_class(getattr(hf_config, "architectures", None)).from_hf_config(hf_config, dtype, device)
+    memory = TorchMemory()
+    model, region = build_model(hf_config, dtype, device, memory)
     weights = model.checkpoint_weights()
     fill_random_(weights, seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report = LoadReport(len(weights), weight_bytes(model), time.monotonic() - start)
-    return LoadedModel(model.eval(), hf_config, dtype, report)
+    return LoadedModel(model, hf_config, dtype, report, region, memory)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

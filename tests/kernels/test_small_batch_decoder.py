@@ -65,7 +65,7 @@ def _runner(
 
     monkeypatch.setattr(decoder_module, "uses_small_batch_kernels", choose)
     loaded = load_model(model_dir, dtype, device)
-    runner = ModelRunner(loaded.model, loaded.dtype, device, BLOCK_SIZE)
+    runner = ModelRunner(loaded, device, BLOCK_SIZE)
     runner.allocate_kv_cache(32)
     return runner
 

@@ -1,5 +1,6 @@
 """Sleep and wake on a CUDA device: memory really goes back to the device, addresses stay (CUDA graphs captured
-before a sleep replay correctly after it, without recapture). Skipped without CUDA."""
+before a sleep replay correctly after it, without recapture); the weights and the KV cache are allocated once, in
+their regions, and the graphs captured once. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest
-from tidal.worker.lifecycle.device_memory import VmmRegion, allocate_region
+from tidal.worker.engine import cuda_graphs
+from tidal.worker.loader.model_loader import load_model
+from tidal.worker.memory.provider import TorchMemory, VmmMemory
+from tidal.worker.memory.regions import TorchRegion, VmmRegion
 from tidal.worker.testing.hf_reference import prompt_ids
 from tidal.worker.testing.in_process import greedy, running_manager
 
@@ -18,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_vmm_region_gives_memory_back_and_keeps_its_address():
     device = torch.device("cuda", torch.cuda.current_device())
-    region = allocate_region(2 * 2**30, device)
+    region = VmmMemory().region(2 * 2**30, device)
     assert isinstance(region, VmmRegion)
     region.tensor.fill_(7)
     address = region.data_ptr()
@@ -57,9 +61,9 @@ def test_outputs_identical_after_wake_and_graphs_not_recaptured(tiny_model):
 
 
 def test_wake_serves_on_the_first_share_of_the_kv_cache_then_gets_the_rest(tiny_model, monkeypatch):
-    from tidal.worker.lifecycle import resident
+    from tidal.worker.memory import kv_region
 
-    monkeypatch.setattr(resident, "KV_FIRST_SHARE_BYTES", 1)  # one granule per plane: the rest is most of it
+    monkeypatch.setattr(kv_region, "KV_FIRST_SHARE_BYTES", 1)  # one granule per plane: the rest is most of it
     model_dir = tiny_model("llama3")
     prompts = prompt_ids(model_dir)
 
@@ -81,5 +85,75 @@ def test_wake_serves_on_the_first_share_of_the_kv_cache_then_gets_the_rest(tiny_
             await manager.sleep(SleepRequest(level=1))  # and again: a sleep right after a wake joins the fill
             await manager.wake_up(WakeUpRequest())
             assert await greedy(manager, prompts, 16) == before
+
+    asyncio.run(scenario())
+
+
+def _inside(tensor: torch.Tensor, region: object) -> bool:
+    return 0 <= tensor.data_ptr() - region.data_ptr() < region.nbytes  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("memory", [VmmMemory(), TorchMemory()], ids=["vmm", "torch"])
+def test_the_weights_are_allocated_once_in_their_region(tiny_model, memory):
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    loaded = load_model(tiny_model("llama3"), "float32", device, memory)
+    torch.cuda.synchronize()
+    assert isinstance(loaded.weights, VmmRegion if isinstance(memory, VmmMemory) else TorchRegion)
+    assert all(_inside(p, loaded.weights) for p in loaded.model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
+    assert all(b.device.type == "cuda" for b in loaded.model.buffers())
+    torch_weights = loaded.weights.nbytes if isinstance(memory, TorchMemory) else 0  # VMM is not torch's
+    # No second copy of the weights at any time (a checkpoint tensor in transit may add its own size).
+    largest = max(t.numel() * t.element_size() for t in loaded.model.checkpoint_weights().values())
+    peak = torch.cuda.max_memory_allocated(device) - before
+    assert peak <= torch_weights + buffers + largest + 2**20
+
+
+def test_the_engine_captures_graphs_once_and_the_lifecycle_keeps_them(tiny_model, monkeypatch):
+    captures = []
+    capture = cuda_graphs.DecodeGraphs.capture
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", lambda self: captures.append(self) or capture(self))
+    model_dir = tiny_model("llama3")
+
+    async def scenario() -> None:
+        engine = {"device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 512}
+        async with running_manager(model_dir, engine=engine) as manager:
+            assert manager.residency is not None
+            runner = manager.residency.llm.runner
+            assert captures == [runner.decode_graphs]
+            assert manager.residency.kv is runner.kv_memory and isinstance(runner.kv_memory.region, VmmRegion)
+            assert all(_inside(k, runner.kv_memory.region) for k, _ in runner.kv_caches)
+        async with running_manager(model_dir, engine={**engine, "enforce_eager": True}) as manager:
+            assert manager.residency is not None and manager.residency.llm.runner.decode_graphs is None
+
+    asyncio.run(scenario())
+
+
+def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_model, monkeypatch):
+    """Without virtual memory a region may come back elsewhere; the views follow their storage, and the runner
+    recaptures the graphs when an address changed."""
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+
+    async def scenario() -> None:
+        engine = {"device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 512}
+        async with running_manager(model_dir, engine=engine, stable_device_memory=False) as manager:
+            residency = manager.residency
+            assert residency is not None and isinstance(residency.weights.region, TorchRegion)
+            runner = residency.llm.runner
+            before = await greedy(manager, prompts, 16)
+            for level in (1, 2):
+                address = residency.weights.region.data_ptr()
+                await manager.sleep(SleepRequest(level=level))
+                # Takes the block the weights had, so that their restore must land elsewhere.
+                blocker = torch.empty(residency.weights.nbytes, dtype=torch.uint8, device="cuda")
+                await manager.wake_up(WakeUpRequest())
+                del blocker
+                assert residency.weights.region.data_ptr() != address
+                assert runner.decode_graphs is not None
+                assert await greedy(manager, prompts, 16) == before
 
     asyncio.run(scenario())

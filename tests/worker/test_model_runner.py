@@ -23,7 +23,7 @@ def test_follower_runs_the_leaders_plans(tiny_model):
     model_dir = tiny_model("qwen2")
     leader = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=64, block_size=4))
     loaded = load_model(model_dir, "float32", CPU)
-    follower = ModelRunner(loaded.model, loaded.dtype, CPU, block_size=4)
+    follower = ModelRunner(loaded, CPU, block_size=4)
     follower.allocate_kv_cache(64)
     for i, prompt in enumerate(prompt_ids(model_dir)[:4]):
         leader.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=6))

@@ -3,7 +3,8 @@
 Decode steps are many small kernels, so launching them one by one from Python costs more than running them.
 A graph per padded batch size records the whole forward once; a step copies its plan into the graph's static
 input tensors and replays it. Padding rows write nothing (slot -1) and attend to nothing (seq_len 0). The graphs
-hold the KV cache's addresses: the cache must stay where it is while they live (recapture after moving it).
+hold the weights' and the KV cache's addresses: those must stay where they are while the graphs live (the runner
+recaptures them after a restore that moved a region).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 import torch
 
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
-from tidal.worker.engine.kv_cache import KVCaches
 from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
+from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import CausalLM
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Sizing and allocating the paged KV cache (per layer, K and V of [num_blocks, block_size, kv_heads, head_dim])."""
+"""Sizing the paged KV cache (per layer, K and V of [num_blocks, block_size, kv_heads, head_dim]), and the throwaway
+cache of the profiling run. The cache that serves lives in a region (tidal.worker.memory.kv_region)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,19 @@ import logging
 
 import torch
 
+from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
-
-def allocate_kv_caches(
+def throwaway_kv_caches(
     spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
+    """A small cache from torch's allocator for one profiling forward (zeroed, like the serving cache)."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    # Zeroed, so a read of a never-written slot (padding) can't bring NaNs into a masked softmax.
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(spec.num_layers)

@@ -41,6 +41,7 @@ from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
+from tidal.worker.memory.provider import MemoryProvider
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +73,23 @@ class LLMEngine:
         self._num_generated_tokens = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Self:
+    def from_config(cls, config: EngineConfig, memory: MemoryProvider | None = None) -> Self:
+        """`memory`: where the weights and the KV cache are allocated (default: plain torch storage; the lifecycle
+        passes CUDA virtual memory so that they can be released and restored at the same addresses)."""
         device = resolve_device(config.device)
-        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device))
+        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory))
 
     @classmethod
     def from_loaded_model(cls, config: EngineConfig, loaded: LoadedModel) -> Self:
         """An engine around a model whose weights are already on `config.device` (benchmarks fill random weights
-        in memory); the tokenizer and EOS ids still come from `config.model_path`."""
+        in memory); its KV cache comes from the provider that placed the weights. The tokenizer and EOS ids still
+        come from `config.model_path`."""
         device = resolve_device(config.device)
-        weights_device = next(loaded.model.parameters()).device
-        if weights_device.type != device.type:
-            raise EngineConfigError(f"the model's weights are on {weights_device}, the engine runs on {device}")
+        if loaded.weights.device.type != device.type:
+            raise EngineConfigError(f"the model's weights are on {loaded.weights.device}, the engine runs on {device}")
         tokenizer = load_tokenizer(config.model_path)
         max_model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
-        runner = ModelRunner(loaded.model, loaded.dtype, device, config.block_size)
+        runner = ModelRunner(loaded, device, config.block_size)
         runner.allocate_kv_cache(decide_num_kv_blocks(config, runner, max_model_len))
         max_model_len = fit_max_model_len(config, max_model_len, runner.num_kv_blocks)
         if device.type == "cuda" and not config.enforce_eager:

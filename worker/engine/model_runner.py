@@ -1,5 +1,9 @@
 """All device work of a step: turn a StepPlan into tensors, run the model's forward, return logits to sample.
 
+The runner owns the engine's device memory: the weights' region (made by the loader) and the KV cache's region,
+which it takes once from the same memory provider, then captures CUDA graphs over both. The lifecycle releases and
+restores those regions (`weights_memory`, `kv_memory`) but changes nothing here; after a restore that moved them
+(torch storage on CUDA, where virtual memory is unavailable) it asks for `recapture_graphs_if_moved`.
 A follower rank of a group (later) runs `execute` on the plan it receives and ignores the logits.
 """
 
@@ -7,54 +11,85 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
 from tidal.worker.engine.cuda_graphs import DecodeGraphs
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
-from tidal.worker.engine.kv_cache import KVCaches, allocate_kv_caches
+from tidal.worker.engine.kv_cache import throwaway_kv_caches
 from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
-from tidal.worker.models.base import CausalLM
+from tidal.worker.loader.model_loader import LoadedModel
+from tidal.worker.memory.kv_region import KVCacheRegion, KVCaches
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
-        self.model = model
-        self.dtype = dtype
+    def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int) -> None:
+        self.model = loaded.model
+        self.dtype = loaded.dtype
         self.device = device
         self.block_size = block_size
-        self.kv_caches: KVCaches = []
+        self.weights_memory = loaded.weights
+        self._memory = loaded.memory
+        self.kv_memory: KVCacheRegion | None = None
+        self.kv_caches: KVCaches = []  # views into kv_memory, per layer
         self.num_kv_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self._graph_shape: tuple[int, int] | None = None  # (max_num_seqs, max_model_len) the graphs were made for
+        self._graph_addresses: tuple[int, int] | None = None  # the regions' addresses the graphs were captured at
 
     @property
     def bytes_per_block(self) -> int:
         return self.model.kv_cache_spec.bytes_per_block(self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(
-            self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device
-        )
+        """Take the KV cache's region from the memory provider, once."""
+        if self.kv_memory is not None:
+            raise RuntimeError("the KV cache is allocated already")
+        spec = self.model.kv_cache_spec
+        block_shape = (self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_memory = KVCacheRegion(self._memory, spec.num_layers, block_shape, num_blocks, self.dtype, self.device)
+        self.kv_caches = self.kv_memory.caches
         self.num_kv_blocks = num_blocks
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
             num_blocks,
             self.block_size,
-            num_blocks * self.bytes_per_block / 2**20,
+            self.kv_memory.nbytes / 2**20,
+            type(self.kv_memory.region).__name__,
         )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Record decode steps of up to `max_num_seqs` sequences as CUDA graphs (after the KV cache exists)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        if self.kv_memory is None:
+            raise RuntimeError("the KV cache is not allocated")
+        self.decode_graphs = None  # a recapture: the old graphs' pool goes before the new one is taken
         max_blocks = -(-max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks)
         with torch.cuda.device(self.device):
             graphs.capture()
         self.decode_graphs = graphs
+        self._graph_shape = (max_num_seqs, max_model_len)
+        self._graph_addresses = self._memory_addresses()
+
+    def recapture_graphs_if_moved(self) -> bool:
+        """After the regions were restored: capture the graphs again if a region came back at another address
+        (the graphs replay the addresses they were captured at). -> whether it recaptured. Call it between steps."""
+        if self._graph_shape is None or self._graph_addresses == self._memory_addresses():
+            return False
+        start = time.monotonic()
+        self.capture_cuda_graphs(*self._graph_shape)
+        log.info("memory moved across the sleep: CUDA graphs recaptured in %.2fs", time.monotonic() - start)
+        return True
+
+    def _memory_addresses(self) -> tuple[int, int]:
+        kv_address = self.kv_memory.data_ptr() if self.kv_memory is not None else 0
+        return self.weights_memory.data_ptr(), kv_address
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -79,7 +114,7 @@ class ModelRunner:
         num_seqs = max(1, min(num_seqs, num_tokens))
         per_seq = min(max_model_len, -(-num_tokens // num_seqs))
         num_blocks = -(-per_seq // self.block_size)
-        caches = allocate_kv_caches(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
+        caches = throwaway_kv_caches(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
         lens = [per_seq] * num_seqs
         cu = [0]
         for n in lens:
@@ -98,7 +133,7 @@ class ModelRunner:
         is_cuda = self.device.type == "cuda"
         if is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)  # weights (+ the tiny throwaway cache)
+            before = torch.cuda.memory_allocated(self.device)  # + the throwaway cache; the weights unless in VMM
         self._forward(plan, caches)
         del caches
         if is_cuda:

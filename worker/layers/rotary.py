@@ -26,14 +26,23 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.is_neox = is_neox
-        # A buffer, not a checkpoint tensor: derived from the config, never loaded.
-        cache = build_cos_sin_cache(rotary_dim, max_position, base, rope_scaling, dtype, device)
+        self._cache_args = (rotary_dim, max_position, base, rope_scaling, dtype)
+        # A buffer, not a checkpoint tensor: derived from the config, never loaded. On the meta device (a model
+        # whose weights are placed afterwards) only its shape, until `build_buffers`.
+        if device.type == "meta":
+            cache = torch.empty((max_position, rotary_dim), dtype=dtype, device=device)
+        else:
+            cache = build_cos_sin_cache(*self._cache_args, device)
         self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_position, rotary_dim]
 
     @property
     def rotary_dim(self) -> int:
         """How many dims of each head rotate (all of them unless the config rotates part of a head)."""
         return self.cos_sin_cache.shape[1]
+
+    def build_buffers(self, device: torch.device) -> None:
+        """Compute the cos/sin cache on `device` (for a module built on the meta device)."""
+        self.cos_sin_cache = build_cos_sin_cache(*self._cache_args, device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], rotated in place."""

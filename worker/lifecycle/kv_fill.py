@@ -1,10 +1,11 @@
 """Mapping the rest of the KV cache after a wake, while the engine already serves on its first share.
 
-Creating device memory does not overlap the weights' copy (kv_placement.py says why the wake splits the cache), so
-the wake maps a first share of every layer's K and V, serving resumes on those blocks, and this thread maps the
-remainder; only when all of it is mapped does the block manager get the remaining blocks, between two steps. A sleep
-joins the thread before it releases the region. If the memory is no longer there (another process took it while
-this one slept), the worker keeps serving on the first share and says so in the log; the next wake tries again.
+Creating device memory does not overlap the weights' copy (memory/kv_placement.py says why the wake splits the
+cache), so the wake maps a first share of every layer's K and V, serving resumes on those blocks, and this thread
+maps the remainder; only when all of it is mapped does the block manager get the remaining blocks, between two
+steps. A sleep joins the thread before it releases the region. If the memory is no longer there (another process
+took it while this one slept), the worker keeps serving on the first share and says so in the log; the next wake
+tries again.
 """
 
 from __future__ import annotations

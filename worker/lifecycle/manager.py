@@ -49,6 +49,7 @@ from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import StageReport
 from tidal.worker.lifecycle.uploads import Upload, Uploads
 from tidal.worker.lifecycle.validation import Candidate, find_problems
+from tidal.worker.memory.provider import memory_provider
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +71,15 @@ class LifecycleManager:
 
     # ----- loading (blocking, on the loader thread) -----
     def load_engine(self, engine_config: EngineConfig) -> AsyncEngine:
-        """Build the engine, move its weights and KV cache into releasable memory, capture CUDA graphs there."""
+        """Build the engine with its weights and KV cache in releasable memory (CUDA virtual memory where
+        `stable_device_memory` asks for it and the driver offers it), and bind the lifecycle to those regions."""
         if torch.cuda.is_available():
             # Long-lived small tensors (rotary caches) must not be carved out of big cached blocks left by earlier
             # work: they would pin those whole segments through every sleep (measured: ~4 GiB on an H200).
             torch.cuda.empty_cache()
-        llm = LLMEngine.from_config(engine_config.model_copy(update={"enforce_eager": True}))
-        residency = Residency(
-            llm, engine_config.model_path, self.config.weights_version, self.config.stable_device_memory,
-            capture_graphs=not engine_config.enforce_eager,
-        )  # fmt: skip
+        memory = memory_provider(stable_addresses=self.config.stable_device_memory)
+        llm = LLMEngine.from_config(engine_config, memory)
+        residency = Residency(llm, engine_config.model_path, self.config.weights_version)
         weights_path = self.config.weights_path
         if weights_path is not None and weights_path.resolve() != engine_config.model_path.resolve():
             residency.load_initial(weights_path)

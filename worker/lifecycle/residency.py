@@ -1,6 +1,7 @@
 """What of the model is on the device, and the blocking moves between those states.
 
-Weights and KV cache live in releasable regions (`resident`), and the weights have a host buffer of the same layout.
+The engine allocated its weights and KV cache in releasable regions (tidal.worker.memory); this class releases and
+restores them, and keeps the weights' host buffer of the same layout (`resident`).
 `_host_valid` says whether that buffer holds exactly the served weights. Every update stages the whole new
 checkpoint in the buffer after checking all of it, while the old weights keep serving (asleep at level 1, where the
 buffer is the served copy, through a spare buffer); only then are new requests held, running ones drained or
@@ -11,7 +12,6 @@ Each method blocks (copies, file reads, a collective): the manager calls them of
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -24,10 +24,9 @@ from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
-from tidal.worker.lifecycle.device_memory import allocate_region
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.lifecycle.kv_fill import KVFill
-from tidal.worker.lifecycle.resident import ResidentKVCache, ResidentWeights, free_cached_device_memory
+from tidal.worker.lifecycle.resident import ResidentWeights, free_cached_device_memory
 from tidal.worker.lifecycle.staging import (
     StageReport,
     check_file_tensors,
@@ -43,30 +42,22 @@ ALL_TAGS = (ResidentTag.WEIGHTS, ResidentTag.KV_CACHE)
 
 
 class Residency:
-    def __init__(
-        self, llm: LLMEngine, model_path: Path, version: str, stable_memory: bool, capture_graphs: bool
-    ) -> None:
-        """Move `llm`'s weights and KV cache into releasable memory (then capture CUDA graphs there)."""
+    def __init__(self, llm: LLMEngine, model_path: Path, version: str) -> None:
+        """Act on `llm`'s memory: its weights' and KV cache's regions, as the engine allocated them."""
         runner = llm.runner
-        make_region = functools.partial(allocate_region, prefer_stable=stable_memory)
-        runner.decode_graphs = None
-        runner.kv_caches = []  # the weights move first, into the room the KV cache leaves
-        free_cached_device_memory(runner.device, collect=True)
+        if runner.kv_memory is None:
+            raise RuntimeError("the engine has no KV cache")
         self.llm = llm
-        self.weights = ResidentWeights(runner.model, runner.device, make_region)
-        self.kv = ResidentKVCache(runner, make_region)
+        self.weights = ResidentWeights(runner.model, runner.weights_memory)
+        self.kv = runner.kv_memory
         self.expected = expected_tensors(self.weights, model_path)
         self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
         self.version = version
         self.version_source: Path | None = model_path  # where the served version can be re-read (None: not on disk)
         self.sleep_level: int | None = None
         self._host_valid = False
-        self._graph_addresses: tuple[int, int] | None = None
         self.last_wake_phases: dict[str, float] = {}  # seconds of each part of the last wake, for the logs
         self.kv_fill = KVFill(self.kv, lambda: self._engine().between_steps())
-        if capture_graphs and runner.device.type == "cuda":
-            runner.capture_cuda_graphs(llm.config.max_num_seqs, llm.max_model_len)
-            self._graph_addresses = self._region_addresses()
 
     def load_initial(self, weights_path: Path) -> None:
         """Serve `weights_path` instead of the model directory's weights (before the engine starts)."""
@@ -151,7 +142,7 @@ class Residency:
             lap("wait for the copy")
             if not (self.weights.is_resident and self.kv.is_resident):
                 return num_bytes  # still asleep: serving needs both
-            self._recapture_graphs_if_moved()
+            llm.runner.recapture_graphs_if_moved()  # torch storage on CUDA may come back elsewhere
             llm.block_manager.set_num_usable(self.kv.usable_blocks)
             lap("block pool")
         self.sleep_level = None
@@ -169,17 +160,6 @@ class Residency:
             )
         log.info("reloading version %s from %s after a level-2 sleep", self.version, self.version_source)
         return self.stage_from_disk(self.version_source, allow_extra=True).num_bytes
-
-    def _recapture_graphs_if_moved(self) -> None:
-        if self._graph_addresses is None or self._graph_addresses == self._region_addresses():
-            return
-        start = time.monotonic()
-        self.llm.runner.capture_cuda_graphs(self.llm.config.max_num_seqs, self.llm.max_model_len)
-        self._graph_addresses = self._region_addresses()
-        log.info("memory moved across the sleep: CUDA graphs recaptured in %.2fs", time.monotonic() - start)
-
-    def _region_addresses(self) -> tuple[int, int]:
-        return self.weights.region.data_ptr(), self.kv.region.data_ptr()
 
     # ----- weight updates: stage (checked, into the host buffer), then apply -----
     def stage_from_disk(self, source: Path, allow_extra: bool) -> StageReport:

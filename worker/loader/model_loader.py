@@ -1,4 +1,9 @@
-"""Loading a local Hugging Face model directory: config, our model implementation, weights and tokenizer."""
+"""Loading a local Hugging Face model directory: config, our model implementation, weights and tokenizer.
+
+The model is built on the meta device, its parameters are bound to their one place in a region from the engine's
+memory provider, its derived buffers are computed on the device, and only then is the checkpoint read into the
+parameters: the weights are allocated once, where they stay.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from tidal.worker.loader.errors import MissingModelFileError, ModelLoadError
 from tidal.worker.loader.hf_config import load_hf_config, resolve_dtype
 from tidal.worker.loader.safetensors_files import checkpoint_files
 from tidal.worker.loader.weights import LoadReport, load_checkpoint_into
+from tidal.worker.memory.parameters import place_parameters
+from tidal.worker.memory.provider import MemoryProvider, TorchMemory
+from tidal.worker.memory.regions import DeviceRegion
 from tidal.worker.models.base import CausalLM
 from tidal.worker.models.registry import resolve_model_class
 
@@ -25,19 +33,34 @@ class LoadedModel:
     hf_config: PretrainedConfig
     dtype: torch.dtype
     report: LoadReport
+    weights: DeviceRegion  # where every parameter lives (views into it)
+    memory: MemoryProvider  # made `weights`; the engine takes its KV cache from it too
 
 
-def load_model(model_path: Path, dtype: str, device: torch.device) -> LoadedModel:
-    hf_config = load_hf_config(model_path)
+def build_model(
+    hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, memory: MemoryProvider
+) -> tuple[CausalLM, DeviceRegion]:
+    """Our implementation of `hf_config`'s architecture, its parameters placed (uninitialised) in one region from
+    `memory`, its buffers computed on `device`. -> the model (in eval mode) and the weights' region."""
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    log.info("building %s (%s) on %s", model_cls.__name__, dtype, device)
+    with torch.no_grad():
+        model = model_cls.from_hf_config(hf_config, dtype, torch.device("meta"))
+        weights = place_parameters(model, memory, device)
+        model.materialize_buffers(device)
+    return model.eval(), weights
+
+
+def load_model(model_path: Path, dtype: str, device: torch.device, memory: MemoryProvider | None = None) -> LoadedModel:
+    """`memory`: where the weights go (default: plain torch storage)."""
+    memory = memory or TorchMemory()
+    hf_config = load_hf_config(model_path)
     files = checkpoint_files(model_path)
     torch_dtype = resolve_dtype(dtype, hf_config)
-    log.info("building %s (%s) on %s from %s", model_cls.__name__, torch_dtype, device, model_path)
+    model, weights = build_model(hf_config, torch_dtype, device, memory)
+    log.info("loading %s into %.2f GiB (%s)", model_path, weights.nbytes / 2**30, type(weights).__name__)
     with torch.no_grad():
-        model = model_cls.from_hf_config(hf_config, torch_dtype, device)
-    targets = model.checkpoint_weights()
-    with torch.no_grad():
-        report = load_checkpoint_into(files, targets, model.ignored_checkpoint_tensor)
+        report = load_checkpoint_into(files, model.checkpoint_weights(), model.ignored_checkpoint_tensor)
     log.info(
         "loaded %d tensors (%.1f MiB) from %d file(s) in %.2fs",
         report.num_tensors,
@@ -45,7 +68,7 @@ def load_model(model_path: Path, dtype: str, device: torch.device) -> LoadedMode
         len(files),
         report.seconds,
     )
-    return LoadedModel(model.eval(), hf_config, torch_dtype, report)
+    return LoadedModel(model, hf_config, torch_dtype, report, weights, memory)
 
 
 def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Self
+from typing import Protocol, Self, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,13 +27,22 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+@runtime_checkable
+class BuildsBuffers(Protocol):
+    """A layer whose buffers are derived from its configuration (a rotary cache): built on the meta device with
+    their shapes only, it computes them on the real device once the model's weights have their place."""
+
+    def build_buffers(self, device: torch.device) -> None: ...
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only model assembled from tidal.worker.layers."""
 
     @classmethod
     @abstractmethod
     def from_hf_config(cls, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Self:
-        """Allocate (uninitialised) weights for `hf_config`; the loader fills them."""
+        """Build the model for `hf_config`. The loader builds it on the meta device, gives its parameters their
+        place (tidal.worker.memory.parameters) and fills them; buffers come from `materialize_buffers`."""
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -58,3 +67,13 @@ class CausalLM(nn.Module, ABC):
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime."""
         return collect_checkpoint_tensors(self)
+
+    def materialize_buffers(self, device: torch.device) -> None:
+        """Compute every derived buffer on `device` (after a build on the meta device); every buffer must have
+        memory afterwards."""
+        for module in self.modules():
+            if isinstance(module, BuildsBuffers):
+                module.build_buffers(device)
+        left = [name for name, buffer in self.named_buffers() if buffer.is_meta]
+        if left:
+            raise RuntimeError(f"buffers {left[:3]} have no memory: their layer must implement build_buffers")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tidal.worker.lifecycle.kv_placement import packed_kv, place_kv
+from tidal.worker.memory.kv_placement import packed_kv, place_kv
 
 MIB = 2**20
 

@@ -4,19 +4,17 @@ A region is one flat uint8 tensor; the weights and the KV cache live as views in
 at once and the views stay valid Python objects. On CUDA the region is reserved through the driver's virtual memory
 API (`VmmRegion`): a restore maps new physical memory at the same addresses, so CUDA graphs captured before a sleep
 replay correctly after it. Elsewhere (CPU, or where the driver API is not usable) `TorchRegion` resizes the tensor's
-storage to nothing and back; its addresses may change, and the owner recaptures what depends on them.
+storage to nothing and back: the storage object stays, so every view follows it, but its address may change, and
+the engine recaptures its CUDA graphs (`ModelRunner.recapture_graphs_if_moved`).
 """
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 
 import torch
 
-from tidal.worker.lifecycle import cuda_vmm
-
-log = logging.getLogger(__name__)
+from tidal.worker.memory import cuda_vmm
 
 # Physical memory is created in pieces of this size: a large cache need not find one contiguous piece.
 VMM_CHUNK_BYTES = 2 * 2**30
@@ -218,16 +216,3 @@ class VmmRegion(DeviceRegion):
             raise RuntimeError("restore_rest before restore")
         cuda_vmm.make_current(self._index)
         self._map_pieces(len(self._pieces))
-
-
-def allocate_region(
-    nbytes: int, device: torch.device, prefer_stable: bool = True, pieces: list[tuple[int, int]] | None = None
-) -> DeviceRegion:
-    """A VmmRegion on CUDA when the driver API works, else a TorchRegion (logged: its addresses can move; it maps
-    whole, whatever `pieces` says)."""
-    if device.type == "cuda" and prefer_stable:
-        try:
-            return VmmRegion(nbytes, device, pieces)
-        except (cuda_vmm.CudaDriverError, RuntimeError, TypeError) as err:
-            log.warning("CUDA virtual memory unavailable (%s): addresses will move across sleep", err)
-    return TorchRegion(nbytes, device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.worker.lifecycle.layout import align_up
+from tidal.worker.memory.layout import align_up
 
 
 @dataclass(frozen=True)
