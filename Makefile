@@ -16,7 +16,7 @@ binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm
 	@bash hack/build-binaries.sh
 
 lint: env
-	@$(ENV) ruff check . && ruff format --check .
+	@$(ENV) ruff check . && ruff format --check . && python hack/typecheck.py
 
 format: env
 	@$(ENV) ruff format . && ruff check --fix .

@@ -5,11 +5,11 @@ from datetime import datetime
 
 from pydantic import BaseModel, SecretStr
 
+from tidal.contract.control_api import SleepState, WorkerState
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.builders.networkpolicy import OperatorIdentity
 from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation
-from tidal.contract.control_api import SleepState, WorkerState
 
 
 class PlanInput(BaseModel):

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tidal.operator.api import constants as c
 from tidal.contract.control_api import WorkerState
+from tidal.operator.api import constants as c
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 CRASH_LOOP_REASON = "CrashLoopBackOff"

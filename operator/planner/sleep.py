@@ -4,11 +4,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from tidal.contract.control_api import SleepState, WorkerState
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.status import Condition
 from tidal.operator.planner.actions import Action, SleepRank, WakeRank
 from tidal.operator.planner.facts import Facts
-from tidal.contract.control_api import SleepState, WorkerState
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 
