@@ -7,7 +7,7 @@ ENV := source hack/env.sh &&
 
 help:
 	@echo "make demo   - local control plane, helm install, an example tiny model, a request, kubectl get"
-	@echo "make test   - install what is missing, ruff, then every test tier (unit, kernels, worker, e2e)"
+	@echo "make test   - install what is missing, ruff and mypy, then every test tier (unit, kernels, worker, e2e)"
 
 env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
 	@bash hack/bootstrap-python.sh
@@ -16,7 +16,7 @@ binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm
 	@bash hack/build-binaries.sh
 
 lint: env
-	@$(ENV) ruff check . && ruff format --check .
+	@$(ENV) ruff check . && ruff format --check . && python hack/typecheck.py
 
 format: env
 	@$(ENV) ruff format . && ruff check --fix .

@@ -19,7 +19,7 @@ from tidal.devcluster.config import ClusterConfig, resolve_binaries
 from tidal.devcluster.nodeagent.faults import inject_local
 from tidal.devcluster.nodeagent.layout import container_log
 
-PodPredicate = Callable[[dict], bool]
+PodPredicate = Callable[[dict[str, Any]], bool]
 
 
 class DevCluster:
@@ -69,7 +69,9 @@ class DevCluster:
     def create_namespace(self, prefix: str = "e2e", timeout_s: float = 30) -> str:
         stem = re.sub(r"[^a-z0-9-]+", "-", prefix.lower())[:40].strip("-") or "e2e"
         name = f"{stem}-{uuid.uuid4().hex[:6]}"
-        self.core.create_namespace({"metadata": {"name": name, "labels": {"tidal.dev/e2e": "true"}}})
+        # A plain manifest: the client sends a dict as it is, though its annotation names V1Namespace.
+        manifest: Any = {"metadata": {"name": name, "labels": {"tidal.dev/e2e": "true"}}}
+        self.core.create_namespace(manifest)
         # Pods are refused until the ServiceAccount controller has made the namespace's `default` account.
         w = watch.Watch()
         for _ in w.stream(
@@ -88,10 +90,10 @@ class DevCluster:
     # -- pods --------------------------------------------------------------------------------------------------
     def wait_pod(
         self, namespace: str, name: str, predicate: PodPredicate, timeout_s: float = 60, what: str = ""
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Watch one pod until predicate(pod as a dict) holds; returns that pod, or fails with its last state."""
         deadline = time.monotonic() + timeout_s
-        last: dict | None = None
+        last: dict[str, Any] | None = None
         while time.monotonic() < deadline:
             w = watch.Watch()
             for event in w.stream(
@@ -142,7 +144,7 @@ class DevCluster:
         return inject_local(self.info.pods_dir, namespace, name, action, container)
 
 
-def is_ready(pod: dict) -> bool:
+def is_ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
@@ -152,7 +154,7 @@ def phase_is(*phases: str) -> PodPredicate:
 
 
 def restart_count_at_least(n: int, container: int = 0) -> PodPredicate:
-    def check(pod: dict) -> bool:
+    def check(pod: dict[str, Any]) -> bool:
         statuses = pod.get("status", {}).get("containerStatuses", [])
         return len(statuses) > container and statuses[container].get("restartCount", 0) >= n
 

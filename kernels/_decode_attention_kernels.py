@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels for paged decode attention: one program per (sequence, KV head, context split) computes all query
 heads of that KV head's group at once, so each K/V tile is read from memory once for the whole group. With more than
 one split, a second kernel merges the splits' partial results by their log-sum-exp."""

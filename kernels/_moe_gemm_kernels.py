@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels for the MoE expert computation over rows sorted by expert (see `_moe_routing_kernels`).
 
 `grouped_gemm_kernel` multiplies each BLOCK_M block of sorted rows by its expert's weight matrix. Pass 1

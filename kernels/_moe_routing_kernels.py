@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels that prepare the MoE grouped GEMMs: top-k softmax routing, and sorting the (token, k) pairs by
 expert into BLOCK_M-aligned segments so that every M-block of the GEMMs belongs to exactly one expert."""
 

@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernel for causal prefill/extend attention over the paged KV cache (flash-attention style online softmax).
 
 Grid: (tile slots, query-head groups), or its transpose. The new tokens of B sequences (packed) are cut per sequence

@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Triton kernels of the small-batch projections (wrappers: small_batch_linear, small_batch_qkv). One program computes
 BLOCK_N outputs (or two tiles of BLOCK_N at a fixed distance: gate and up, or the two halves of a rotary pair) of every
 row over the whole K, then runs its epilogue."""

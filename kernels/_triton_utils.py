@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Small @triton.jit helpers shared by the attention and MoE kernels."""
 
 import triton

@@ -99,7 +99,7 @@ def fused_moe_experts_reference(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     flat_ids = topk_ids.reshape(-1).long()  # [T * k]
     flat_weights = topk_weights.reshape(-1).float()
-    for expert in flat_ids.unique().tolist():
+    for expert in torch.unique(flat_ids).tolist():
         picks = (flat_ids == expert).nonzero().squeeze(1)  # [n] indices into T * k
         tokens = picks // topk_ids.shape[1]
         gate_up = hidden[tokens].float() @ w13[expert].float().t()  # [n, 2I]

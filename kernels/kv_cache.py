@@ -1,4 +1,5 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Writing new K/V rows into the paged cache: the torch reference, the Triton kernel and the dispatching entry point.
 
 Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is

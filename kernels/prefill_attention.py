@@ -95,7 +95,8 @@ def paged_prefill_attention_reference(
 def batch_lanes(batch: int) -> int:
     """Lanes of the kernel's sequence lookup: a power of two, at least MIN_BATCH_LANES so that one compiled kernel
     serves every batch of up to that many sequences (a constexpr: each new value compiles the kernel again)."""
-    return max(MIN_BATCH_LANES, triton.next_power_of_2(batch))
+    lanes: int = triton.next_power_of_2(batch)  # triton is untyped
+    return max(MIN_BATCH_LANES, lanes)
 
 
 def paged_prefill_attention_triton(

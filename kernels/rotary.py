@@ -1,8 +1,10 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
+# mypy: disable-error-code="no-untyped-def"
 """Rotary position embedding: the cos/sin cache (default, linear and Llama-3 scaling), the torch reference rotation,
 the Triton kernel and the dispatching entry point. Both rotation styles: neox (rotate halves) and GPT-J (pairs)."""
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -20,14 +22,14 @@ from tidal.kernels._validate import (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def _rope_type(rope_scaling: dict | None) -> str:
+def _rope_type(rope_scaling: dict[str, Any] | None) -> str:
     if not rope_scaling:
         return "default"
     # transformers writes "rope_type"; older configs wrote "type".
     return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths are slowed by `factor`, short ones kept, the band between is
     interpolated linearly in 1/wavelength."""
     try:
@@ -50,7 +52,7 @@ def build_cos_sin_cache(
     rotary_dim: int,
     max_position: int,
     base: float,
-    rope_scaling: dict | None,
+    rope_scaling: dict[str, Any] | None,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:

@@ -68,7 +68,7 @@ def qkv_rope_store_reference(
     projection is `linear_rows` (RMSNorm folded in when norm_partials is given)."""
     head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
     qkv = linear_rows_reference(a, weight, bias, norm_partials, eps)  # [M, (Hq + 2 Hkv) * D]
-    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    q, k, v = torch.split(qkv, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     q = q.reshape(-1, num_q_heads, head_dim).clone()
     k = k.reshape(-1, num_kv_heads, head_dim).clone()
     v = v.reshape(-1, num_kv_heads, head_dim)

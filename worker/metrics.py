@@ -27,14 +27,21 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 
 
 class EngineStatsLike(Protocol):
-    """What the scrape reads from the engine (tidal.worker.engine's EngineStats satisfies it)."""
+    """What the scrape reads from the engine (tidal.worker.engine's EngineStats satisfies it). Read-only members:
+    EngineStats is frozen."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    num_preemptions: int
-    num_prefix_cache_hit_tokens: int
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def num_prefix_cache_hit_tokens(self) -> int: ...
 
 
 class _EngineCollector(Collector):

@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import yaml
 from kubernetes.client.exceptions import ApiException
@@ -80,7 +81,7 @@ class NodeAgent:
                 self._sync(obj)
         self._reap()
 
-    def _sync_all(self, pods: list[dict]) -> None:
+    def _sync_all(self, pods: list[dict[str, Any]]) -> None:
         seen = {pod["metadata"]["uid"] for pod in pods}
         for uid in list(self.workers):
             if uid not in seen:
@@ -89,7 +90,7 @@ class NodeAgent:
             self._sync(pod)
         self._reap()
 
-    def _sync(self, pod: dict) -> None:
+    def _sync(self, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         worker = self.workers.get(uid)
         if worker is None:

@@ -5,6 +5,7 @@ its pod's address is reachable at that address from every local process, and two
 """
 
 import threading
+from typing import Any
 
 
 class AddressPool:
@@ -70,12 +71,12 @@ def visible_devices(indices: list[int], agent_visible: str | None) -> str:
     return ",".join(host[i] if i < len(host) else str(i) for i in indices)
 
 
-def container_gpus(container: dict) -> int:
+def container_gpus(container: dict[str, Any]) -> int:
     """nvidia.com/gpu a container asks for (extended resources: the limit is the request)."""
     resources = container.get("resources", {})
     value = resources.get("limits", {}).get("nvidia.com/gpu") or resources.get("requests", {}).get("nvidia.com/gpu")
     return int(value or 0)
 
 
-def gpu_request(pod: dict) -> int:
+def gpu_request(pod: dict[str, Any]) -> int:
     return sum(container_gpus(c) for c in pod.get("spec", {}).get("containers", []))

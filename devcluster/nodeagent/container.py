@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tidal.devcluster.nodeagent.lifecycle import (
     ContainerRecord,
@@ -47,7 +48,7 @@ class LaunchPlan:
 
 @dataclass
 class ContainerSlot:
-    spec: dict
+    spec: dict[str, Any]
     record: ContainerRecord
     log_path: Path
     previous_log_path: Path
@@ -70,15 +71,16 @@ class ContainerSlot:
 
     @property
     def name(self) -> str:
-        return self.spec["name"]
+        name: str = self.spec["name"]
+        return name
 
     @property
     def has_run(self) -> bool:
         return self.process is not None or "terminated" in self.record.state or bool(self.record.last_state)
 
-    @property
-    def succeeded(self) -> bool:
-        """Ran to completion with exit code 0 and will not run again (what an init container must do)."""
+    def has_succeeded(self) -> bool:
+        """Ran to completion with exit code 0 and will not run again (what an init container must do). A method, not
+        a property: step() changes the answer, and a checker would otherwise carry an earlier answer across it."""
         return self.next_start == NEVER and self.record.state.get("terminated", {}).get("exitCode") == 0
 
     def wants_start(self, now: float) -> bool:
@@ -181,7 +183,7 @@ class ContainerSlot:
         self.process.terminate()
         self.kill_deadline = now + self.kill_grace_s
 
-    def _finish_run(self, terminated: dict, now: float, started_mono: float) -> None:
+    def _finish_run(self, terminated: dict[str, Any], now: float, started_mono: float) -> None:
         self.record.ready = False
         self.record.started = False
         self.probes = {}

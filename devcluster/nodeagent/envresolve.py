@@ -5,6 +5,7 @@ import math
 import re
 from collections.abc import Callable
 from decimal import Decimal
+from typing import Any
 
 # (namespace, name) -> data (secret values already base64-decoded), or None when the object does not exist.
 Lookup = Callable[[str, str], dict[str, str] | None]
@@ -38,9 +39,9 @@ def decode_secret(data: dict[str, str] | None) -> dict[str, str]:
 _LABEL_PATH = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
 
 
-def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
+def field_ref(pod: dict[str, Any], path: str, pod_ip: str, host_ip: str) -> str:
     meta, spec = pod.get("metadata", {}), pod.get("spec", {})
-    simple = {
+    simple: dict[str, str] = {
         "metadata.name": meta.get("name", ""),
         "metadata.namespace": meta.get("namespace", ""),
         "metadata.uid": meta.get("uid", ""),
@@ -55,14 +56,15 @@ def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
         return simple[path]
     match = _LABEL_PATH.match(path)
     if match:
-        return meta.get(match.group(1), {}).get(match.group(2), "")
+        value: str = meta.get(match.group(1), {}).get(match.group(2), "")
+        return value
     if path in ("metadata.labels", "metadata.annotations"):
         items = meta.get(path.split(".")[1], {})
         return "\n".join(f'{k}="{v}"' for k, v in sorted(items.items()))
     raise EnvError(f"unsupported fieldRef fieldPath {path!r}")
 
 
-_SUFFIX = {
+_SUFFIX: dict[str, int | Decimal] = {
     "": 1,
     "m": Decimal("0.001"),
     "k": 10**3,
@@ -88,7 +90,7 @@ def parse_quantity(text: str) -> Decimal:
     return Decimal(match.group(1)) * Decimal(_SUFFIX[match.group(2)])
 
 
-def resource_field_ref(container: dict, ref: dict, node_allocatable: dict[str, str]) -> str:
+def resource_field_ref(container: dict[str, Any], ref: dict[str, Any], node_allocatable: dict[str, str]) -> str:
     """limits.cpu / requests.memory / ... divided by the divisor and rounded up, as the kubelet reports them."""
     resource = ref.get("resource", "")
     kind, _, name = resource.partition(".")
@@ -105,7 +107,9 @@ def resource_field_ref(container: dict, ref: dict, node_allocatable: dict[str, s
     return str(math.ceil(parse_quantity(value) / divisor))
 
 
-def _value_from(source: dict, pod: dict, container: dict, ctx: "EnvContext") -> str | None:
+def _value_from(
+    source: dict[str, Any], pod: dict[str, Any], container: dict[str, Any], ctx: "EnvContext"
+) -> str | None:
     namespace = pod["metadata"]["namespace"]
     for kind, lookup in (("secretKeyRef", ctx.secret), ("configMapKeyRef", ctx.config_map)):
         ref = source.get(kind)
@@ -142,7 +146,7 @@ class EnvContext:
         self.node_allocatable = node_allocatable
 
 
-def container_env(pod: dict, container: dict, ctx: EnvContext) -> dict[str, str]:
+def container_env(pod: dict[str, Any], container: dict[str, Any], ctx: EnvContext) -> dict[str, str]:
     """envFrom first, then env in order (later entries see earlier ones through $(VAR)), like the kubelet."""
     namespace = pod["metadata"]["namespace"]
     env: dict[str, str] = {}
@@ -161,16 +165,16 @@ def container_env(pod: dict, container: dict, ctx: EnvContext) -> dict[str, str]
                 env[prefix + key] = value
     for item in container.get("env", []):
         if "valueFrom" in item:
-            value = _value_from(item["valueFrom"], pod, container, ctx)
-            if value is None:
+            resolved = _value_from(item["valueFrom"], pod, container, ctx)
+            if resolved is None:
                 continue
-            env[item["name"]] = value
+            env[item["name"]] = resolved
         else:
             env[item["name"]] = expand(item.get("value", ""), env)
     return env
 
 
-def container_argv(container: dict, env: dict[str, str]) -> list[str]:
+def container_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:
     """command + args with $(VAR) expanded; empty when the container relies on its image's entrypoint, which the
     node agent cannot run (there is no image)."""
     if not container.get("command"):

@@ -6,12 +6,13 @@ and both the kubernetes Python client and kopf fall back to $KUBECONFIG, so the 
 
 import time
 from pathlib import Path
+from typing import Any
 
 from tidal.devcluster.kubeconfig import token_kubeconfig, write_kubeconfig
 from tidal.devcluster.nodeagent.kubeapi import NodeApi
 
 
-def wants_token(pod: dict) -> bool:
+def wants_token(pod: dict[str, Any]) -> bool:
     # The pod's own setting wins; the ServiceAccount's automount flag is not consulted (the agent may not read SAs).
     return pod.get("spec", {}).get("automountServiceAccountToken", True) is not False
 
@@ -28,7 +29,7 @@ class PodIdentity:
     def refresh_at(self) -> float:
         return self._refresh_at
 
-    def ensure(self, pod: dict, now: float) -> None:
+    def ensure(self, pod: dict[str, Any], now: float) -> None:
         """Write (or refresh at 80% of its life) the pod's kubeconfig; raises ApiException when the API refuses."""
         if self.path.exists() and now < self._refresh_at:
             return

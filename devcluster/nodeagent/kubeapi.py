@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
@@ -15,8 +16,9 @@ from kubernetes.client.exceptions import ApiException
 from tidal.devcluster.nodeagent.envresolve import decode_secret
 
 
-def _json(response: object) -> dict:
-    return json.loads(response.data)  # type: ignore[attr-defined]
+def _json(response: Any) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads(response.data)
+    return body
 
 
 class NodeApi:
@@ -25,17 +27,19 @@ class NodeApi:
         config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
         self.server = cfg.host
         self.api_client = client.ApiClient(cfg)
-        self.core = client.CoreV1Api(self.api_client)
-        self.coordination = client.CoordinationV1Api(self.api_client)
+        # Any: every call sends plain dicts and reads the raw response (_preload_content=False), which the client's
+        # annotations (its models in, its models out) do not describe.
+        self.core: Any = client.CoreV1Api(self.api_client)
+        self.coordination: Any = client.CoordinationV1Api(self.api_client)
 
     # -- pods --------------------------------------------------------------------------------------------------
-    def list_pods(self, node_name: str) -> tuple[list[dict], str]:
+    def list_pods(self, node_name: str) -> tuple[list[dict[str, Any]], str]:
         body = _json(
             self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node_name}", _preload_content=False)
         )
         return body["items"], body["metadata"]["resourceVersion"]
 
-    def watch_pods(self, node_name: str, resource_version: str, timeout_s: int) -> Iterator[dict]:
+    def watch_pods(self, node_name: str, resource_version: str, timeout_s: int) -> Iterator[dict[str, Any]]:
         """Raw watch events ({type, object}); ends after timeout_s, or on an ERROR event (e.g. 410 Gone)."""
         stream = watch.Watch().stream(
             self.core.list_pod_for_all_namespaces,
@@ -47,7 +51,7 @@ class NodeApi:
         )
         yield from stream
 
-    def patch_pod_status(self, namespace: str, name: str, status: dict) -> None:
+    def patch_pod_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.core.patch_namespaced_pod_status(name, namespace, {"status": status}, _preload_content=False)
 
     def delete_pod_now(self, namespace: str, name: str, uid: str) -> None:
@@ -60,7 +64,7 @@ class NodeApi:
             if exc.status not in (404, 409):
                 raise
 
-    def record_event(self, pod: dict, event_type: str, reason: str, message: str, node_name: str) -> None:
+    def record_event(self, pod: dict[str, Any], event_type: str, reason: str, message: str, node_name: str) -> None:
         meta = pod["metadata"]
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
@@ -103,7 +107,9 @@ class NodeApi:
             raise
         return dict(body.get("data") or {})
 
-    def service_account_token(self, namespace: str, sa: str, pod_name: str, pod_uid: str, seconds: int) -> dict:
+    def service_account_token(
+        self, namespace: str, sa: str, pod_name: str, pod_uid: str, seconds: int
+    ) -> dict[str, Any]:
         body = {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenRequest",
@@ -115,7 +121,7 @@ class NodeApi:
         return _json(self.core.create_namespaced_service_account_token(sa, namespace, body, _preload_content=False))
 
     # -- the node and its lease --------------------------------------------------------------------------------
-    def create_or_update_node(self, node: dict) -> None:
+    def create_or_update_node(self, node: dict[str, Any]) -> None:
         name = node["metadata"]["name"]
         try:
             self.core.create_node(node, _preload_content=False)
@@ -125,13 +131,14 @@ class NodeApi:
             self.core.patch_node(name, {"metadata": {"labels": node["metadata"]["labels"]}}, _preload_content=False)
         self.core.patch_node_status(name, {"status": node["status"]}, _preload_content=False)
 
-    def patch_node_status(self, name: str, status: dict) -> None:
+    def patch_node_status(self, name: str, status: dict[str, Any]) -> None:
         self.core.patch_node_status(name, {"status": status}, _preload_content=False)
 
     def node_uid(self, name: str) -> str:
-        return _json(self.core.read_node(name, _preload_content=False))["metadata"]["uid"]
+        uid: str = _json(self.core.read_node(name, _preload_content=False))["metadata"]["uid"]
+        return uid
 
-    def renew_lease(self, lease: dict) -> None:
+    def renew_lease(self, lease: dict[str, Any]) -> None:
         name, namespace = lease["metadata"]["name"], lease["metadata"]["namespace"]
         try:
             current = _json(self.coordination.read_namespaced_lease(name, namespace, _preload_content=False))

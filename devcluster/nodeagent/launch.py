@@ -6,6 +6,7 @@ additions (HOSTNAME, CUDA_VISIBLE_DEVICES, KUBECONFIG for the pod's identity), t
 
 import os
 from pathlib import Path
+from typing import Any
 
 from tidal.devcluster.nodeagent.allocators import container_gpus, visible_devices
 from tidal.devcluster.nodeagent.container import LaunchPlan
@@ -19,7 +20,12 @@ def base_env(agent_env: dict[str, str]) -> dict[str, str]:
 
 
 def plan_launch(
-    pod: dict, container: dict, ctx: EnvContext, gpu_ids: list[int], kubeconfig: Path | None, workdir: Path
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    ctx: EnvContext,
+    gpu_ids: list[int],
+    kubeconfig: Path | None,
+    workdir: Path,
 ) -> LaunchPlan:
     """Raises EnvError (the container waits with CreateContainerConfigError) when it cannot start yet."""
     env = base_env(dict(os.environ))

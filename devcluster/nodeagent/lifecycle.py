@@ -2,6 +2,7 @@
 
 import datetime as dt
 from dataclasses import dataclass, field
+from typing import Any
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
@@ -17,8 +18,8 @@ class ContainerRecord:
     name: str
     image: str
     restart_count: int = 0
-    state: dict = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
-    last_state: dict = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    last_state: dict[str, Any] = field(default_factory=dict)
     ready: bool = False
     started: bool = False
     container_id: str = ""
@@ -34,7 +35,7 @@ class ContainerRecord:
                 return int(state["terminated"]["exitCode"])
         return None
 
-    def to_status(self) -> dict:
+    def to_status(self) -> dict[str, Any]:
         status = {
             "name": self.name,
             "image": self.image,
@@ -50,7 +51,7 @@ class ContainerRecord:
         return status
 
 
-def carry_over(record: ContainerRecord, previous: dict, pod_start_time: str) -> None:
+def carry_over(record: ContainerRecord, previous: dict[str, Any], pod_start_time: str) -> None:
     """Take over a container's status from an earlier node agent: its restart count, and if it was running,
     the fact that that run has ended (its process went with the old agent)."""
     record.restart_count = int(previous.get("restartCount", 0))
@@ -71,10 +72,12 @@ def backoff_delay(crashes_in_a_row: int, initial_s: float, max_s: float) -> floa
     """Doubling delay before restart n of a crash streak (the kubelet uses 10 s to 5 min; we default shorter)."""
     if crashes_in_a_row <= 0:
         return 0.0
-    return min(max_s, initial_s * 2 ** (crashes_in_a_row - 1))
+    return min(max_s, initial_s * 2.0 ** (crashes_in_a_row - 1))
 
 
-def terminated_state(exit_code: int, started_at: str, finished_at: str, message: str = "", reason: str = "") -> dict:
+def terminated_state(
+    exit_code: int, started_at: str, finished_at: str, message: str = "", reason: str = ""
+) -> dict[str, Any]:
     reason = reason or ("Completed" if exit_code == 0 else "Error")
     state = {"exitCode": exit_code, "reason": reason, "startedAt": started_at, "finishedAt": finished_at}
     if message:
@@ -109,11 +112,13 @@ def pod_phase(records: list[ContainerRecord], restart_policy: str) -> str:
     return "Running"
 
 
-def _condition(ctype: str, ok: bool, previous: dict[str, dict], now: str, reason: str = "", message: str = "") -> dict:
+def _condition(
+    ctype: str, ok: bool, previous: dict[str, dict[str, Any]], now: str, reason: str = "", message: str = ""
+) -> dict[str, Any]:
     status = "True" if ok else "False"
-    old = previous.get(ctype)
+    old = previous.get(ctype) or {}
     # lastTransitionTime moves only when the status flips, so watchers can tell how long a state has held.
-    moved = old is None or old.get("status") != status
+    moved = old.get("status") != status
     cond = {"type": ctype, "status": status, "lastTransitionTime": now if moved else old.get("lastTransitionTime", now)}
     # The status patch merges conditions by type: a key left out keeps its old value, so a condition that turns True
     # would keep the reason and message it had while False. None removes them.
@@ -126,10 +131,10 @@ def pod_conditions(
     records: list[ContainerRecord],
     phase: str,
     readiness_gates: list[str],
-    previous: list[dict],
+    previous: list[dict[str, Any]],
     now: str,
     initialized: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     prev = {c["type"]: c for c in previous}
     terminal = phase in TERMINAL_PHASES
     unready = [r.name for r in records if not r.ready]

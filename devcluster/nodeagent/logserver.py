@@ -11,6 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import cast
 from urllib.parse import parse_qs, urlparse
 
 from tidal.devcluster.nodeagent.layout import PodDirs
@@ -33,7 +34,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _client_cn(self) -> str:
         cert = self.connection.getpeercert() if isinstance(self.connection, ssl.SSLSocket) else None
-        for rdn in (cert or {}).get("subject", ()):
+        # The subject is a tuple of RDNs, each a tuple of (key, value) pairs; the annotation also allows a str.
+        subject = cast("tuple[tuple[tuple[str, str], ...], ...]", (cert or {}).get("subject", ()))
+        for rdn in subject:
             for key, value in rdn:
                 if key == "commonName":
                     return value

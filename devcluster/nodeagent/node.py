@@ -4,6 +4,7 @@ import datetime as dt
 import logging
 import platform
 import threading
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
@@ -23,7 +24,7 @@ def _arch() -> str:
     return {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 
 
-def ready_conditions(now: str, since: str) -> list[dict]:
+def ready_conditions(now: str, since: str) -> list[dict[str, Any]]:
     pressure = [
         {
             "type": t,
@@ -50,7 +51,7 @@ def ready_conditions(now: str, since: str) -> list[dict]:
     return [*pressure, ready]
 
 
-def node_manifest(cfg: AgentConfig, since: str, log_port: int = 0) -> dict:
+def node_manifest(cfg: AgentConfig, since: str, log_port: int = 0) -> dict[str, Any]:
     capacity = {
         "cpu": cfg.cpu,
         "memory": cfg.memory,
@@ -92,7 +93,7 @@ def node_manifest(cfg: AgentConfig, since: str, log_port: int = 0) -> dict:
     }
 
 
-def lease_manifest(node_name: str, node_uid: str) -> dict:
+def lease_manifest(node_name: str, node_uid: str) -> dict[str, Any]:
     renew = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return {
         "apiVersion": "coordination.k8s.io/v1",

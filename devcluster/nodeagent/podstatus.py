@@ -1,6 +1,7 @@
 """A pod's status as the node reports it, composed from its containers' records (pure)."""
 
 from dataclasses import dataclass
+from typing import Any
 
 from tidal.devcluster.nodeagent.lifecycle import ContainerRecord, now_iso, pod_conditions, pod_phase
 from tidal.devcluster.nodeagent.node import HOST_IP
@@ -18,7 +19,7 @@ class PodView:
     start_time: str
 
 
-def compose_status(pod: dict, view: PodView) -> dict:
+def compose_status(pod: dict[str, Any], view: PodView) -> dict[str, Any]:
     if view.init_failed:
         phase = "Failed"
     elif not view.initialized:
@@ -42,7 +43,7 @@ def compose_status(pod: dict, view: PodView) -> dict:
     return status
 
 
-def same_status(new: dict, last: dict | None) -> bool:
+def same_status(new: dict[str, Any], last: dict[str, Any] | None) -> bool:
     """True when patching `new` would change nothing we reported last time.
 
     Transition times are left out: they are computed against the pod object from the watch, which may lag our
@@ -51,7 +52,7 @@ def same_status(new: dict, last: dict | None) -> bool:
     if last is None:
         return False
 
-    def without_times(status: dict) -> dict:
+    def without_times(status: dict[str, Any]) -> dict[str, Any]:
         conditions = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status["conditions"]]
         return {**status, "conditions": conditions}
 

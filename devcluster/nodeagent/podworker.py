@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
@@ -50,7 +51,7 @@ class NodeContext:
 
 
 class PodWorker(threading.Thread):
-    def __init__(self, ctx: NodeContext, pod: dict) -> None:
+    def __init__(self, ctx: NodeContext, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.ctx = ctx
@@ -69,7 +70,7 @@ class PodWorker(threading.Thread):
         self._identity = PodIdentity(ctx.api, ctx.ca_pem, self.dirs.kubeconfig, ctx.cfg.token_seconds)
         self._terminal = pod.get("status", {}).get("phase") in TERMINAL_PHASES
         self._kill_at: float | None = None
-        self._last_status: dict | None = None
+        self._last_status: dict[str, Any] | None = None
         self._start_time = pod.get("status", {}).get("startTime") or now_iso()
         self._applied_faults: set[str] = set()
         self._stopping = False  # the agent is shutting down: start nothing new
@@ -77,7 +78,7 @@ class PodWorker(threading.Thread):
         self._start_lock = threading.Lock()
 
     # -- inputs from other threads -----------------------------------------------------------------------------
-    def update(self, pod: dict) -> None:
+    def update(self, pod: dict[str, Any]) -> None:
         with self._lock:
             self._pod = pod
         self._wake.set()
@@ -145,7 +146,9 @@ class PodWorker(threading.Thread):
                 slot.record.state = {"waiting": {"reason": "PodInitializing"}}
             self._slots.append(slot)
 
-    def _make_slot(self, pod: dict, container: dict, restart_policy: str, previous: dict | None) -> ContainerSlot:
+    def _make_slot(
+        self, pod: dict[str, Any], container: dict[str, Any], restart_policy: str, previous: dict[str, Any] | None
+    ) -> ContainerSlot:
         record = ContainerRecord(container["name"], container.get("image", ""))
         cfg = self.ctx.cfg
         slot = ContainerSlot(
@@ -191,13 +194,13 @@ class PodWorker(threading.Thread):
         slots = self._slots if initialized else self._init_slots
         return min([slot.next_wake() for slot in slots] + [self._identity.refresh_at or NEVER])
 
-    def _step_init(self, pod: dict, now: float) -> bool:
+    def _step_init(self, pod: dict[str, Any], now: float) -> bool:
         """Advance the init containers in order; True once every one has exited 0."""
         for slot in self._init_slots:
-            if slot.succeeded:
+            if slot.has_succeeded():
                 continue
             slot.step(now)
-            if slot.succeeded:
+            if slot.has_succeeded():
                 slot.record.ready = True  # the kubelet reports a completed init container as ready
                 continue
             if slot.wants_start(now) and not self._stopping:
@@ -209,7 +212,7 @@ class PodWorker(threading.Thread):
     def _all_slots(self) -> list[ContainerSlot]:
         return self._init_slots + self._slots
 
-    def _assign_resources(self, pod: dict) -> None:
+    def _assign_resources(self, pod: dict[str, Any]) -> None:
         if pod["spec"].get("hostNetwork"):
             self._pod_ip = HOST_IP  # the node's own address, as for host-network pods on any node
         else:
@@ -218,7 +221,7 @@ class PodWorker(threading.Thread):
             slot.pod_ip = self._pod_ip
         self._gpu_ids = self.ctx.gpus.assign(self.uid, gpu_request(pod))
 
-    def _start(self, slot: ContainerSlot, pod: dict, now: float) -> None:
+    def _start(self, slot: ContainerSlot, pod: dict[str, Any], now: float) -> None:
         kubeconfig = None
         if wants_token(pod):
             try:
@@ -241,7 +244,7 @@ class PodWorker(threading.Thread):
                 return
             slot.start(plan, now)
 
-    def _apply_fault(self, pod: dict) -> None:
+    def _apply_fault(self, pod: dict[str, Any]) -> None:
         value = pod["metadata"].get("annotations", {}).get(FAULT_ANNOTATION)
         if not value or value in self._applied_faults:
             return
@@ -257,12 +260,12 @@ class PodWorker(threading.Thread):
                 log.info("%s: injecting fault %s into %s", self.key, value, slot.name)
                 slot.process.signal(sig)
 
-    def _report(self, pod: dict, initialized: bool) -> None:
+    def _report(self, pod: dict[str, Any], initialized: bool) -> None:
         view = PodView(
             init_records=[slot.record for slot in self._init_slots],
             records=[slot.record for slot in self._slots],
             initialized=initialized,
-            init_failed=any(slot.next_start == NEVER and not slot.succeeded for slot in self._init_slots),
+            init_failed=any(slot.next_start == NEVER and not slot.has_succeeded() for slot in self._init_slots),
             pod_ip=self._pod_ip,
             start_time=self._start_time,
         )
@@ -276,7 +279,7 @@ class PodWorker(threading.Thread):
             self._terminal = True
             self._release()
 
-    def _reject(self, pod: dict, reason: str, message: str) -> None:
+    def _reject(self, pod: dict[str, Any], reason: str, message: str) -> None:
         log.warning("%s: rejected: %s", self.key, message)
         self._event("Warning", reason, message)
         status = {"phase": "Failed", "reason": reason, "message": message, "startTime": self._start_time}
@@ -285,7 +288,7 @@ class PodWorker(threading.Thread):
         self._release()
 
     # -- stopping ----------------------------------------------------------------------------------------------
-    def _terminate(self, pod: dict, now: float, delete_from_api: bool) -> float:
+    def _terminate(self, pod: dict[str, Any], now: float, delete_from_api: bool) -> float:
         running = [s for s in self._all_slots if s.process is not None and not s.process.exited]
         if self._kill_at is None:
             grace = pod["metadata"].get("deletionGracePeriodSeconds")

@@ -3,6 +3,7 @@
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -10,7 +11,7 @@ import httpx
 @dataclass(frozen=True)
 class ProbeSpec:
     kind: str  # "startup" | "liveness" | "readiness"
-    handler: dict  # the httpGet / tcpSocket / exec / grpc part of the probe
+    handler: dict[str, Any]  # the httpGet / tcpSocket / exec / grpc part of the probe
     initial_delay_s: float
     period_s: float
     timeout_s: float
@@ -18,7 +19,7 @@ class ProbeSpec:
     failure_threshold: int
 
     @classmethod
-    def from_container(cls, container: dict, kind: str) -> "ProbeSpec | None":
+    def from_container(cls, container: dict[str, Any], kind: str) -> "ProbeSpec | None":
         probe = container.get(f"{kind}Probe")
         if not probe:
             return None
@@ -67,7 +68,7 @@ class ProbeTracker:
                 self.failed, self.succeeded = True, False
 
 
-def resolve_port(port: int | str, container: dict) -> int:
+def resolve_port(port: int | str, container: dict[str, Any]) -> int:
     if isinstance(port, int) or str(port).isdigit():
         return int(port)
     for declared in container.get("ports", []):
@@ -76,7 +77,7 @@ def resolve_port(port: int | str, container: dict) -> int:
     raise ValueError(f"probe names port {port!r}, which the container does not declare")
 
 
-def run_probe(spec: ProbeSpec, container: dict, pod_ip: str, env: dict[str, str]) -> tuple[bool, str]:
+def run_probe(spec: ProbeSpec, container: dict[str, Any], pod_ip: str, env: dict[str, str]) -> tuple[bool, str]:
     """One attempt against the container at pod_ip; (ok, message)."""
     handler = spec.handler
     try:
@@ -96,7 +97,7 @@ def run_probe(spec: ProbeSpec, container: dict, pod_ip: str, env: dict[str, str]
     return False, f"{spec.kind} probe kind {sorted(handler)} is not supported by the node agent"
 
 
-def _http(get: dict, container: dict, pod_ip: str, timeout_s: float) -> tuple[bool, str]:
+def _http(get: dict[str, Any], container: dict[str, Any], pod_ip: str, timeout_s: float) -> tuple[bool, str]:
     scheme = get.get("scheme", "HTTP").lower()
     host = get.get("host") or pod_ip
     port = resolve_port(get["port"], container)

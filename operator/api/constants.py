@@ -1,9 +1,12 @@
 """Names of the API and of the labels and annotations Tidal puts on the objects it owns."""
 
-GROUP = "tidal.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceModel"
+from typing import Final
+
+GROUP: Final = "tidal.dev"
+VERSION: Final = "v1alpha1"
+# GROUP/VERSION spelled out: as a Final literal it has the type the resource model's apiVersion field accepts.
+API_VERSION: Final = "tidal.dev/v1alpha1"
+KIND: Final = "InferenceModel"
 LIST_KIND = "InferenceModelList"
 PLURAL = "inferencemodels"
 SINGULAR = "inferencemodel"

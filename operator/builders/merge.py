@@ -34,15 +34,15 @@ def merge_values(base: Any, overlay: Any) -> Any:
                 out[key] = copy.deepcopy(value)
         return out
     if _is_named_list(base) and _is_named_list(overlay):
-        out = copy.deepcopy(base)
-        position = {item["name"]: i for i, item in enumerate(out)}
+        items: list[Any] = copy.deepcopy(base)
+        position = {item["name"]: i for i, item in enumerate(items)}
         for item in overlay:
             if item["name"] in position:
-                out[position[item["name"]]] = merge_values(out[position[item["name"]]], item)
+                items[position[item["name"]]] = merge_values(items[position[item["name"]]], item)
             else:
-                position[item["name"]] = len(out)
-                out.append(copy.deepcopy(item))
-        return out
+                position[item["name"]] = len(items)
+                items.append(copy.deepcopy(item))
+        return items
     return copy.deepcopy(overlay)
 
 

@@ -27,7 +27,8 @@ EVENT_SOURCE = "tidal-operator"
 
 
 def _json(resp: Any) -> dict[str, Any]:
-    return json.loads(resp.data)
+    body: dict[str, Any] = json.loads(resp.data)
+    return body
 
 
 class KubeApi:
@@ -55,7 +56,8 @@ class KubeApi:
         resp = await self._call(
             self.core.list_namespaced_pod, namespace, label_selector=f"{c.LABEL_MODEL}={model}", _preload_content=False
         )
-        return _json(resp)["items"]
+        pods: list[dict[str, Any]] = _json(resp)["items"]
+        return pods
 
     async def get_child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         read = {

@@ -36,7 +36,9 @@ class LeaseElector:
         lease_seconds: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._api = coordination
+        # Any: every call sends and receives plain JSON (dict bodies, _preload_content=False), which the client's
+        # annotations (V1Lease in, V1Lease out) do not describe.
+        self._api: Any = coordination
         self.namespace, self.name, self.identity = namespace, name, identity
         self.lease_seconds = lease_seconds
         self._clock = clock

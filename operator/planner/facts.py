@@ -78,7 +78,8 @@ class Facts:
 def gather(inp: PlanInput) -> Facts:
     spec, name = inp.model.spec, inp.model.metadata.name
     by_name = {p.name: p for p in inp.pods}
-    slots, by_replica = [], {}
+    slots: list[RankSlot] = []
+    by_replica: dict[int, list[RankSlot]] = {}
     for replica in range(spec.replicas):
         for rank in range(spec.expert_parallel):
             pod_name = names.pod_name(name, replica, rank)

@@ -84,7 +84,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
     ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in conditions)
-    worker = next((s for s in status.get("containerStatuses") or [] if s.get("name") == "worker"), {})
+    worker: dict[str, Any] = next((s for s in status.get("containerStatuses") or [] if s.get("name") == "worker"), {})
     waiting = (worker.get("state") or {}).get("waiting") or {}
     terminated = (worker.get("lastState") or {}).get("terminated") or {}
     return ObservedPod(

@@ -9,7 +9,7 @@ END_MARKER = "<!-- END GENERATED -->"
 
 
 def _type_name(node: dict[str, Any]) -> str:
-    kind = node.get("type", "")
+    kind: str = node.get("type", "")
     if kind == "array":
         return f"[]{_type_name(node['items'])}"
     if kind == "object" and "additionalProperties" in node:

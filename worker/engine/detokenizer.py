@@ -11,6 +11,8 @@ layers cost more than the decoding; the text is the same (WindowDecoder applies 
 
 from __future__ import annotations
 
+from typing import cast
+
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -35,7 +37,7 @@ class WindowDecoder:
 
     def decode(self, windows: list[list[int]], skip_special_tokens: bool) -> list[str]:
         if self._backend is None:  # a slow (Python) tokenizer: its own decode, one window at a time
-            return [self._tokenizer.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
+            return [_decode_ids(self._tokenizer, w, skip_special_tokens) for w in windows]
         if len(windows) < _MIN_BATCH:
             texts = [self._backend.decode(w, skip_special_tokens=skip_special_tokens) for w in windows]
         else:
@@ -115,7 +117,12 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return _decode_ids(self._tokenizer, ids, self.skip_special_tokens)
+
+
+def _decode_ids(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool) -> str:
+    # One id list decodes to one str; decode's annotation also covers a batch of lists (-> list[str]).
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def push_each(

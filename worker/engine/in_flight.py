@@ -28,7 +28,7 @@ class PendingToken(NamedTuple):  # one per sampled row per step: the cheapest im
     # The request object itself, not its id: an aborted request's id may come back as a new request before
     # the step is read, and the token must not go to that one.
     request: EngineRequest
-    index: int  # where in request.seq.token_ids the token goes (an UNKNOWN_TOKEN until it is read)
+    token_index: int  # where in request.seq.token_ids the token goes (an UNKNOWN_TOKEN until it is read)
 
 
 @dataclass(slots=True)

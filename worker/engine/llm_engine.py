@@ -232,7 +232,7 @@ class LLMEngine:
             seq = request.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted, or ended by the step before (a wasted row)
                 continue
-            seq.token_ids[p.index] = token
+            seq.token_ids[p.token_index] = token
             live.append(p)
             live_tokens.append(token)
             detokenizers.append(request.detokenizer)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import ValidationError
 
 from tidal.worker.engine.sampling_params import SamplingParams
@@ -20,7 +22,7 @@ def sampling_params(
     # At least 1, so that an oversized prompt reaches the engine, whose refusal names the real problem.
     room = max(1, max_model_len - num_prompt_tokens)
     requested = request.token_limit if isinstance(request, ChatCompletionRequest) else request.max_tokens
-    fields = {
+    fields: dict[str, Any] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
         # OpenAI has no top_k; the common extension spells "off" as -1 or 0, the engine as -1.

@@ -4,9 +4,10 @@ the engine never runs transformers' modeling code)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 # Different lengths (1 to ~45 tokens with the tiny tokenizer); two share a long prefix for the prefix cache.
 PROMPT_TEXTS = [
@@ -27,19 +28,23 @@ def prompt_ids(model_dir: Path, texts: list[str] = PROMPT_TEXTS) -> list[list[in
     return [tokenizer(text)["input_ids"] for text in texts]
 
 
-def load_reference_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_reference_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """AutoModelForCausalLM, refusing a checkpoint it would not load completely (it would init at random)."""
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+    # Any: with output_loading_info the call returns (model, info), not the model its annotation names.
+    loaded: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+    model, info = loaded
     problems = {k: v for k, v in info.items() if v}
     if problems:
         raise ValueError(f"transformers did not load {model_dir} cleanly: {problems}")
-    return model.eval()
+    reference: PreTrainedModel = model.eval()
+    return reference
 
 
 @torch.no_grad()
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """One prompt at a time (no padding), fp32 on the CPU."""
-    model = load_reference_model(model_dir)
+    # Any: GenerationMixin.generate declares a self type (a protocol) that transformers' models do not meet.
+    model: Any = load_reference_model(model_dir)
     outputs = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from tidal.worker.models.registry import resolve_model_class
 from tidal.worker.testing.tiny_tokenizer import BOS, EOS, IM_END, PAD, save_tokenizer
@@ -40,7 +47,8 @@ COMMON: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class TinyArch:
-    config_class: type[PretrainedConfig]
+    # The architecture's config class; called with its fields as keywords, which the base class does not declare.
+    config_class: Callable[..., PretrainedConfig]
     architecture: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -129,6 +137,13 @@ def save_weights(weights: dict[str, torch.Tensor], out: Path, sharded: bool) -> 
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):  # one token gives one id; the annotation also covers a list of tokens
+        raise TypeError(f"{token!r} has no single id: {token_id!r}")
+    return token_id
+
+
 def write_tiny_model(
     arch: str,
     out: Path | str,
@@ -142,7 +157,7 @@ def write_tiny_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = save_tokenizer(out)
-    special_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, IM_END, PAD)}
+    special_ids = {t: _token_id(tokenizer, t) for t in (BOS, EOS, IM_END, PAD)}
     config = tiny_config(arch, len(tokenizer), special_ids, tie_embeddings, config_overrides)
     config.save_pretrained(out)
     # Our implementation names the checkpoint tensors exactly as transformers does (checked in the tests).
