@@ -169,7 +169,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(exc.code, exc.message)
 
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, _ = describe_validation_errors(exc.errors())
+        message = describe_validation_errors(exc.errors())[0]
         return _error(ErrorCode.INVALID_REQUEST, message)
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -110,4 +110,5 @@ class DecodeGraphs:
             is_decode_only=True,
             kv_caches=self.kv_caches,
         )
-        return self.model(self.input_ids[:size], self.positions[:size], batch)
+        hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], batch)
+        return hidden

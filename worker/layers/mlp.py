@@ -21,7 +21,8 @@ class GatedMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # via [T, 2*I] and [T, I]
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))  # via [T, 2*I] and [T, I]
+        return out
 
     def forward_small_batch(
         self, x: NormInput, eps: float, residual: torch.Tensor, next_gamma: torch.Tensor

@@ -14,25 +14,34 @@ import datetime
 import logging
 import socket
 from collections.abc import Iterator
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+
+# Where torch defines them: torch.distributed re-exports these without declaring it, which a type checker refuses.
+from torch._C._distributed_c10d import TCPStore, Work
 
 from tidal.worker.lifecycle.errors import CollectiveError
 
 log = logging.getLogger(__name__)
 
 
+class BroadcastGroup(Protocol):
+    """What this module needs of a backend: torch's stubs leave `broadcast` off the backend classes that have it."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> Work: ...
+
+
 def _local_address_towards(address: str, port: int) -> str:
     """The address of the interface that reaches `address` (what gloo must bind to)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((address, port))  # UDP: no packet is sent, only a route is chosen
-        return s.getsockname()[0]
+        local: str = s.getsockname()[0]
+        return local
 
 
-def join_group(
-    address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
+def join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
     """Join (rank 0: host) the trainer's group; CollectiveError when the rendezvous or the group fails."""
     try:
         return _join_group(address, port, rank, world_size, backend, timeout_s)
@@ -40,22 +49,21 @@ def join_group(
         raise CollectiveError(f"cannot join the trainer's group at {address}:{port}: {err}") from err
 
 
-def _join_group(
-    address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
+def _join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        # The stub omits the options class the constructor takes (private in torch's bindings, public in use).
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(address, port))]
-        return dist.ProcessGroupGloo(store, rank, world_size, options)
+        return cast(BroadcastGroup, dist.ProcessGroupGloo(store, rank, world_size, options))
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return cast(BroadcastGroup, dist.ProcessGroupNCCL(store, rank, world_size, options))
 
 
-def leave_group(group: dist.ProcessGroup) -> None:
+def leave_group(group: BroadcastGroup) -> None:
     shutdown = getattr(group, "shutdown", None)
     if callable(shutdown):
         try:
@@ -64,9 +72,7 @@ def leave_group(group: dist.ProcessGroup) -> None:
             log.warning("leaving the weights group: %s", err)
 
 
-def receive_into(
-    group: dist.ProcessGroup, destinations: Iterator[tuple[str, torch.Tensor]], device: torch.device
-) -> int:
+def receive_into(group: BroadcastGroup, destinations: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> int:
     """Receive one broadcast from rank 0 per destination, in order. -> bytes received."""
     num_bytes = 0
     for name, dest in destinations:

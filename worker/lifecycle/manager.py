@@ -246,7 +246,7 @@ class LifecycleManager:
         self._loaded()
         return await asyncio.to_thread(self.uploads.start, allow_extra_tensors)
 
-    async def stream_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes) -> Upload:
+    async def stream_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes | bytearray) -> Upload:
         return await asyncio.to_thread(self.uploads.write_chunk, upload_id, file_name, offset, data)
 
     async def stream_finish(self, upload_id: str, request: StreamFinishRequest) -> WeightsUpdateResult:

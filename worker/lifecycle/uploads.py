@@ -57,7 +57,7 @@ class Uploads:
             raise UploadNotFoundError(f"no upload {upload_id!r} in progress (a newer start replaces an older upload)")
         return current
 
-    def write_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes) -> Upload:
+    def write_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes | bytearray) -> Upload:
         """Append `data` to `file_name` of the upload; blocking file I/O (call it off the event loop)."""
         if not _FILE_NAME.match(file_name):
             raise BadRequestError(f"file name {file_name!r} must be a plain *.safetensors or *.json name")

@@ -22,7 +22,8 @@ def load_hf_config(model_path: Path) -> PretrainedConfig:
     if not (model_path / "config.json").is_file():
         raise MissingModelFileError(f"{model_path / 'config.json'} is missing")
     try:
-        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+        config: PretrainedConfig = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        return config
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         raise ModelLoadError(f"cannot read {model_path / 'config.json'}: {err}") from err
 

@@ -128,19 +128,19 @@ class VmmRegion(DeviceRegion):
             self._pieces = [(self._base + offset, size) for offset, size in pieces]
             self._handles: list[tuple[int, int, int]] = []  # (address, size, handle) of each mapped piece, in order
             self._prepared: dict[int, int] = {}  # piece index -> physical memory created ahead of a restore
+            tensor: torch.Tensor | None = None
             try:
                 self._map_pieces(len(self._pieces))
                 # The device must be named: without it as_tensor copies the data to the default (CPU) device.
-                self._tensor = torch.as_tensor(
-                    _CudaPointer(self._base, nbytes), device=torch.device("cuda", self._index)
-                )
-                if self._tensor.data_ptr() != self._base:
+                tensor = torch.as_tensor(_CudaPointer(self._base, nbytes), device=torch.device("cuda", self._index))
+                if tensor.data_ptr() != self._base:
                     raise RuntimeError("torch wrapped the reserved range at another address")
             except Exception:
-                self._tensor = None
+                tensor = None  # no tensor may outlive the memory it points to
                 self._unmap_all()
                 cuda_vmm.free_reservation(self._base, self._size)
                 raise
+            self._tensor = tensor
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -105,7 +105,8 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        return self.o_proj(self._attend_qkv(positions, self.qkv_proj(hidden), batch))
+        out: torch.Tensor = self.o_proj(self._attend_qkv(positions, self.qkv_proj(hidden), batch))
+        return out
 
     def forward_small_batch(
         self,
@@ -214,8 +215,9 @@ class DecoderModel(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, batch)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        normed: torch.Tensor
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
     def _forward_small_batch(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch
@@ -256,10 +258,12 @@ class DecoderForCausalLM(CausalLM):
         return GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
+        hidden: torch.Tensor = self.model(input_ids, positions, batch)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

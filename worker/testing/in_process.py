@@ -54,7 +54,8 @@ class ControlledWorker:
         assert self.control is not None
         response = self.control.get("/weights/checksum", params={"recompute": "true"})
         response.raise_for_status()
-        return response.json()
+        checksum: dict[str, Any] = response.json()
+        return checksum
 
     def complete(self, prompt: str | list[int], max_tokens: int = 12) -> httpx.Response:
         assert self.api is not None
@@ -64,7 +65,8 @@ class ControlledWorker:
     def text(self, prompt: str | list[int], max_tokens: int = 12) -> str:
         response = self.complete(prompt, max_tokens)
         response.raise_for_status()
-        return response.json()["choices"][0]["text"]
+        text: str = response.json()["choices"][0]["text"]
+        return text
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         assert self.control is not None
