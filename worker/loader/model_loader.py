@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.loader.errors import MissingModelFileError, ModelLoadError
 from tidal.worker.loader.hf_config import load_hf_config, resolve_dtype
-from tidal.worker.loader.safetensors_files import checkpoint_files
-from tidal.worker.loader.weights import LoadReport, load_checkpoint_into
+from tidal.worker.loader.model_weights import find_checkpoint, load_weights
 from tidal.worker.models.base import CausalLM
 from tidal.worker.models.registry import resolve_model_class
 
@@ -30,19 +30,17 @@ class LoadedModel:
 def load_model(model_path: Path, dtype: str, device: torch.device) -> LoadedModel:
     hf_config = load_hf_config(model_path)
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
-    files = checkpoint_files(model_path)
+    stored = find_checkpoint(model_path)
     torch_dtype = resolve_dtype(dtype, hf_config)
     log.info("building %s (%s) on %s from %s", model_cls.__name__, torch_dtype, device, model_path)
     with torch.no_grad():
         model = model_cls.from_hf_config(hf_config, torch_dtype, device)
-    targets = model.checkpoint_weights()
-    with torch.no_grad():
-        report = load_checkpoint_into(files, targets, model.ignored_checkpoint_tensor)
+    report = load_weights(model_path, stored, model)
     log.info(
         "loaded %d tensors (%.1f MiB) from %d file(s) in %.2fs",
         report.num_tensors,
         report.num_bytes / 2**20,
-        len(files),
+        len({t.path for t in stored.values()}),
         report.seconds,
     )
     return LoadedModel(model.eval(), hf_config, torch_dtype, report)
