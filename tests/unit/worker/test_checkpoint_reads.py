@@ -71,11 +71,12 @@ def test_a_selection_is_checked_and_read_alone(tmp_path):
 
 
 def test_reads_convert_the_dtype_and_fill_strided_and_typed_destinations(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader, "STAGING_BYTES", 64)  # several staging batches
+    monkeypatch.setattr(reader, "STAGING_BYTES", 64)  # several fills, big tensors in slices
+    monkeypatch.setattr(reader, "STAGING_PIECE_BYTES", 24)
     tensors = {
         "same": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
         "to_f32": torch.randn(5, 3, dtype=torch.float32).to(torch.bfloat16),
-        "to_bf16": torch.randn(7),
+        "to_bf16": torch.randn(70),  # 280 bytes: read in slices
         "strided": torch.randn(2, 8),
     }
     stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
@@ -83,7 +84,7 @@ def test_reads_convert_the_dtype_and_fill_strided_and_typed_destinations(tmp_pat
     dest = {
         "same": torch.empty(3, 4, dtype=torch.bfloat16),
         "to_f32": torch.empty(5, 3),
-        "to_bf16": torch.empty(7, dtype=torch.bfloat16),
+        "to_bf16": torch.empty(70, dtype=torch.bfloat16),
         "strided": fused.t()[:2],  # [2, 8]
     }
     report = read_tensors(list(stored.values()), dest)
