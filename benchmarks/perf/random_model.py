@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.loader.hf_config import load_hf_config
 from tidal.worker.loader.model_loader import LoadedModel, build_model
-from tidal.worker.loader.weights import LoadReport
 from tidal.worker.memory.provider import TorchMemory
 
 

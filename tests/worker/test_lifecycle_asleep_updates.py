@@ -25,6 +25,7 @@ from tidal.contract.control_api import (
     WakeUpRequest,
     WeightsUpdateRequest,
 )
+from tidal.worker.checkpoint import reader
 from tidal.worker.lifecycle import staging
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, CollectiveError, HostMemoryError
 from tidal.worker.lifecycle.manager import LifecycleManager
@@ -56,14 +57,14 @@ async def _stream(manager: LifecycleManager, checkpoint: Path, version: str) -> 
 def _files_shrink_once_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each checkpoint file loses its second half between the header check and the read (a file rewritten in
     place, a spool disk failing): the real read then fails part way, after the first tensors were written."""
-    read_into = staging.read_into
+    read_into = reader.read_into
 
     def shrink_then_read(jobs, num_threads=None):  # type: ignore[no-untyped-def]
         for path in {tensor.path for tensor, _ in jobs}:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         return read_into(jobs, num_threads)
 
-    monkeypatch.setattr(staging, "read_into", shrink_then_read)
+    monkeypatch.setattr(reader, "read_into", shrink_then_read)
 
 
 async def _asleep_serving(manager: LifecycleManager, served: Path) -> tuple[list[list[int]], str]:

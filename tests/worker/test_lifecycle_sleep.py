@@ -193,7 +193,7 @@ def test_a_transfer_that_fails_while_asleep_leaves_the_served_copy_and_its_check
                 next(iter(host_views.values())).fill_(0)  # some bytes already written where it stages
                 raise OSError("disk went away")
 
-            monkeypatch.setattr(residency_module, "stage_file_tensors", read_fails_half_way)
+            monkeypatch.setattr(residency_module, "stage_tensors", read_fails_half_way)
             with pytest.raises(OSError):
                 await manager.update_from_disk(WeightsUpdateRequest(source=str(model_dir), version="b"))
             monkeypatch.undo()

@@ -13,18 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tidal.worker.lifecycle.host_bytes import byte_view
+from tidal.worker.checkpoint.header import dtype_name
+from tidal.worker.checkpoint.host_bytes import byte_view
 
 ALGORITHM = "sha256"
 _PIECE_BYTES = 256 * 2**20  # device tensors are copied to the host this much at a time
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def tensor_digest(tensor: torch.Tensor) -> str:
-    digest = hashlib.sha256(f"{_dtype_name(tensor.dtype)}{list(tensor.shape)}\n".encode())
+    digest = hashlib.sha256(f"{dtype_name(tensor.dtype)}{list(tensor.shape)}\n".encode())
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # [nbytes]
     for start in range(0, flat.numel(), _PIECE_BYTES):
         piece = flat[start : start + _PIECE_BYTES]

@@ -32,6 +32,8 @@ from tidal.contract.control_api import (
     WeightsUpdateResult,
     WorkerState,
 )
+from tidal.worker.checkpoint.judge import Candidate, find_problems
+from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.engine.async_engine import AsyncEngine, EngineNotRunningError
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
@@ -46,9 +48,8 @@ from tidal.worker.lifecycle.errors import (
 from tidal.worker.lifecycle.membership import GroupMembership
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
-from tidal.worker.lifecycle.staging import StageReport
+from tidal.worker.lifecycle.staging import EXTRAS_HINT
 from tidal.worker.lifecycle.uploads import Upload, Uploads
-from tidal.worker.lifecycle.validation import Candidate, find_problems
 from tidal.worker.memory.provider import memory_provider
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,10 @@ class LifecycleManager:
     async def update_collective(self, request: CollectiveUpdateRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
             candidate = {t.name: Candidate(tuple(t.shape), t.dtype) for t in request.tensors}
-            problems = find_problems(r.expected, candidate, request.allow_extra_tensors, r.is_ignored)
+            problems = find_problems(
+                r.expected, candidate, allow_extra=request.allow_extra_tensors, is_ignored=r.is_ignored,
+                extras_hint=EXTRAS_HINT,
+            )  # fmt: skip
             if len(candidate) != len(request.tensors):
                 problems.append("a tensor name is announced twice")
             if problems:  # refused before joining the trainer's group
@@ -287,7 +291,7 @@ class LifecycleManager:
     async def _update(
         self,
         r: Residency,
-        stage: Callable[[], StageReport],
+        stage: Callable[[], LoadReport],
         version: str,
         source: Path | None,
         mode: DrainMode,

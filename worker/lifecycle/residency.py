@@ -20,21 +20,19 @@ from pathlib import Path
 import torch
 
 from tidal.contract.control_api import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
+from tidal.worker.checkpoint.directory import stored_tensors
+from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.header import StoredTensor, dtype_name
+from tidal.worker.checkpoint.judge import Expected
+from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
-from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.errors import DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.lifecycle.kv_fill import KVFill
 from tidal.worker.lifecycle.resident import ResidentWeights, free_cached_device_memory
-from tidal.worker.lifecycle.staging import (
-    StageReport,
-    check_file_tensors,
-    checkpoint_tensors,
-    spare_host_buffer,
-    stage_file_tensors,
-)
-from tidal.worker.lifecycle.validation import Expected
+from tidal.worker.lifecycle.staging import check_directory, spare_host_buffer, stage_tensors
 
 log = logging.getLogger(__name__)
 
@@ -162,18 +160,18 @@ class Residency:
         return self.stage_from_disk(self.version_source, allow_extra=True).num_bytes
 
     # ----- weight updates: stage (checked, into the host buffer), then apply -----
-    def stage_from_disk(self, source: Path, allow_extra: bool) -> StageReport:
+    def stage_from_disk(self, source: Path, allow_extra: bool) -> LoadReport:
         """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched)."""
-        tensors = check_file_tensors(checkpoint_tensors(source), self.expected, allow_extra, self.is_ignored)
+        tensors = check_directory(source, self.expected, allow_extra, self.is_ignored)
         with self._staging_target() as views:
-            return stage_file_tensors(tensors, views)
+            return stage_tensors(tensors, views)
 
-    def stage_from_group(self, request: CollectiveUpdateRequest) -> StageReport:
+    def stage_from_group(self, request: CollectiveUpdateRequest) -> LoadReport:
         """Receive a trainer's broadcast into the host buffer (the request's specs were checked already)."""
         start = time.monotonic()
         with self._staging_target() as views:
             num_bytes = self._receive_broadcast(request, views)
-        return StageReport(len(request.tensors), num_bytes, time.monotonic() - start)
+        return LoadReport(len(request.tensors), num_bytes, time.monotonic() - start)
 
     def _receive_broadcast(self, request: CollectiveUpdateRequest, views: dict[str, torch.Tensor]) -> int:
         converted: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -272,13 +270,13 @@ class Residency:
 
 def expected_tensors(weights: ResidentWeights, model_path: Path) -> dict[str, Expected]:
     """Each served tensor accepts its live dtype and the dtype the model's own checkpoint stores it in."""
-    stored: dict[str, str] = {}
-    with contextlib.suppress(CheckpointRejectedError):
-        stored = {t.name: t.dtype_name for t in checkpoint_tensors(model_path)}
+    stored: dict[str, StoredTensor] = {}
+    with contextlib.suppress(CheckpointError):
+        stored = stored_tensors(model_path)
     out = {}
     for name, slot in weights.slots.items():
-        dtypes = {str(slot.dtype).removeprefix("torch.")}
+        dtypes = {dtype_name(slot.dtype)}
         if name in stored:
-            dtypes.add(stored[name])
+            dtypes.add(stored[name].dtype_name)
         out[name] = Expected(slot.shape, frozenset(dtypes))
     return out

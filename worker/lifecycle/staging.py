@@ -1,87 +1,55 @@
-"""Putting a whole new checkpoint into host memory: from safetensors files (a local directory or a finished upload)
-or from a trainer's broadcast. Every check happens before the first byte is written."""
+"""The lifecycle's side of staging a checkpoint from disk (a local directory or a finished upload) in host memory:
+every check happens before the first byte is written, and any checkpoint problem is a CheckpointRejectedError
+(422, nothing changed). Also the spare buffer an update is staged in when the host buffer is the served copy."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from tidal.worker.checkpoint.directory import stored_tensors
+from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.header import StoredTensor
+from tidal.worker.checkpoint.judge import Expected, tensors_to_read
+from tidal.worker.checkpoint.reader import LoadReport, read_tensors
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, HostMemoryError
 from tidal.worker.lifecycle.resident import TensorSlot, view_of
-from tidal.worker.lifecycle.safetensors_reader import FileTensor, read_header, read_into
-from tidal.worker.lifecycle.validation import Candidate, Expected, find_problems
-from tidal.worker.loader.errors import ModelLoadError
-from tidal.worker.loader.safetensors_files import checkpoint_files
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class StageReport:
-    num_tensors: int
-    num_bytes: int
-    seconds: float
+# How an update request skips tensors the model does not have (the field of the control API's requests).
+EXTRAS_HINT = "allow_extra_tensors skips them"
 
 
-def checkpoint_tensors(source: Path) -> list[FileTensor]:
-    """Every tensor of the checkpoint in `source` (one file, shards with an index, or all *.safetensors)."""
-    if not source.is_dir():
-        raise CheckpointRejectedError([f"{source} is not a directory"])
+def check_directory(
+    source: Path, expected: Mapping[str, Expected], allow_extra: bool, is_ignored: Callable[[str], bool]
+) -> list[StoredTensor]:
+    """-> the tensors of the checkpoint in `source` to stage, or CheckpointRejectedError with every problem."""
+    with _rejected_on_problems():
+        return tensors_to_read(
+            stored_tensors(source), expected, allow_extra=allow_extra, is_ignored=is_ignored, extras_hint=EXTRAS_HINT
+        )
+
+
+def stage_tensors(tensors: list[StoredTensor], host_views: dict[str, torch.Tensor]) -> LoadReport:
+    """Read each tensor into its host view. A file that cannot be read to the end is a CheckpointRejectedError; the
+    views may then hold part of the new checkpoint."""
+    with _rejected_on_problems():
+        report = read_tensors(tensors, host_views)
+    log.info("staged %d tensors (%.2f GiB) in %.2fs", report.num_tensors, report.num_bytes / 2**30, report.seconds)
+    return report
+
+
+@contextlib.contextmanager
+def _rejected_on_problems() -> Iterator[None]:
     try:
-        files = checkpoint_files(source)
-    except ModelLoadError as err:
-        raise CheckpointRejectedError([str(err)]) from err
-    found: dict[str, FileTensor] = {}
-    for path in files:
-        for tensor in read_header(path):
-            if tensor.name in found:
-                raise CheckpointRejectedError(
-                    [f"{tensor.name} is in both {found[tensor.name].path.name} and {path.name}"]
-                )
-            found[tensor.name] = tensor
-    return list(found.values())
-
-
-def check_file_tensors(
-    tensors: list[FileTensor], expected: dict[str, Expected], allow_extra: bool, is_ignored: Callable[[str], bool]
-) -> list[FileTensor]:
-    """-> the tensors to load (the model's), or CheckpointRejectedError with every problem found."""
-    candidate = {t.name: Candidate(t.shape, t.dtype_name) for t in tensors}
-    problems = find_problems(expected, candidate, allow_extra, is_ignored)
-    if problems:
-        raise CheckpointRejectedError(problems)
-    return [t for t in tensors if t.name in expected]
-
-
-def stage_file_tensors(tensors: list[FileTensor], host_views: dict[str, torch.Tensor]) -> StageReport:
-    """Read each tensor into its host view: raw bytes when the dtypes match, else read then converted.
-    A file that cannot be read to the end (an I/O error, shrunk since its header was checked) is a
-    CheckpointRejectedError; the views may then hold part of the new checkpoint."""
-    start = time.monotonic()
-    try:
-        num_bytes = _read_tensors(tensors, host_views)
-    except OSError as err:
-        raise CheckpointRejectedError([f"reading the checkpoint failed part way: {err}"]) from err
-    seconds = time.monotonic() - start
-    log.info("staged %d tensors (%.2f GiB) in %.2fs", len(tensors), num_bytes / 2**30, seconds)
-    return StageReport(len(tensors), num_bytes, seconds)
-
-
-def _read_tensors(tensors: list[FileTensor], host_views: dict[str, torch.Tensor]) -> int:
-    direct = [(t, host_views[t.name]) for t in tensors if t.dtype == host_views[t.name].dtype]
-    num_bytes = read_into(direct)
-    for t in tensors:
-        view = host_views[t.name]
-        if t.dtype != view.dtype and t.dtype is not None:
-            raw = torch.empty(t.shape, dtype=t.dtype)
-            num_bytes += read_into([(t, raw)])
-            view.copy_(raw)
-    return num_bytes
+        yield
+    except CheckpointError as err:
+        raise CheckpointRejectedError(err.problems) from err
 
 
 def spare_host_buffer(slots: dict[str, TensorSlot], nbytes: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.loader.errors import MissingModelFileError, ModelLoadError
 from tidal.worker.loader.hf_config import load_hf_config, resolve_dtype
-from tidal.worker.loader.safetensors_files import checkpoint_files
-from tidal.worker.loader.weights import LoadReport, load_checkpoint_into
+from tidal.worker.loader.model_weights import find_checkpoint, load_weights
 from tidal.worker.memory.parameters import place_parameters
 from tidal.worker.memory.provider import MemoryProvider, TorchMemory
 from tidal.worker.memory.regions import DeviceRegion
@@ -55,17 +55,16 @@ def load_model(model_path: Path, dtype: str, device: torch.device, memory: Memor
     """`memory`: where the weights go (default: plain torch storage)."""
     memory = memory or TorchMemory()
     hf_config = load_hf_config(model_path)
-    files = checkpoint_files(model_path)
+    stored = find_checkpoint(model_path)
     torch_dtype = resolve_dtype(dtype, hf_config)
     model, weights = build_model(hf_config, torch_dtype, device, memory)
     log.info("loading %s into %.2f GiB (%s)", model_path, weights.nbytes / 2**30, type(weights).__name__)
-    with torch.no_grad():
-        report = load_checkpoint_into(files, model.checkpoint_weights(), model.ignored_checkpoint_tensor)
+    report = load_weights(model_path, stored, model)
     log.info(
         "loaded %d tensors (%.1f MiB) from %d file(s) in %.2fs",
         report.num_tensors,
         report.num_bytes / 2**20,
-        len(files),
+        len({t.path for t in stored.values()}),
         report.seconds,
     )
     return LoadedModel(model, hf_config, torch_dtype, report, weights, memory)

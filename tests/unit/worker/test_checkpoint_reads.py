@@ -1,0 +1,115 @@
+"""Judging a checkpoint against what a model expects and reading it into given buffers: selection by name, dtype
+conversion, strided and typed destinations, a file that shrinks between the check and the read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tidal.worker.checkpoint import reader
+from tidal.worker.checkpoint.directory import stored_tensors
+from tidal.worker.checkpoint.errors import CheckpointError, CheckpointUnfitError
+from tidal.worker.checkpoint.judge import Candidate, Expected, find_problems, tensors_to_read
+from tidal.worker.checkpoint.reader import read_into, read_tensors
+
+EXPECTED = {"a": Expected((2, 3), frozenset({"bfloat16"})), "b": Expected((4,), frozenset({"bfloat16", "float32"}))}
+
+
+def test_find_problems_names_every_kind_of_mismatch():
+    ok = {"a": Candidate((2, 3), "bfloat16"), "b": Candidate((4,), "float32")}
+    assert find_problems(EXPECTED, ok, allow_extra=False) == []
+    bad = {"a": Candidate((3, 2), "float16"), "c": Candidate((1,), "bfloat16"), "inv_freq": Candidate((1,), "x")}
+    problems = find_problems(EXPECTED, bad, allow_extra=False, is_ignored=lambda n: n == "inv_freq", extras_hint="hint")
+    assert problems == [
+        "missing tensors: b",
+        "wrong shapes: a: checkpoint [3, 2] vs model [2, 3]",
+        "wrong dtypes: a: checkpoint float16 vs model bfloat16",
+        "unexpected tensors (the model does not have them; hint): c",
+    ]
+    assert find_problems(EXPECTED, {**ok, "c": Candidate((1,), "bfloat16")}, allow_extra=True) == []
+    many = {f"x{i:02d}": Candidate((1,), "bfloat16") for i in range(10)}
+    assert find_problems(EXPECTED, {**ok, **many}, allow_extra=False)[-1].endswith("x06, x07 (and 2 more)")
+
+
+def test_selection_requires_and_judges_the_wanted_names_only():
+    # The other rank's expert is known to the model: absent, or present with any shape, it is neither missing nor
+    # extra; an unknown name still is extra.
+    expected = {"e0": Expected((2,), frozenset({"float32"})), "e1": Expected((2,), frozenset({"float32"}))}
+    assert find_problems(expected, {"e0": Candidate((2,), "float32")}, allow_extra=False, wanted=["e0"]) == []
+    candidate = {"e0": Candidate((2,), "float32"), "e1": Candidate((9,), "int8"), "zz": Candidate((1,), "float32")}
+    assert find_problems(expected, candidate, allow_extra=False, wanted=["e0"]) == [
+        "unexpected tensors (the model does not have them): zz"
+    ]
+    assert find_problems(expected, {"e0": Candidate((2,), "float32")}, allow_extra=False, wanted=["e1"]) == [
+        "missing tensors: e1"
+    ]
+    with pytest.raises(ValueError, match="wanted tensors the model does not have: nope"):
+        find_problems(expected, {}, allow_extra=False, wanted=["nope"])
+
+
+def checkpoint(directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    directory.mkdir()
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+def test_a_selection_is_checked_and_read_alone(tmp_path):
+    tensors = {f"expert.{i}": torch.full((3, 4), float(i)) for i in range(4)}
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    expected = {n: Expected((3, 4), frozenset({"float32"})) for n in tensors}
+    chosen = tensors_to_read(stored, expected, allow_extra=False, wanted={"expert.1", "expert.3"})
+    assert sorted(t.name for t in chosen) == ["expert.1", "expert.3"]
+    dest = {n: torch.empty(3, 4) for n in ("expert.1", "expert.3")}  # buffers for the selection only
+    report = read_tensors(chosen, dest)
+    assert report.num_tensors == 2 and report.num_bytes == 2 * 48
+    assert torch.equal(dest["expert.1"], tensors["expert.1"]) and torch.equal(dest["expert.3"], tensors["expert.3"])
+    with pytest.raises(CheckpointUnfitError, match=r"wrong shapes: expert\.0: checkpoint \[3, 4\] vs model \[4, 3\]"):
+        tensors_to_read(stored, {**expected, "expert.0": Expected((4, 3), frozenset({"float32"}))}, allow_extra=False)
+
+
+def test_reads_convert_the_dtype_and_fill_strided_and_typed_destinations(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "STAGING_BYTES", 64)  # several fills, big tensors in slices
+    monkeypatch.setattr(reader, "STAGING_PIECE_BYTES", 24)
+    tensors = {
+        "same": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4),
+        "to_f32": torch.randn(5, 3, dtype=torch.float32).to(torch.bfloat16),
+        "to_bf16": torch.randn(70),  # 280 bytes: read in slices
+        "strided": torch.randn(2, 8),
+    }
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    fused = torch.empty(8, 4)  # a destination that is a column slice of a bigger tensor (not contiguous)
+    dest = {
+        "same": torch.empty(3, 4, dtype=torch.bfloat16),
+        "to_f32": torch.empty(5, 3),
+        "to_bf16": torch.empty(70, dtype=torch.bfloat16),
+        "strided": fused.t()[:2],  # [2, 8]
+    }
+    report = read_tensors(list(stored.values()), dest)
+    assert report.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert torch.equal(dest["same"], tensors["same"])
+    assert torch.equal(dest["to_f32"], tensors["to_f32"].float())
+    assert torch.equal(dest["to_bf16"], tensors["to_bf16"].to(torch.bfloat16))
+    assert torch.equal(fused.t()[:2], tensors["strided"])
+    with pytest.raises(ValueError, match="destination shape"):
+        read_tensors([stored["same"]], {"same": torch.empty(4, 3, dtype=torch.bfloat16)})
+
+
+def test_big_tensors_are_read_in_pieces_on_several_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "PIECE_BYTES", 40)
+    tensors = {"w": torch.randn(1000), "b": torch.randn(3)}
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    dest = {n: torch.empty_like(t) for n, t in tensors.items()}
+    assert read_into([(stored[n], dest[n]) for n in dest], num_threads=4) == 4012
+    assert all(torch.equal(dest[n], tensors[n]) for n in tensors)
+
+
+def test_a_file_that_shrinks_after_its_check_is_a_problem_when_read(tmp_path):
+    directory = checkpoint(tmp_path / "c", {"w": torch.randn(64)})
+    stored = stored_tensors(directory)
+    path = directory / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="reading the checkpoint failed part way: unexpected end of file"):
+        read_tensors(list(stored.values()), {"w": torch.empty(64)})

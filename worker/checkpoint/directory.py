@@ -1,0 +1,81 @@
+"""A checkpoint directory: its safetensors files (one file, the shards an index lists, or all *.safetensors) and
+the tensors their headers declare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tidal.worker.checkpoint.errors import CheckpointError, CheckpointFilesMissingError
+from tidal.worker.checkpoint.header import StoredTensor, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise CheckpointFilesMissingError([f"{directory} is not a directory"])
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return _shards(index)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointFilesMissingError([f"no *.safetensors weights in {directory}"])
+    return files
+
+
+def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Name -> tensor over every file of the checkpoint; CheckpointError lists every malformed header and every
+    name that more than one file holds."""
+    found: dict[str, StoredTensor] = {}
+    problems: list[str] = []
+    for path in checkpoint_files(directory):
+        try:
+            tensors = read_header(path)
+        except CheckpointError as err:
+            problems += err.problems
+            continue
+        for tensor in tensors:
+            if tensor.name in found:
+                problems.append(f"{tensor.name} is in both {found[tensor.name].path.name} and {path.name}")
+            else:
+                found[tensor.name] = tensor
+    if problems:
+        raise CheckpointError(problems)
+    return found
+
+
+def _shards(index: Path) -> list[Path]:
+    """The files `index` lists, each a plain name beside it: an index that came with a streamed upload must not
+    point the reader at other files."""
+    weight_map = _weight_map(index)
+    names = {n for n in weight_map.values() if isinstance(n, str) and Path(n).name == n and n not in ("", ".", "..")}
+    bad = sorted({str(n) for n in weight_map.values() if not (isinstance(n, str) and n in names)})
+    if bad:
+        raise CheckpointError([f"{index} names shards that are not a plain file name: {', '.join(bad)}"])
+    files = [index.parent / name for name in sorted(names)]
+    if not files:
+        raise CheckpointError([f"{index} lists no tensors"])
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointFilesMissingError([f"{index} lists shards that are missing: {', '.join(missing)}"])
+    return files
+
+
+def _weight_map(index: Path) -> dict[str, object]:
+    invalid = f"{index} is not a valid safetensors index"
+    try:
+        document = json.loads(index.read_text())
+    # ValueError covers bad JSON and bad UTF-8; a deeply nested document exhausts the parser's recursion.
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError([f"{invalid}: {err}"]) from err
+    if not isinstance(document, dict) or "weight_map" not in document:
+        raise CheckpointError([f"{invalid}: it is not a JSON object with a weight_map"])
+    weight_map = document["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError([f"{invalid}: weight_map is not an object"])
+    return weight_map

@@ -1,0 +1,25 @@
+"""What can be wrong with a checkpoint, as a list of problems that each caller turns into its own error."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """The checkpoint cannot be read as it is: a malformed index or header, a truncated or unreadable file."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+class CheckpointFilesMissingError(CheckpointError):
+    """The directory, its weights, or a shard its index names do not exist."""
+
+
+class CheckpointUnfitError(CheckpointError):
+    """The checkpoint is readable, but its tensors do not fit what the caller expects (names, shapes, dtypes)."""
+
+
+def some_of(items: list[str], limit: int = 8) -> str:
+    """The first `limit` items for an error message, and how many more there are."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,130 @@
+"""Parsing one safetensors file's header, checking every entry against the format and the file's size.
+
+The format: 8 bytes little-endian header length N, N bytes of JSON `{name: {dtype, shape, data_offsets}}` (plus an
+optional `__metadata__`), then the data. The header alone says every name, shape and dtype and where its bytes are,
+so a checkpoint can be judged whole (a truncated file included) before one byte of it is copied anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeGuard
+
+import torch
+
+from tidal.worker.checkpoint.errors import CheckpointError
+
+# The safetensors dtype codes torch can hold; a file with any other code is refused (safetensors itself reads only
+# the codes it knows, so such a file is not one it wrote).
+DTYPES: dict[str, torch.dtype] = {
+    code: dtype
+    for code, dtype in {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U64": getattr(torch, "uint64", None),
+        "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
+    }.items()
+    if dtype is not None
+}
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype without the module, e.g. "bfloat16" (the names the control API uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a file's header declares it."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def read_header(path: Path) -> list[StoredTensor]:
+    """Every tensor of one file, or CheckpointError naming every entry that is malformed or lies past the end."""
+    header, data_start, size = _header_json(path)
+    tensors: list[StoredTensor] = []
+    problems: list[str] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        parsed = _parse_entry(path, name, entry, data_start, size)
+        if isinstance(parsed, str):
+            problems.append(parsed)
+        else:
+            tensors.append(parsed)
+    if problems:
+        raise CheckpointError(problems)
+    return tensors
+
+
+def _header_json(path: Path) -> tuple[dict[str, object], int, int]:
+    """-> (the header object, where the data starts, the file's size)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError([f"{path.name}: not a safetensors file ({size} bytes)"])
+            (length,) = struct.unpack("<Q", prefix)
+            if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError([f"{path.name}: not a safetensors file (header length {length})"])
+            header = json.loads(f.read(length))
+    # ValueError covers bad JSON and bad UTF-8; a deeply nested document exhausts the parser's recursion.
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError([f"{path.name}: cannot read the safetensors header: {err}"]) from err
+    if not isinstance(header, dict):
+        raise CheckpointError([f"{path.name}: the safetensors header is not a JSON object"])
+    return header, 8 + length, size
+
+
+def _parse_entry(path: Path, name: str, entry: object, data_start: int, size: int) -> StoredTensor | str:
+    """-> the tensor, or the problem with its entry."""
+    where = f"{path.name}: {name}"
+    if not isinstance(entry, dict):
+        return f"{where}: its header entry is not an object"
+    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(code, str) or code not in DTYPES:
+        return f"{where}: unknown dtype {code!r} (known: {', '.join(DTYPES)})"
+    if not _is_list_of_naturals(shape):
+        return f"{where}: malformed shape {shape!r}"
+    if not (_is_list_of_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        return f"{where}: malformed data_offsets {offsets!r}"
+    begin, end = offsets
+    dtype = DTYPES[code]
+    needed = math.prod(shape) * dtype.itemsize
+    if end - begin != needed:
+        return f"{where} holds {end - begin} bytes, its shape and dtype need {needed}"
+    if data_start + end > size:
+        return f"{where} lies past the end of the file (truncated?)"
+    return StoredTensor(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _is_list_of_naturals(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
