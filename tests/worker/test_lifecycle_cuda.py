@@ -11,6 +11,7 @@ import torch
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest
 from tidal.worker.engine import cuda_graphs
+from tidal.worker.lifecycle import residency as residency_module
 from tidal.worker.loader.model_loader import load_model
 from tidal.worker.memory.provider import TorchMemory, VmmMemory
 from tidal.worker.memory.regions import TorchRegion, VmmRegion
@@ -137,6 +138,9 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
     recaptures the graphs when an address changed."""
     model_dir = tiny_model("llama3")
     prompts = prompt_ids(model_dir)
+    # A sleep's freed blocks then stay in torch's cache instead of going back to the driver, where tensors of the
+    # region's exact size can take the weights' old block, so that their restore must land elsewhere.
+    monkeypatch.setattr(residency_module, "free_cached_device_memory", lambda device: None)
 
     async def scenario() -> None:
         engine = {"device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 512}
@@ -148,12 +152,21 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
             for level in (1, 2):
                 address = residency.weights.region.data_ptr()
                 await manager.sleep(SleepRequest(level=level))
-                # Takes the block the weights had, so that their restore must land elsewhere.
-                blocker = torch.empty(residency.weights.nbytes, dtype=torch.uint8, device="cuda")
+                blockers = _take_block_at(address, residency.weights.region.nbytes)
                 await manager.wake_up(WakeUpRequest())
-                del blocker
+                del blockers
                 assert residency.weights.region.data_ptr() != address
                 assert runner.decode_graphs is not None
                 assert await greedy(manager, prompts, 16) == before
 
     asyncio.run(scenario())
+
+
+def _take_block_at(address: int, nbytes: int, max_tries: int = 8) -> list[torch.Tensor]:
+    """Allocate blocks of `nbytes` until one sits at `address` (torch's cache holds that block, free); -> them all."""
+    taken: list[torch.Tensor] = []
+    for _ in range(max_tries):
+        taken.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+        if taken[-1].data_ptr() == address:
+            return taken
+    pytest.fail(f"torch's cache did not hand out the weights' old block in {max_tries} allocations of {nbytes} B")
