@@ -9,30 +9,17 @@ Options come from pyproject.toml's [tool.mypy]; extra arguments are passed on to
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 from pathlib import Path
 
+from folder_mapping import read_folder_mapping  # hack/, beside this script
 from mypy import build, util
 from mypy.errors import CompileError
 from mypy.main import process_options
 from mypy.modulefinder import BuildSource
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_folder_mapping() -> dict[str, str]:
-    """TOP_LEVEL_FOLDERS from setup.py, read without running setup()."""
-    tree = ast.parse((REPO_ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(target, ast.Name) and target.id == "TOP_LEVEL_FOLDERS" for target in node.targets
-        ):
-            mapping = ast.literal_eval(node.value)
-            if isinstance(mapping, dict):
-                return {str(name): str(folder) for name, folder in mapping.items()}
-    raise SystemExit("setup.py: no TOP_LEVEL_FOLDERS dict literal")
 
 
 def module_name(import_name: str, folder: Path, file: Path) -> str:

@@ -8,17 +8,23 @@ under `if TYPE_CHECKING`, since each is a dependency a reader must follow even w
 from __future__ import annotations
 
 import ast
+import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = {
-    "worker": "tidal.worker",
-    "operator": "tidal.operator",
-    "kernels": "tidal.kernels",
-    "contract": "tidal.contract",
-    "devcluster": "tidal.devcluster",
-}
+
+
+def _folders() -> dict[str, str]:
+    """folder -> import name, from setup.py's mapping (hack/folder_mapping.py reads it)."""
+    spec = importlib.util.spec_from_file_location("folder_mapping", REPO / "hack" / "folder_mapping.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {folder: name for name, folder in module.read_folder_mapping().items()}
+
+
+FOLDERS = _folders()
 
 
 def _module_name(path: Path) -> str:

@@ -1,12 +1,14 @@
 """hack/typecheck.py hands mypy every file of the mapped folders under its tidal.* name and its real path."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _typecheck_module():
+    sys.path.insert(0, str(REPO / "hack"))  # as when run as a script: its sibling folder_mapping.py imports
     spec = importlib.util.spec_from_file_location("typecheck", REPO / "hack" / "typecheck.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
