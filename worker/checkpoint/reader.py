@@ -27,6 +27,7 @@ PIECE_BYTES = 64 * 2**20  # one read call; pieces of big tensors are read in par
 # Each of the two staging buffers: pinning costs ~0.5 s per GiB, so they are small and read in small pieces.
 STAGING_BYTES = 256 * 2**20
 STAGING_PIECE_BYTES = 16 * 2**20
+STAGING_ALIGNMENT = 256  # where each staged part starts in a staging buffer (a multiple of every element size)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int
         buffer = buffers[i % 2]
         for done in copied[i % 2]:
             done.synchronize()
-        offsets = list(itertools.accumulate((p.nbytes for p in fill), initial=0))
+        offsets = list(itertools.accumulate((_staged_bytes(p) for p in fill), initial=0))
         view = byte_view(buffer)
         pieces = [
             piece
@@ -129,16 +130,22 @@ def _parts(jobs: list[tuple[StoredTensor, torch.Tensor]]) -> list[_Part]:
     return parts
 
 
+def _staged_bytes(part: _Part) -> int:
+    """The room a part takes in a staging buffer: its bytes rounded up, so that the next part starts where a view of
+    any dtype may begin (torch views a byte buffer as another dtype only at offsets its element size divides)."""
+    return -(-part.nbytes // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+
+
 def _fills(parts: list[_Part], size: int) -> Iterator[list[_Part]]:
     """Consecutive parts, as many as fit one staging buffer at a time."""
     fill: list[_Part] = []
     used = 0
     for part in parts:
-        if fill and used + part.nbytes > size:
+        if fill and used + _staged_bytes(part) > size:
             yield fill
             fill, used = [], 0
         fill.append(part)
-        used += part.nbytes
+        used += _staged_bytes(part)
     if fill:
         yield fill
 

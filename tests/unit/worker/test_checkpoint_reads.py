@@ -113,3 +113,13 @@ def test_a_file_that_shrinks_after_its_check_is_a_problem_when_read(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="reading the checkpoint failed part way: unexpected end of file"):
         read_tensors(list(stored.values()), {"w": torch.empty(64)})
+
+
+def test_staged_parts_of_mixed_dtypes_sit_at_aligned_offsets(tmp_path):
+    # A bf16 tensor of an odd length ends 2 bytes past a 4-byte boundary; the f32 tensor staged after it in the same
+    # buffer must still start where a float32 view of the buffer can begin.
+    tensors = {"a": torch.randn(3).to(torch.bfloat16), "b": torch.randn(5), "c": torch.randn(7).to(torch.float16)}
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    dest = {"a": torch.empty(3), "b": torch.empty(5, dtype=torch.float64), "c": torch.empty(7)}  # all converted
+    read_tensors([stored[n] for n in ("a", "b", "c")], dest)
+    assert all(torch.equal(dest[n], tensors[n].to(dest[n].dtype)) for n in tensors)
