@@ -2,8 +2,8 @@
 
 The command line, the in-process test harness, the benchmarks and the tests all assemble a worker here, so they run
 what production runs. Nothing is bound or loaded yet: `WorkerServers.run()` binds the listeners and loads the model
-through the runtime, which calls `LifecycleManager.load_engine` (the manager owns the weights' memory, so the
-engine is always built by it).
+through the runtime, which calls `LifecycleManager.load_engine`: the manager picks the engine's memory provider
+(releasable memory, so the lifecycle can sleep and update it), so the engine is always built by it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A writable memoryview over a contiguous CPU tensor's bytes, for hashing and positional file reads.
 
 `Tensor.numpy()` would do, but it marks the tensor's storage as not resizable for good, and the CPU regions release
-their memory by resizing their storage (see device_memory), so the bytes are wrapped through their address instead.
-The caller keeps the tensor alive while the view is used.
+their memory by resizing their storage (tidal.worker.memory.regions.TorchRegion), so the bytes are wrapped through their
+address instead. The caller keeps the tensor alive while the view is used.
 """
 
 from __future__ import annotations

@@ -70,9 +70,12 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 _ROUTING_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
 
-def _error(code: ErrorCode, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+def _error(
+    code: ErrorCode, message: str, headers: Mapping[str, str] | None = None, status: int | None = None
+) -> JSONResponse:
+    """`status`: only for a refusal whose status the HTTP layer chose (see on_http_error); else the code's own."""
     body = ControlError(code=code, message=message).model_dump(mode="json")
-    return JSONResponse(body, status_code=HTTP_STATUS[code], headers=headers)
+    return JSONResponse(body, status_code=HTTP_STATUS[code] if status is None else status, headers=headers)
 
 
 class _RequireToken:
@@ -173,9 +176,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(ErrorCode.INVALID_REQUEST, message)
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        # Routing refuses with 404 or 405; any other HTTPException is a request starlette could not take.
+        # Routing refuses with 404 or 405. Any other HTTPException is a request starlette could not take: it keeps
+        # the status starlette chose (e.g. 413), under the code of its class.
+        routing = _ROUTING_CODES.get(exc.status_code)
+        if routing is not None:
+            return _error(routing, str(exc.detail), exc.headers)
         fallback = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
-        return _error(_ROUTING_CODES.get(exc.status_code, fallback), str(exc.detail), exc.headers)
+        return _error(fallback, str(exc.detail), exc.headers, status=exc.status_code)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("control call %s %s failed", request.method, request.url.path, exc_info=exc)

@@ -18,7 +18,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 def throwaway_kv_caches(
     spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> KVCaches:
-    """A small cache from torch's allocator for one profiling forward (zeroed, like the serving cache)."""
+    """A small cache from torch's allocator for one profiling forward. Zeroed because that forward writes nothing
+    (its slot mapping is all padding) yet attends over the blocks: its reads must see finite values."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -14,15 +14,15 @@ import datetime
 import logging
 import socket
 from collections.abc import Iterator
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-# Where torch defines them: torch.distributed re-exports these without declaring it, which a type checker refuses.
-from torch._C._distributed_c10d import TCPStore, Work
-
 from tidal.worker.lifecycle.errors import CollectiveError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Work
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ def join_group(address: str, port: int, rank: int, world_size: int, backend: str
 
 def _join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
+    # Where torch defines it (torch.distributed re-exports it without declaring so, which a type checker refuses);
+    # imported here so that a torch built without distributed still imports this module.
+    from torch._C._distributed_c10d import TCPStore
+
     store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     if backend == "gloo":
         # The stub omits the options class the constructor takes (private in torch's bindings, public in use).

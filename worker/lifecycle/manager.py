@@ -1,8 +1,9 @@
 """The worker's lifecycle as the control API sees it: sleep and wake, weight updates and checksums, in order.
 
-`Residency` does the blocking work (copies, reads, a collective); this class loads the engine through it, runs each
-operation on a worker thread, one at a time (a second one while one runs is refused as busy), keeps the checksum
-cache and the metrics, and is the engine's admission gate for requests that arrive while the model sleeps.
+`Residency` does the blocking work (copies, reads, a collective) on the engine's regions; this class builds the engine
+in releasable memory (`load_engine`) and binds a Residency to it, runs each operation on a worker thread, one at a time
+(a second one while one runs is refused as busy), keeps the checksum cache and the metrics, and is the engine's
+admission gate for requests that arrive while the model sleeps.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The lifecycle's side of staging a checkpoint from disk (a local directory or a finished upload) in host memory:
-every check happens before the first byte is written, and any checkpoint problem is a CheckpointRejectedError
-(422, nothing changed). Also the spare buffer an update is staged in when the host buffer is the served copy."""
+"""The lifecycle's side of staging a checkpoint from disk (a local directory or a finished upload) in host memory: every
+check happens before the first byte is written, and any checkpoint problem is a CheckpointRejectedError (code
+bad_checkpoint; nothing changed). Also the spare buffer an update is staged in when the host buffer is the served
+copy."""
 
 from __future__ import annotations
 

@@ -46,8 +46,9 @@ class KVCacheRegion:
         plane_bytes, shape = self.placement.plane_bytes, (num_blocks, *block_shape)
         planes = [self.region.tensor[o : o + plane_bytes].view(dtype).view(shape) for o in self.placement.plane_offsets]
         self.caches: KVCaches = [(planes[2 * i], planes[2 * i + 1]) for i in range(num_layers)]
-        # Zeroed once, here. The attention kernels mask every load beyond a sequence's written context, so the
-        # memory a wake maps again is left as the driver gives it (zeroing 100+ GiB would lengthen every wake).
+        # Zeroed once, here, as a guard only: attention (kernels and references alike) reads nothing but a
+        # sequence's written context, so no result depends on it, and the memory a wake maps again is left as the
+        # driver gives it (zeroing 100+ GiB would lengthen every wake).
         self.region.tensor.zero_()
 
     @property

@@ -23,8 +23,6 @@ VMM_CHUNK_BYTES = 2 * 2**30
 class DeviceRegion(ABC):
     """`tensor` (uint8 [nbytes]) may be read and written only while `is_resident`."""
 
-    stable_addresses: bool = False
-
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.nbytes = nbytes
         self.device = device
@@ -108,8 +106,6 @@ class _CudaPointer:
 class VmmRegion(DeviceRegion):
     """`pieces` (offsets and sizes, multiples of the granularity, in the order a restore maps them) may leave gaps
     that are never mapped; by default the region is cut into VMM_CHUNK_BYTES pieces."""
-
-    stable_addresses = True
 
     def __init__(self, nbytes: int, device: torch.device, pieces: list[tuple[int, int]] | None = None) -> None:
         super().__init__(nbytes, device)
