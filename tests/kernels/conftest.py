@@ -4,7 +4,8 @@ Triton picks interpreted or compiled when a `@triton.jit` function is defined, i
 imported, so the switch is set here at import time; kernel modules that another test folder imported earlier are
 imported again, and triton.language's own helpers are swapped for interpreted ones if triton came in first. With CUDA
 present nothing changes: the same tests run the compiled kernels on the GPU. On CPU the variable stays set for the
-rest of the process; other folders' code only reaches the torch references on CPU tensors.
+rest of the process; other folders' code only reaches the torch references on CPU tensors. The worker's modules are
+imported again too, so the models these tests build call the interpreted kernels.
 """
 
 import importlib
@@ -50,9 +51,11 @@ def _interpret_preloaded_triton_helpers() -> None:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Drop every kernel module first and import them afresh, so that kernels calling helper kernels from another
-    # module (exact_dot) get the interpreted helpers too; reloading one by one would leave stale references.
+    # module (exact_dot) get the interpreted helpers too; reloading one by one would leave stale references. The
+    # worker's modules go too (imported again when a test here needs them): its layers bind kernel functions by
+    # name, and those from an earlier import would be the compiled ones, which find no driver on a CPU.
     stale = [name for name in sys.modules if name.startswith("tidal.kernels.")]
-    for name in stale:
+    for name in [*stale, *(name for name in sys.modules if name.startswith("tidal.worker."))]:
         del sys.modules[name]
     for name in stale:
         importlib.import_module(name)

@@ -125,8 +125,9 @@ def test_the_engine_captures_graphs_once_and_the_lifecycle_keeps_them(tiny_model
             assert manager.residency is not None
             runner = manager.residency.llm.runner
             assert captures == [runner.decode_graphs]
-            assert manager.residency.kv is runner.kv_memory and isinstance(runner.kv_memory.region, VmmRegion)
-            assert all(_inside(k, runner.kv_memory.region) for k, _ in runner.kv_caches)
+            assert manager.residency.kv is runner.kv_cache_region
+            assert isinstance(runner.kv_cache_region.region, VmmRegion)
+            assert all(_inside(k, runner.kv_cache_region.region) for k, _ in runner.kv_caches)
         async with running_manager(model_dir, engine={**engine, "enforce_eager": True}) as manager:
             assert manager.residency is not None and manager.residency.llm.runner.decode_graphs is None
 

@@ -85,11 +85,11 @@ def test_an_engine_serves_the_same_after_its_regions_were_released_and_restored(
     prompts = prompt_ids(model_dir)[:3]
     params = SamplingParams(temperature=0, max_tokens=6)
     before = [r.output_token_ids for r in engine.generate(prompts, params)]
-    host = engine.runner.weights_memory.tensor.clone()
-    for region in (engine.runner.weights_memory, engine.runner.kv_memory):
+    host = engine.runner.weights_region.tensor.clone()
+    for region in (engine.runner.weights_region, engine.runner.kv_cache_region):
         region.release()
         region.restore()
-    engine.runner.weights_memory.tensor.copy_(host)
+    engine.runner.weights_region.tensor.copy_(host)
     engine.reset_prefix_cache()
     assert engine.runner.recapture_graphs_if_moved() is False  # no graphs on a CPU
     assert [r.output_token_ids for r in engine.generate(prompts, params)] == before
@@ -98,7 +98,7 @@ def test_an_engine_serves_the_same_after_its_regions_were_released_and_restored(
 def test_load_model_reads_the_checkpoint_into_the_region(tiny_model):
     loaded = load_model(tiny_model("llama"), "float32", CPU)
     assert all(_inside(t, loaded.weights) for t in loaded.model.checkpoint_weights().values())
-    assert isinstance(loaded.memory, TorchMemory)
+    assert isinstance(loaded.memory_provider, TorchMemory)
 
 
 class _FakePhysicalMemory:

@@ -2,7 +2,7 @@
 
 The runner owns the engine's device memory: the weights' region (made by the loader) and the KV cache's region,
 which it takes once from the same memory provider, then captures CUDA graphs over both. The lifecycle releases and
-restores those regions (`weights_memory`, `kv_memory`) but changes nothing here; after a restore that moved them
+restores those regions (`weights_region`, `kv_cache_region`) but changes nothing here; after a restore that moved them
 (torch storage on CUDA, where virtual memory is unavailable) it asks for `recapture_graphs_if_moved`.
 A follower rank of a group (later) runs `execute` on the plan it receives and ignores the logits.
 """
@@ -32,10 +32,10 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.device = device
         self.block_size = block_size
-        self.weights_memory = loaded.weights
-        self._memory = loaded.memory
-        self.kv_memory: KVCacheRegion | None = None
-        self.kv_caches: KVCaches = []  # views into kv_memory, per layer
+        self.weights_region = loaded.weights
+        self._memory_provider = loaded.memory_provider
+        self.kv_cache_region: KVCacheRegion | None = None
+        self.kv_caches: KVCaches = []  # views into kv_cache_region, per layer
         self.num_kv_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self._graph_shape: tuple[int, int] | None = None  # (max_num_seqs, max_model_len) the graphs were made for
@@ -47,26 +47,28 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Take the KV cache's region from the memory provider, once."""
-        if self.kv_memory is not None:
+        if self.kv_cache_region is not None:
             raise RuntimeError("the KV cache is allocated already")
         spec = self.model.kv_cache_spec
         block_shape = (self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_memory = KVCacheRegion(self._memory, spec.num_layers, block_shape, num_blocks, self.dtype, self.device)
-        self.kv_caches = self.kv_memory.caches
+        self.kv_cache_region = KVCacheRegion(
+            self._memory_provider, spec.num_layers, block_shape, num_blocks, self.dtype, self.device
+        )
+        self.kv_caches = self.kv_cache_region.caches
         self.num_kv_blocks = num_blocks
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
             num_blocks,
             self.block_size,
-            self.kv_memory.nbytes / 2**20,
-            type(self.kv_memory.region).__name__,
+            self.kv_cache_region.nbytes / 2**20,
+            type(self.kv_cache_region.region).__name__,
         )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Record decode steps of up to `max_num_seqs` sequences as CUDA graphs (after the KV cache exists)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
-        if self.kv_memory is None:
+        if self.kv_cache_region is None:
             raise RuntimeError("the KV cache is not allocated")
         self.decode_graphs = None  # a recapture: the old graphs' pool goes before the new one is taken
         max_blocks = -(-max_model_len // self.block_size)
@@ -88,8 +90,8 @@ class ModelRunner:
         return True
 
     def _memory_addresses(self) -> tuple[int, int]:
-        kv_address = self.kv_memory.data_ptr() if self.kv_memory is not None else 0
-        return self.weights_memory.data_ptr(), kv_address
+        kv_address = self.kv_cache_region.data_ptr() if self.kv_cache_region is not None else 0
+        return self.weights_region.data_ptr(), kv_address
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -43,11 +43,11 @@ class Residency:
     def __init__(self, llm: LLMEngine, model_path: Path, version: str) -> None:
         """Act on `llm`'s memory: its weights' and KV cache's regions, as the engine allocated them."""
         runner = llm.runner
-        if runner.kv_memory is None:
+        if runner.kv_cache_region is None:
             raise RuntimeError("the engine has no KV cache")
         self.llm = llm
-        self.weights = ResidentWeights(runner.model, runner.weights_memory)
-        self.kv = runner.kv_memory
+        self.weights = ResidentWeights(runner.model, runner.weights_region)
+        self.kv = runner.kv_cache_region
         self.expected = expected_tensors(self.weights, model_path)
         self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
         self.version = version

@@ -34,7 +34,7 @@ class LoadedModel:
     dtype: torch.dtype
     report: LoadReport
     weights: DeviceRegion  # where every parameter lives (views into it)
-    memory: MemoryProvider  # made `weights`; the engine takes its KV cache from it too
+    memory_provider: MemoryProvider  # made `weights`; the engine takes its KV cache from it too
 
 
 def build_model(
