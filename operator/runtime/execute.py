@@ -39,7 +39,7 @@ from tidal.operator.planner.actions import (
     WakeRank,
 )
 from tidal.operator.runtime.memory import ModelMemory
-from tidal.operator.runtime.workers import CallFailure, Target, WorkerFleet
+from tidal.operator.runtime.workers import CallFailure, Target, WorkerCall, WorkerFleet
 
 log = logging.getLogger("tidal.operator.execute")
 
@@ -55,7 +55,11 @@ POD_ACTIONS = (CreatePod, DeletePod)
 STATUS_ACTIONS = (PatchStatus, EmitEvent)
 WORKER_ACTIONS = (SleepRank, WakeRank, UpdateWeights)
 
-_FAILURE_REASONS = {"sleep": "SleepFailed", "wake_up": "WakeFailed", "weights/update": "WeightsUpdateFailed"}
+_FAILURE_REASONS = {
+    WorkerCall.SLEEP: "SleepFailed",
+    WorkerCall.WAKE_UP: "WakeFailed",
+    WorkerCall.WEIGHTS_UPDATE: "WeightsUpdateFailed",
+}
 
 
 def status_patch(status: InferenceModelStatus) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 from pydantic import SecretStr
@@ -46,10 +47,18 @@ class Target:
     uid: str
 
 
+class WorkerCall(StrEnum):
+    """The control-API calls the fleet makes for actions (named by their routes)."""
+
+    SLEEP = "sleep"
+    WAKE_UP = "wake_up"
+    WEIGHTS_UPDATE = "weights/update"
+
+
 @dataclass(frozen=True)
 class CallFailure:
     pod: str
-    call: str
+    call: WorkerCall
     message: str
     code: ErrorCode | CallErrorCode = CallErrorCode.UNREACHABLE
 
@@ -110,7 +119,7 @@ class WorkerFleet:
 
         async def one(action: SleepRank | WakeRank) -> CallFailure | None:
             target = targets.get(action.pod)
-            call = "sleep" if isinstance(action, SleepRank) else "wake_up"
+            call = WorkerCall.SLEEP if isinstance(action, SleepRank) else WorkerCall.WAKE_UP
             if target is None:
                 return CallFailure(action.pod, call, "the pod has no address")
             client = self._client(target, port, token)
@@ -138,7 +147,7 @@ class WorkerFleet:
         async def one(action: UpdateWeights) -> CallFailure | None:
             target = targets.get(action.pod)
             if target is None:
-                return CallFailure(action.pod, "weights/update", "the pod has no address")
+                return CallFailure(action.pod, WorkerCall.WEIGHTS_UPDATE, "the pod has no address")
             try:
                 result = await self._client(target, port, token).update_weights(action.source, action.version)
             except WorkerCallError as exc:
@@ -149,7 +158,7 @@ class WorkerFleet:
                 if exc.code not in TRANSIENT_CODES:
                     message = f"{exc.code}: {exc.message}"
                     memory.update_failures[action.pod] = UpdateFailure(version=action.version, message=message)
-                return CallFailure(action.pod, "weights/update", exc.message, exc.code)
+                return CallFailure(action.pod, WorkerCall.WEIGHTS_UPDATE, exc.message, exc.code)
             memory.checksums[(target.uid, result.version)] = result.checksum
             memory.update_failures.pop(action.pod, None)
             return None
