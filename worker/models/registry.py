@@ -8,15 +8,21 @@ from types import MappingProxyType
 from tidal.worker.models.base import CausalLM
 from tidal.worker.models.llama import LlamaForCausalLM
 from tidal.worker.models.mistral import MistralForCausalLM
+from tidal.worker.models.mixtral import MixtralForCausalLM
 from tidal.worker.models.qwen2 import Qwen2ForCausalLM
+from tidal.worker.models.qwen2_moe import Qwen2MoeForCausalLM
 from tidal.worker.models.qwen3 import Qwen3ForCausalLM
+from tidal.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
     {
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": MistralForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
 )
 

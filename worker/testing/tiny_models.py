@@ -25,10 +25,13 @@ from safetensors.torch import save_file
 from transformers import (
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tidal.worker.models.registry import resolve_model_class
@@ -77,6 +80,46 @@ TINY_ARCHS: Mapping[str, TinyArch] = MappingProxyType(
         "qwen2": TinyArch(Qwen2Config, "Qwen2ForCausalLM", {"use_sliding_window": False}),
         # head_dim 32 with 4 heads: q is wider than hidden (64), as Qwen3 allows.
         "qwen3": TinyArch(Qwen3Config, "Qwen3ForCausalLM", {"head_dim": 32, "attention_bias": False}),
+        # The mixtures of experts: 8 experts, top-2, narrow experts so the CPU tests stay quick.
+        "mixtral": TinyArch(
+            MixtralConfig,
+            "MixtralForCausalLM",
+            {
+                "sliding_window": None,
+                "head_dim": 16,
+                "intermediate_size": 32,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+            },
+        ),
+        "qwen2_moe": TinyArch(
+            Qwen2MoeConfig,
+            "Qwen2MoeForCausalLM",
+            {
+                "use_sliding_window": False,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 64,
+                "norm_topk_prob": False,
+            },
+        ),
+        # Four layers, of which `mlp_only_layers` makes layer 2 dense (intermediate_size 128); top-k renormalised.
+        "qwen3_moe": TinyArch(
+            Qwen3MoeConfig,
+            "Qwen3MoeForCausalLM",
+            {
+                "head_dim": 32,
+                "attention_bias": False,
+                "num_hidden_layers": 4,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [2],
+            },
+        ),
     }
 )
 
