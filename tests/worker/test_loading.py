@@ -26,7 +26,8 @@ def greedy(model_dir, prompts, max_tokens=8):
 
 
 @pytest.mark.parametrize(
-    ("arch", "sharded", "tied"), [("llama", True, False), ("qwen3", False, True), ("qwen2", True, True)]
+    ("arch", "sharded", "tied"),
+    [("llama", True, False), ("qwen3", False, True), ("qwen2", True, True), ("qwen3_moe", True, True)],
 )
 def test_sharded_and_tied_variants_load_and_match_transformers(tiny_model, arch, sharded, tied):
     model_dir = tiny_model(arch, sharded=sharded, tie_embeddings=tied)
