@@ -10,8 +10,7 @@ from transformers import Qwen2MoeConfig, Qwen3MoeConfig
 
 from tidal.worker.layers.moe import ExpertCheckpointNames, MoeSpec, SparseMoE
 from tidal.worker.models.mixtral import MIXTRAL_EXPERT_NAMES
-from tidal.worker.models.moe_decoder import qwen_dense_mlp_layers
-from tidal.worker.models.qwen2_moe import QWEN_MOE_EXPERT_NAMES
+from tidal.worker.models.qwen_moe import QWEN_MOE_EXPERT_NAMES, qwen_dense_mlp_layers
 
 CPU = torch.device("cpu")
 HIDDEN, INTER, EXPERTS = 16, 8, 6

@@ -18,16 +18,6 @@ from tidal.worker.layers.moe import MoeSpec, SparseMoE
 from tidal.worker.models.decoder import DecoderForCausalLM, DecoderSpec
 
 
-def qwen_dense_mlp_layers(cfg: PretrainedConfig) -> frozenset[int]:
-    """The Qwen MoE rule: a layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`."""
-    mlp_only = set(getattr(cfg, "mlp_only_layers", None) or [])
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    num_experts = int(cfg.num_experts)
-    return frozenset(
-        i for i in range(cfg.num_hidden_layers) if i in mlp_only or num_experts <= 0 or (i + 1) % step != 0
-    )
-
-
 class MoeDecoderForCausalLM(DecoderForCausalLM):
     @classmethod
     @abstractmethod

@@ -5,28 +5,12 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from tidal.worker.layers.moe import MoeSpec
 from tidal.worker.models.decoder import DecoderSpec, llama_like_spec
-from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM, qwen_dense_mlp_layers
-from tidal.worker.models.qwen2_moe import QWEN_MOE_EXPERT_NAMES
+from tidal.worker.models.qwen_moe import QwenMoeForCausalLM
 
 
-class Qwen3MoeForCausalLM(MoeDecoderForCausalLM):
+class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
     @classmethod
     def spec_from_config(cls, cfg: PretrainedConfig) -> DecoderSpec:
         bias = bool(getattr(cfg, "attention_bias", False))
         return llama_like_spec(cfg, qkv_bias=bias, o_bias=bias, qk_norm=True)
-
-    @classmethod
-    def moe_spec_from_config(cls, cfg: PretrainedConfig) -> MoeSpec:
-        return MoeSpec(
-            num_experts=cfg.num_experts,
-            top_k=cfg.num_experts_per_tok,
-            expert_intermediate_size=cfg.moe_intermediate_size,
-            renormalize=bool(cfg.norm_topk_prob),
-            names=QWEN_MOE_EXPERT_NAMES,
-        )
-
-    @classmethod
-    def dense_mlp_layers(cls, cfg: PretrainedConfig) -> frozenset[int]:
-        return qwen_dense_mlp_layers(cfg)
