@@ -117,12 +117,13 @@ class ExpertMap:
             problems.append(f"unknown fields {unknown}")
         if missing := sorted(expected - data.keys()):
             problems.append(f"missing fields {missing}")
-        sizes = {}
+        sizes: dict[str, int] = {}
         for name in ("num_experts", "group_size", "slots_per_rank"):
             value = data.get(name)
-            if name in data and not _is_int(value):
+            if isinstance(value, int) and not isinstance(value, bool):
+                sizes[name] = value
+            elif name in data:
                 problems.append(f"{name} must be an integer, got {value!r}")
-            sizes[name] = value if _is_int(value) else 0
         slots = _read_slots(data.get("slots"), problems) if "slots" in data else ()
         if problems:
             raise ExpertMapError(problems)
@@ -191,5 +192,6 @@ def _problems(num_experts: int, group_size: int, slots_per_rank: int, slots: tup
             if 0 <= expert < num_experts:
                 held[expert] += 1
     if uncovered := [expert for expert, count in enumerate(held) if count == 0]:
-        problems.append(f"experts {uncovered} have no copy on any present rank")
+        more = f" (and {len(uncovered) - 16} more)" if len(uncovered) > 16 else ""
+        problems.append(f"experts {uncovered[:16]}{more} have no copy on any present rank")
     return problems

@@ -9,7 +9,7 @@ Rules:
   round-robin over the ranks' home lists (the first home expert of every rank, then the second of every rank, ...),
   so that every rank's experts are backed up alike and a lost rank leaves as few experts without a copy as possible.
   With load (tokens routed to each logical expert), each redundant copy goes to the expert with the most load per
-  copy (ties: the round-robin order), so hot experts get several copies.
+  copy (ties: the fewest copies, then the round-robin order), so hot experts get several copies.
 - A redundant copy goes to a rank with a free slot that does not hold that expert: with load, the one carrying the
   least load (each copy carrying its expert's load divided by its copies); then, or without load, the nearest rank
   after the expert's home, so that a rank's experts are backed up by its successors and a lost rank's load spreads
@@ -69,23 +69,20 @@ def full_layout(shape: GroupShape, load: Sequence[float] | None = None) -> Exper
     position = {expert: i for i, expert in enumerate(order)}
     slots = [list(held) for held in homes]
     counts = [1] * shape.num_experts
-    # Priority of the next redundant copy: the most load per copy, else the fewest copies (round-robin); ties by
-    # the round-robin order. An expert that cannot take another copy anywhere drops out.
-    if loads is None:
-        heap = [(1.0, position[e], e) for e in range(shape.num_experts)]
-    else:
-        heap = [(-loads[e], position[e], e) for e in range(shape.num_experts)]
+    # Priority of the next redundant copy: the most load per copy, then the fewest copies, then the round-robin
+    # order (so no load, or equal loads, is round-robin). An expert no rank can take another copy of drops out.
+    weight = loads if loads is not None else [0.0] * shape.num_experts
+    heap = [(-weight[e], 1, position[e], e) for e in range(shape.num_experts)]
     heapq.heapify(heap)
     spare = shape.group_size * shape.slots_per_rank - shape.num_experts
     while spare > 0 and heap:
-        _, _, expert = heapq.heappop(heap)
+        _, _, _, expert = heapq.heappop(heap)
         if not _place_copy(shape, slots, homes, counts, loads, expert, home_of[expert]):
             continue
         counts[expert] += 1
         spare -= 1
         if counts[expert] < shape.group_size:
-            key = float(counts[expert]) if loads is None else -loads[expert] / counts[expert]
-            heapq.heappush(heap, (key, position[expert], expert))
+            heapq.heappush(heap, (-weight[expert] / counts[expert], counts[expert], position[expert], expert))
     return ExpertMap(
         shape.num_experts,
         shape.group_size,

@@ -8,9 +8,9 @@ Rules:
   complete group's layout depends on its shape and load only, so it never drifts with the history of failures: a
   rejoin, a fresh start and a resize to the same size all arrive at the same map. The cost stays small: the epoch is
   ready when its slowest rank is, a joining rank loads all S of its slots, and a rank that stays keeps its first
-  copies (they are nested across group sizes, see `full_layout`), so it reloads at most its redundant slots (< S).
-  Growing by one rank therefore takes no longer than loading the new rank; shrinking by one loads the leaving rank's
-  first copies onto the others.
+  copies (they are nested across group sizes, see `full_layout`). Growing by one rank, a rank that stays loads at
+  most its redundant slots (< S), so it takes no longer than loading the new rank; shrinking by one, it loads at most
+  the leaving rank's first copies it inherits and its redundant slots.
 - Degraded group (some rank absent): as few changes as possible, since the group serves again only once every rank
   has installed the map. Every surviving rank keeps what it held in the previous map (with no previous map: what the
   full layout gives it); a rank new to the group since the previous map gets its slots of the full layout. Experts
@@ -168,5 +168,5 @@ def _repaired(
         held[rank][index] = expert
         copies[expert] += 1
         loaded[rank] += 1
-    slots = tuple(tuple(held[rank]) if rank in held else None for rank in range(shape.group_size))
-    return ExpertMap(shape.num_experts, shape.group_size, shape.slots_per_rank, slots)
+    repaired = tuple(tuple(held[rank]) if rank in held else None for rank in range(shape.group_size))
+    return ExpertMap(shape.num_experts, shape.group_size, shape.slots_per_rank, repaired)
