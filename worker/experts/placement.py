@@ -95,7 +95,8 @@ def _checked_ranks(shape: GroupShape, present_ranks: Sequence[int]) -> list[int]
         raise NotEnoughSlotsError(
             [
                 f"ranks {present} have {len(present)} x {shape.slots_per_rank} = {slots} expert slots for "
-                f"{shape.num_experts} experts: {missing} slots missing, so some expert would have no copy"
+                f"{shape.num_experts} experts: {missing} slot{'s' if missing > 1 else ''} missing, so some "
+                f"expert would have no copy"
             ],
             missing,
         )
