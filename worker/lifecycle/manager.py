@@ -52,6 +52,7 @@ from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import EXTRAS_HINT
 from tidal.worker.lifecycle.uploads import Upload, Uploads
 from tidal.worker.memory.provider import memory_provider
+from tidal.worker.memory.regions import free_cached_device_memory
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class LifecycleManager:
         if torch.cuda.is_available():
             # Long-lived small tensors (rotary caches) must not be carved out of big cached blocks left by earlier
             # work: they would pin those whole segments through every sleep (measured: ~4 GiB on an H200).
-            torch.cuda.empty_cache()
+            free_cached_device_memory(torch.device("cuda"))
         memory = memory_provider(stable_addresses=self.config.stable_device_memory)
         llm = LLMEngine.from_config(engine_config, memory)
         residency = Residency(llm, engine_config.model_path, self.config.weights_version)

@@ -31,8 +31,9 @@ from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
 from tidal.worker.lifecycle.errors import DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.lifecycle.kv_fill import KVFill
-from tidal.worker.lifecycle.resident import ResidentWeights, free_cached_device_memory
+from tidal.worker.lifecycle.resident import ResidentWeights
 from tidal.worker.lifecycle.staging import check_directory, spare_host_buffer, stage_tensors
+from tidal.worker.memory.regions import free_cached_device_memory
 
 log = logging.getLogger(__name__)
 

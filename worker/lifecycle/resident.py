@@ -8,6 +8,7 @@ copy, and a weight update is staged in the host buffer, checked, and then copied
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,22 +30,12 @@ class TensorSlot:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def view_of(flat: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     """The slot's typed view into a flat uint8 buffer laid out like the region."""
     return flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-
-
-def free_cached_device_memory(device: torch.device) -> None:
-    """Return torch's cached free blocks (activations of the last steps) to the device."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 class ResidentWeights:

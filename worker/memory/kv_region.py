@@ -6,6 +6,8 @@ Where the provider maps memory in pieces (CUDA VMM), `restore` maps the first sh
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tidal.worker.memory.kv_placement import packed_kv, place_kv
@@ -31,9 +33,7 @@ class KVCacheRegion:
     ) -> None:
         """`block_shape`: one block of one layer's K (or V), (block_size, num_kv_heads, head_dim)."""
         num_planes = 2 * num_layers
-        block_bytes = torch.empty((), dtype=dtype).element_size()
-        for dim in block_shape:
-            block_bytes *= dim
+        block_bytes = math.prod(block_shape) * dtype.itemsize
         granularity = memory.mapping_granularity(device)
         if granularity is None:
             self.placement = packed_kv(num_planes, num_blocks, block_bytes)

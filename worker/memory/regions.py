@@ -212,3 +212,10 @@ class VmmRegion(DeviceRegion):
             raise RuntimeError("restore_rest before restore")
         cuda_vmm.make_current(self._index)
         self._map_pieces(len(self._pieces))
+
+
+def free_cached_device_memory(device: torch.device) -> None:
+    """Return torch's cached free blocks (activations of the last steps) to the device."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
