@@ -48,6 +48,38 @@ class DrainMode(StrEnum):
     ABORT = "abort"  # end running requests with a clear error to their clients, then act
 
 
+class GroupHealth(StrEnum):
+    """How a rank stands in its expert-parallel group (`/state` `group.health`)."""
+
+    SOLO = "solo"  # no expert parallelism: world_size 1, or a model without experts; serves on its own
+    WAITING = "waiting"  # loaded, no epoch applied yet (or the last one was refused): holds requests
+    SERVING = "serving"  # steps with the members of the current epoch
+    BROKEN = "broken"  # a collective failed or missed its deadline: keeps its requests and waits for a new epoch
+
+
+ExpertMapJson = dict[str, object]  # tidal.worker.experts.ExpertMap's JSON form; the worker validates it
+
+
+class GroupStatus(_Response):
+    """`WorkerState.group`: the expert-parallel side of a rank."""
+
+    health: GroupHealth
+    members: list[int] = Field(default_factory=list, description="ranks of the current epoch (empty before any)")
+    broken_peer_rank: int | None = Field(None, description="the peer found gone or frozen, when one was found")
+    broken_reason: str | None = Field(None, description="why the group broke, as the failed collective saw it")
+    broken_for_s: float | None = Field(None, ge=0, description="seconds since the group broke; null unless broken")
+    expert_map: ExpertMapJson | None = Field(None, description="the epoch's expert location map (JSON form)")
+    held_experts: list[int | None] = Field(
+        default_factory=list, description="the logical expert in each of this rank's slots (null: empty slot)"
+    )
+    degraded_experts: list[int] = Field(
+        default_factory=list,
+        description="experts no member held when the current epoch began, reloaded from the checkpoint for it",
+    )
+    expert_reload_s: float | None = Field(None, ge=0, description="time this rank spent loading experts this epoch")
+    epoch_steps: int = Field(0, ge=0, description="group steps taken in the current epoch (empty steps included)")
+
+
 SleepLevel = Literal[1, 2]
 Version = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]*$")]
 
@@ -63,9 +95,13 @@ class WorkerState(_Response):
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
     group_epoch: int = Field(ge=0, description="membership epoch last applied by /group/reconfigure (0: never)")
-    leader_rank: int = Field(ge=0, description="leader of the membership last applied (0 before any)")
+    coordinator_rank: int = Field(ge=0, description="coordinator of the membership last applied (0 before any)")
     group_formed: bool = Field(
         description="a lone rank always; else whether every rank of world_size is a member of the last epoch"
+    )
+    group: GroupStatus = Field(
+        default_factory=lambda: GroupStatus(health=GroupHealth.SOLO),
+        description="this rank's view of its expert-parallel group (a worker older than the field: solo)",
     )
     in_flight_requests: int = Field(ge=0, description="requests running or waiting in the engine")
     seconds_since_last_request: float | None = Field(
@@ -183,26 +219,36 @@ class GroupMember(_Model):
 
 
 class GroupReconfigureRequest(_Model):
-    """`POST /group/reconfigure`: the membership of an expert-parallel group for one epoch."""
+    """`POST /group/reconfigure`: the membership of an expert-parallel group for one epoch.
+
+    Every member is sent the same request. Each builds the epoch's process group through a fresh rendezvous at the
+    coordinator's group endpoint, installs the epoch's expert map (loading any expert it must now hold), and only
+    then steps. Without `expert_map` the coordinator plans it from the map it served last (so pick as coordinator a
+    rank that was in the previous epoch) and hands it to the others through the rendezvous."""
 
     epoch: int = Field(ge=1)
     members: list[GroupMember] = Field(min_length=1)
-    leader_rank: int = Field(ge=0)
+    coordinator_rank: int = Field(ge=0, description="the member whose group endpoint hosts this epoch's rendezvous")
+    expert_map: ExpertMapJson | None = Field(None, description="the epoch's map; default: the coordinator plans it")
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="limit for the rendezvous and installing the map")
 
     @model_validator(mode="after")
-    def _leader_is_member(self) -> GroupReconfigureRequest:
+    def _coordinator_is_member(self) -> GroupReconfigureRequest:
         ranks = [m.rank for m in self.members]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"duplicate ranks in members: {sorted(ranks)}")
-        if self.leader_rank not in ranks:
-            raise ValueError(f"leader_rank {self.leader_rank} is not one of the members {sorted(ranks)}")
+        if self.coordinator_rank not in ranks:
+            raise ValueError(f"coordinator_rank {self.coordinator_rank} is not one of the members {sorted(ranks)}")
         return self
 
 
 class GroupReconfigureResult(_Response):
-    """Answer of `/group/reconfigure`."""
+    """Answer of `/group/reconfigure`: what was applied."""
 
     applied: bool = Field(description="false when this epoch was applied already with the same membership (a retry)")
+    expert_map: ExpertMapJson | None = Field(None, description="the map now served; null without expert parallelism")
+    loaded_experts: list[int] = Field(default_factory=list, description="experts this rank read from the checkpoint")
+    duration_s: float = Field(0.0, ge=0, description="time to join the epoch and install its map")
     state: WorkerState
 
 

@@ -26,5 +26,7 @@ class ErrorCode(StrEnum):
     STALE_EPOCH = "stale_epoch"  # a group membership older than the applied one, or another under the same epoch
     BAD_CHECKPOINT = "bad_checkpoint"  # the new weights do not fit the model; nothing changed
     COLLECTIVE_FAILED = "collective_failed"  # joining the trainer's group or receiving its broadcast failed
+    GROUP_UNREACHABLE = "group_unreachable"  # an epoch's rendezvous or map did not complete: a member is missing
+    EXPERTS_UNAVAILABLE = "experts_unavailable"  # the epoch's experts cannot be held (no room, no checkpoint to read)
     NOT_LOADED = "not_loaded"  # the model is not loaded yet (the worker is starting)
     INTERNAL = "internal"  # an unexpected failure inside the worker; the message names the exception

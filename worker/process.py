@@ -41,7 +41,8 @@ def assemble_worker(config: WorkerConfig, registry: CollectorRegistry | None = N
     """Everything one worker serves, around one engine: the serving API always, the control API when a token is
     set. Raises ControlTokenError (a ValueError) for a token setting that is wrong."""
     registry = registry if registry is not None else CollectorRegistry()
-    lifecycle = LifecycleManager(config.lifecycle, LifecycleMetrics(registry))
+    engine = config.engine
+    lifecycle = LifecycleManager(config.lifecycle, LifecycleMetrics(registry), engine.rank, engine.world_size)
     runtime = WorkerRuntime(functools.partial(lifecycle.load_engine, config.engine))
     metrics = WorkerMetrics(registry, runtime.stats)
     server = config.server

@@ -13,7 +13,7 @@ STATE = {
     "rank": 0,
     "world_size": 1,
     "group_epoch": 0,
-    "leader_rank": 0,
+    "coordinator_rank": 0,
     "group_formed": True,
     "in_flight_requests": 0,
 }

@@ -35,7 +35,7 @@ def test_calls_without_the_right_token_get_401_and_change_nothing(tiny_model):
 
 def _membership(epoch: int, ranks: list[int], leader: int = 0) -> dict[str, object]:
     members = [{"rank": r, "address": f"rank-{r}.group:29500"} for r in ranks]
-    return {"epoch": epoch, "members": members, "leader_rank": leader}
+    return {"epoch": epoch, "members": members, "coordinator_rank": leader}
 
 
 def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_model):
@@ -46,7 +46,7 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
         def state() -> WorkerState:
             return WorkerState.model_validate(worker.control.get("/state").json())  # type: ignore[union-attr]
 
-        assert (state().group_epoch, state().leader_rank, state().group_formed) == (0, 0, False)
+        assert (state().group_epoch, state().coordinator_rank, state().group_formed) == (0, 0, False)
         applied = worker.post("/group/reconfigure", _membership(1, [0, 1, 2]))
         assert applied.status_code == 200 and applied.json()["applied"] is True
         assert applied.json()["state"]["group_epoch"] == 1 and applied.json()["state"]["group_formed"] is True
@@ -54,19 +54,20 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
         assert retry.status_code == 200 and retry.json()["applied"] is False
         # Rank 0 fails: the survivors form epoch 2 under a new leader.
         assert worker.post("/group/reconfigure", _membership(2, [1, 2], leader=2)).status_code == 200
-        assert (state().group_epoch, state().leader_rank, state().group_formed, state().world_size) == (2, 2, False, 3)
+        got = state()
+        assert (got.group_epoch, got.coordinator_rank, got.group_formed, got.world_size) == (2, 2, False, 3)
         for body, status, code, reason in (
             (_membership(1, [0, 1, 2]), 409, ErrorCode.STALE_EPOCH, "older than epoch 2"),
             (_membership(2, [0, 1, 2]), 409, ErrorCode.STALE_EPOCH, "already applied"),
             (_membership(3, [0, 2]), 400, "invalid_request", "rank 1, which is not among"),
             (_membership(3, [1, 4], leader=1), 400, "invalid_request", "outside this worker's group of world_size 3"),
-            (_membership(3, [1, 2], leader=0), 400, "invalid_request", "leader_rank 0 is not one of the members"),
+            (_membership(3, [1, 2], leader=0), 400, "invalid_request", "coordinator_rank 0 is not one of the members"),
             ({**_membership(3, [1]), "epoch": 0}, 400, "invalid_request", "epoch"),
         ):
             refused = worker.post("/group/reconfigure", body)
             assert refused.status_code == status, (body, refused.text)
             assert refused.json()["code"] == code and reason in refused.json()["message"], refused.text
-        assert (state().group_epoch, state().leader_rank) == (2, 2)
+        assert (state().group_epoch, state().coordinator_rank) == (2, 2)
         # Membership is not a lifecycle operation on the weights: it is applied while asleep too, and serving
         # answers the same throughout.
         assert worker.post("/sleep", {"level": 1}).status_code == 200

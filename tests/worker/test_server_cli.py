@@ -42,7 +42,7 @@ def test_lifecycle_and_control_flags_reach_their_components(model_dir, tmp_path)
         ["--model", str(model_dir), "--asleep-retry-after-s", "7", "--rank", "2", "--world-size", "4",
          "--no-stable-device-memory", "--control-port", "9301", "--control-token-file", str(tmp_path / "token")]
     )  # fmt: skip
-    assert (config.lifecycle.asleep_retry_after_s, config.lifecycle.rank, config.lifecycle.world_size) == (7, 2, 4)
+    assert (config.lifecycle.asleep_retry_after_s, config.engine.rank, config.engine.world_size) == (7, 2, 4)
     assert config.lifecycle.stable_device_memory is False
     assert (config.control.control_port, config.control.control_token_file) == (9301, tmp_path / "token")
 

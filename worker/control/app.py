@@ -60,6 +60,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.WEIGHTS_UNAVAILABLE: 409,
     ErrorCode.NO_HOST_MEMORY: 409,
     ErrorCode.STALE_EPOCH: 409,
+    ErrorCode.GROUP_UNREACHABLE: 503,
+    ErrorCode.EXPERTS_UNAVAILABLE: 409,
     ErrorCode.BAD_CHECKPOINT: 422,
     ErrorCode.INTERNAL: 500,
     ErrorCode.COLLECTIVE_FAILED: 502,

@@ -45,8 +45,19 @@ class EngineConfig(BaseModel):
         ),
     )
 
+    rank: int = Field(default=0, ge=0, description="This worker's rank in its expert-parallel group.")
+    world_size: int = Field(
+        default=1, ge=1, description="Ranks in this worker's group; above 1, a model's experts are spread over them."
+    )
+    redundant_experts_per_rank: int = Field(
+        default=0, ge=0,
+        description="Expert parallelism: expert slots per rank beyond an even share, for copies of experts.",
+    )  # fmt: skip
+
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a group of world_size {self.world_size}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:

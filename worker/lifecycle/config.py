@@ -1,4 +1,4 @@
-"""The lifecycle manager's configuration: the weights loaded at start, requests while asleep, the group rank."""
+"""The lifecycle manager's configuration: the weights loaded at start, requests while asleep, the group endpoint."""
 
 from __future__ import annotations
 
@@ -29,5 +29,15 @@ class LifecycleConfig(BaseModel):
         description="CUDA: hold weights and KV cache in virtual-memory regions whose addresses survive a sleep "
         "(off: plain torch allocations, whose addresses can move).",
     )
-    rank: int = Field(default=0, ge=0, description="This worker's rank in its group.")
-    world_size: int = Field(default=1, ge=1, description="Ranks in this worker's group.")
+    group_port: int = Field(
+        default=7100, ge=0, le=65535,
+        description="Expert parallelism: port of this rank's group endpoint (epoch rendezvous; peers probe it).",
+    )  # fmt: skip
+    group_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Expert parallelism: deadline of one collective; a peer slower than this breaks the group.",
+    )  # fmt: skip
+    group_idle_poll_s: float = Field(
+        default=0.02, gt=0, le=5,
+        description="Expert parallelism: wait between two step headers while the whole group is idle.",
+    )  # fmt: skip

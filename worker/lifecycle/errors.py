@@ -49,6 +49,20 @@ class StaleEpochError(LifecycleError):
     code = ErrorCode.STALE_EPOCH
 
 
+class GroupUnreachableError(LifecycleError):
+    """An epoch could not be joined: its rendezvous or expert map did not complete in time (a member is missing);
+    the previous state is kept."""
+
+    code = ErrorCode.GROUP_UNREACHABLE
+
+
+class ExpertsUnavailableError(LifecycleError):
+    """An epoch's expert map cannot be installed on this rank (it does not fit, or the experts it must load are not
+    readable); the previous state is kept."""
+
+    code = ErrorCode.EXPERTS_UNAVAILABLE
+
+
 class UploadNotFoundError(LifecycleError):
     code = ErrorCode.UNKNOWN_UPLOAD
 

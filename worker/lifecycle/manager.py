@@ -21,8 +21,10 @@ import torch
 from tidal.contract.control_api import (
     CollectiveUpdateRequest,
     DrainMode,
+    GroupHealth,
     GroupReconfigureRequest,
     GroupReconfigureResult,
+    GroupStatus,
     SleepRequest,
     SleepState,
     StreamFinishRequest,
@@ -58,11 +60,15 @@ log = logging.getLogger(__name__)
 
 
 class LifecycleManager:
-    def __init__(self, config: LifecycleConfig, metrics: LifecycleMetrics | None = None) -> None:
+    def __init__(
+        self, config: LifecycleConfig, metrics: LifecycleMetrics | None = None, rank: int = 0, world_size: int = 1
+    ) -> None:
+        """`rank`, `world_size`: this worker's place in its group (the engine config's, which builds the model's
+        expert slots from them)."""
         self.config = config
         self.metrics = metrics
         self.uploads = Uploads(config.upload_dir)
-        self.group = GroupMembership(config.rank, config.world_size)
+        self.group = GroupMembership(rank, world_size)
         self.engine: AsyncEngine | None = None
         self.residency: Residency | None = None
         self._checksum: WeightsChecksum | None = None
@@ -116,16 +122,23 @@ class LifecycleManager:
             resident=r.resident if r is not None else [],
             weights_version=self.version,
             model_loaded=self.is_loaded,
-            rank=self.config.rank,
-            world_size=self.config.world_size,
+            rank=self.group.rank,
+            world_size=self.group.world_size,
             group_epoch=self.group.epoch,
-            leader_rank=self.group.leader_rank,
+            coordinator_rank=self.group.coordinator_rank,
             group_formed=self.group.is_formed,
+            group=self.group_status(),
             in_flight_requests=in_flight,
             seconds_since_last_request=since,
         )
 
     # ----- group membership -----
+    def group_status(self) -> GroupStatus:
+        current = self.group.current
+        members = current.ranks if current is not None else []
+        return GroupStatus(health=GroupHealth.SOLO if self.group.world_size == 1 else GroupHealth.WAITING,
+                           members=members)  # fmt: skip
+
     def reconfigure(self, request: GroupReconfigureRequest) -> GroupReconfigureResult:
         """Record the group's membership for an epoch. Neither the engine nor the weights are touched, so serving
         and a running operation go on; it runs on the event loop in one piece, so it needs no lock."""
@@ -138,8 +151,9 @@ class LifecycleManager:
         if self.metrics is not None:
             self.metrics.record_reconfigure(self.group.epoch)
         if applied:
-            log.info("group epoch %d: members %s, leader %d, formed=%s", request.epoch,
-                     sorted(m.rank for m in request.members), request.leader_rank, self.group.is_formed)  # fmt: skip
+            ranks = sorted(m.rank for m in request.members)
+            log.info("group epoch %d: members %s, coordinator %d, formed=%s", request.epoch, ranks,
+                     request.coordinator_rank, self.group.is_formed)  # fmt: skip
         return GroupReconfigureResult(applied=applied, state=self.state())
 
     # ----- requests while asleep (the engine's admission gate) -----

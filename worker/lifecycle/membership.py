@@ -23,7 +23,7 @@ from tidal.worker.lifecycle.errors import BadRequestError, StaleEpochError
 class Membership:
     epoch: int
     members: frozenset[tuple[int, str]]  # (rank, address)
-    leader_rank: int
+    coordinator_rank: int
 
     @property
     def ranks(self) -> list[int]:
@@ -32,7 +32,7 @@ class Membership:
     @classmethod
     def of(cls, request: GroupReconfigureRequest) -> Membership:
         members = frozenset((m.rank, m.address) for m in request.members)
-        return cls(request.epoch, members, request.leader_rank)
+        return cls(request.epoch, members, request.coordinator_rank)
 
 
 class GroupMembership:
@@ -46,8 +46,8 @@ class GroupMembership:
         return self.current.epoch if self.current is not None else 0
 
     @property
-    def leader_rank(self) -> int:
-        return self.current.leader_rank if self.current is not None else 0
+    def coordinator_rank(self) -> int:
+        return self.current.coordinator_rank if self.current is not None else 0
 
     @property
     def is_formed(self) -> bool:
@@ -76,8 +76,8 @@ class GroupMembership:
             if proposed == current:
                 return False
             raise StaleEpochError(
-                f"epoch {proposed.epoch} was already applied with members {current.ranks} and leader "
-                f"{current.leader_rank}; a new membership needs a new epoch (> {current.epoch})"
+                f"epoch {proposed.epoch} was already applied with members {current.ranks} and coordinator "
+                f"{current.coordinator_rank}; a new membership needs a new epoch (> {current.epoch})"
             )
         if current is not None and proposed.epoch < current.epoch:
             raise StaleEpochError(

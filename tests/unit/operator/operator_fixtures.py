@@ -66,7 +66,7 @@ def worker(
         "rank": 0,
         "world_size": 1,
         "group_epoch": 0,
-        "leader_rank": 0,
+        "coordinator_rank": 0,
         "group_formed": True,
         "in_flight_requests": 0,
         "seconds_since_last_request": 5.0,

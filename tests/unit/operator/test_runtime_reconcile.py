@@ -159,7 +159,7 @@ def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
 def _worker_state(version: str) -> dict:
     return {
         "sleep_state": "awake", "sleep_level": None, "resident": ["weights", "kv_cache"], "weights_version": version,
-        "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0, "leader_rank": 0, "group_formed": True,
+        "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0, "coordinator_rank": 0, "group_formed": True,
         "in_flight_requests": 0, "seconds_since_last_request": None,
     }  # fmt: skip
 

@@ -44,7 +44,7 @@ def _state(version: str = "base", asleep: bool = False) -> dict:
     return {
         "sleep_state": "asleep" if asleep else "awake", "sleep_level": 1 if asleep else None,
         "resident": [] if asleep else ["weights", "kv_cache"], "weights_version": version, "model_loaded": True,
-        "rank": 0, "world_size": 1, "group_epoch": 0, "leader_rank": 0, "group_formed": True,
+        "rank": 0, "world_size": 1, "group_epoch": 0, "coordinator_rank": 0, "group_formed": True,
         "in_flight_requests": 0, "seconds_since_last_request": None,
     }  # fmt: skip
 

@@ -14,18 +14,18 @@ from tidal.worker.lifecycle.membership import GroupMembership
 
 def _request(epoch: int, ranks: list[int], leader: int = 0) -> GroupReconfigureRequest:
     members = [{"rank": r, "address": f"rank-{r}.group:29500"} for r in ranks]
-    return GroupReconfigureRequest.model_validate({"epoch": epoch, "members": members, "leader_rank": leader})
+    return GroupReconfigureRequest.model_validate({"epoch": epoch, "members": members, "coordinator_rank": leader})
 
 
 def test_the_operator_protocol_all_then_survivors_then_all_again():
     group = GroupMembership(rank=1, world_size=3)
-    assert (group.epoch, group.leader_rank, group.is_formed) == (0, 0, False)
+    assert (group.epoch, group.coordinator_rank, group.is_formed) == (0, 0, False)
     assert group.apply(_request(4, [0, 1, 2]))  # the first epoch the worker sees need not be 1
-    assert (group.epoch, group.leader_rank, group.is_formed) == (4, 0, True)
+    assert (group.epoch, group.coordinator_rank, group.is_formed) == (4, 0, True)
     assert group.apply(_request(5, [1, 2], leader=1))  # rank 0 lost: degraded, not formed
-    assert (group.epoch, group.leader_rank, group.is_formed) == (5, 1, False)
+    assert (group.epoch, group.coordinator_rank, group.is_formed) == (5, 1, False)
     assert group.apply(_request(6, [2, 0, 1]))
-    assert (group.epoch, group.leader_rank, group.is_formed) == (6, 0, True)
+    assert (group.epoch, group.coordinator_rank, group.is_formed) == (6, 0, True)
 
 
 def test_the_same_epoch_and_membership_again_is_a_retry():
@@ -39,7 +39,7 @@ def test_the_same_epoch_and_membership_again_is_a_retry():
     ("request_", "match"),
     [
         (_request(2, [0, 1]), "older than epoch 3"),
-        (_request(3, [0, 1, 2], leader=1), "already applied with members \\[0, 1, 2\\] and leader 0"),
+        (_request(3, [0, 1, 2], leader=1), "already applied with members \\[0, 1, 2\\] and coordinator 0"),
         (_request(3, [0, 1]), "a new membership needs a new epoch \\(> 3\\)"),
     ],
 )
@@ -49,7 +49,7 @@ def test_stale_or_conflicting_epochs_are_refused_and_change_nothing(request_, ma
     with pytest.raises(StaleEpochError, match=match) as err:
         group.apply(request_)
     assert err.value.code == ErrorCode.STALE_EPOCH
-    assert (group.epoch, group.leader_rank, group.is_formed) == (3, 0, True)
+    assert (group.epoch, group.coordinator_rank, group.is_formed) == (3, 0, True)
 
 
 def test_a_membership_that_does_not_fit_this_worker_is_a_bad_request():
@@ -61,11 +61,11 @@ def test_a_membership_that_does_not_fit_this_worker_is_a_bad_request():
     assert group.epoch == 0 and group.current is None
 
 
-def test_a_lone_rank_is_always_formed_and_the_schema_checks_the_leader():
+def test_a_lone_rank_is_always_formed_and_the_schema_checks_the_coordinator():
     group = GroupMembership(rank=0, world_size=1)
     assert group.is_formed
     assert group.apply(_request(1, [0])) and group.is_formed
-    with pytest.raises(ValidationError, match="leader_rank 2 is not one of the members"):
+    with pytest.raises(ValidationError, match="coordinator_rank 2 is not one of the members"):
         _request(2, [0, 1], leader=2)
     with pytest.raises(ValidationError, match="duplicate ranks"):
         _request(2, [0, 0])
