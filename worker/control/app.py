@@ -164,7 +164,7 @@ def _router(manager: LifecycleManager) -> APIRouter:
     async def group_reconfigure(body: GroupReconfigureRequest) -> GroupReconfigureResult:
         """The group's membership for an epoch: newer than the last applied (409 stale_epoch otherwise; the same
         epoch and membership again is a 200 with applied=false), with this worker's rank among the members (400)."""
-        return manager.reconfigure(body)
+        return await manager.reconfigure(body)
 
     return router
 

@@ -290,6 +290,20 @@ class AsyncEngine:
             self._stats = engine.stats()
             self._deliver_all(deliveries)
             return False
+        deliveries += self._take_inbox(inbox, interrupt)
+        try:
+            deliveries += [(out.request_id, out) for out in engine.step()]
+        except Exception as err:  # a failed step must not leave clients waiting forever
+            log.exception("engine step failed; failing the requests in flight")
+            deliveries += [(out.request_id, err) for out in engine.abort_all()]
+        self._stats = engine.stats()
+        self._deliver_all(deliveries)
+        return True
+
+    def _take_inbox(self, inbox: _Inbox, interrupt: str | None) -> list[tuple[str, _Item]]:
+        """Interrupt, admit and abort (with the step lock held); -> what to deliver."""
+        engine = self._engine
+        deliveries: list[tuple[str, _Item]] = []
         if interrupt is not None:
             deliveries += [(out.request_id, RequestInterruptedError(interrupt)) for out in engine.abort_all()]
         for request_id, prompt, params in inbox.new:
@@ -301,14 +315,7 @@ class AsyncEngine:
             output = engine.abort_request(request_id)
             if output is not None:
                 deliveries.append((request_id, output))
-        try:
-            deliveries += [(out.request_id, out) for out in engine.step()]
-        except Exception as err:  # a failed step must not leave clients waiting forever
-            log.exception("engine step failed; failing the requests in flight")
-            deliveries += [(out.request_id, err) for out in engine.abort_all()]
-        self._stats = engine.stats()
-        self._deliver_all(deliveries)
-        return True
+        return deliveries
 
     def _deliver_all(self, deliveries: list[tuple[str, _Item]]) -> None:
         for request_id, item in deliveries:

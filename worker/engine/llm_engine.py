@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Self
+from typing import NamedTuple, Self
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidal.worker.engine.block_manager import BlockManager
@@ -34,16 +35,25 @@ from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationRes
 from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
-from tidal.worker.engine.scheduler import Scheduler, SchedulerLimits
+from tidal.worker.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from tidal.worker.engine.sequence import Sequence, SequenceStatus
-from tidal.worker.engine.step_plan import build_step_plan
+from tidal.worker.engine.step_plan import StepPlan, build_step_plan
 from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
+from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
 from tidal.worker.memory.provider import MemoryProvider
 
 log = logging.getLogger(__name__)
+
+
+class _RedoableStep(NamedTuple):
+    """A lockstep step, scheduled and planned, whose forward may have to run again."""
+
+    scheduled: SchedulerOutput
+    plan: StepPlan
+    pending: list[PendingToken]
 
 
 class LLMEngine:
@@ -68,6 +78,7 @@ class LLMEngine:
         self._window_decoder = WindowDecoder(tokenizer)
         self._requests: dict[str, EngineRequest] = {}
         self._in_flight: InFlightStep | None = None  # launched, its tokens not read yet (async scheduling)
+        self._redo: _RedoableStep | None = None  # a lockstep step whose group broke during its forward
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -141,6 +152,7 @@ class LLMEngine:
         outputs = (self.abort_request(request_id) for request_id in list(self._requests))
         finals = [out for out in outputs if out is not None]
         self._in_flight = None
+        self._redo = None
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
 
@@ -151,7 +163,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: a request to run, or a step in flight to read."""
-        return bool(self._requests) or self._in_flight is not None
+        return bool(self._requests) or self._in_flight is not None or self._redo is not None
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (after new weights, or a KV cache that was freed); -> blocks forgotten."""
@@ -195,20 +207,51 @@ class LLMEngine:
             return None
         sample_rows = previous.sample_rows() if previous is not None else None
         plan = build_step_plan(scheduled, self.config.block_size, sample_rows)
+        pending = self._pending_tokens(scheduled)
         previous_tokens = previous.samples.on_device if previous is not None else None
         logits = self.runner.execute(plan, previous_tokens)
-        # The sequences that sample, in batch order (the plan's sample_seq_ids), and where their tokens will go.
+        return self._sampled(scheduled, plan, pending, logits)
+
+    def _pending_tokens(self, scheduled: SchedulerOutput) -> list[PendingToken]:
+        """The sequences that sample, in batch order (the plan's sample_seq_ids), and where their tokens will go."""
         requests = self._requests
-        pending: list[PendingToken] = []
-        params: list[SamplingParams] = []
-        for item in scheduled.scheduled:
-            if item.will_sample:
-                seq = item.seq
-                pending.append(PendingToken(requests[seq.request_id], len(seq.token_ids)))
-                params.append(seq.params)
+        return [
+            PendingToken(requests[item.seq.request_id], len(item.seq.token_ids))
+            for item in scheduled.scheduled
+            if item.will_sample
+        ]
+
+    def _sampled(
+        self, scheduled: SchedulerOutput, plan: StepPlan, pending: list[PendingToken], logits: torch.Tensor | None
+    ) -> InFlightStep:
+        params = [p.request.seq.params for p in pending]
         tokens = None if logits is None else self.sampler.sample_on_device(logits, params, plan.sample_seq_ids)
         self.scheduler.on_step_launched(scheduled)
         return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
+
+    # ----- lockstep steps (expert parallelism) -----
+    def group_step(self) -> list[RequestOutput]:
+        """One step of a lockstep group (async scheduling is off with expert parallelism): this rank's own batch,
+        or, with nothing of its own to run, an empty step that only serves its peers' tokens for the experts it
+        holds. When the group breaks during the forward (GroupBrokenError) the step is kept and the next call
+        redoes it unchanged, once the next epoch is installed: nothing of it was sampled or committed, and its KV
+        cache writes are written again with the same values."""
+        redo, self._redo = self._redo, None
+        if redo is None:
+            scheduled = self.scheduler.schedule()
+            if scheduled.is_empty:
+                self.runner.execute_empty()
+                return []
+            plan = build_step_plan(scheduled, self.config.block_size, None)
+            redo = _RedoableStep(scheduled, plan, self._pending_tokens(scheduled))
+        try:
+            logits = self.runner.execute(redo.plan, None)
+        except GroupBrokenError:
+            self._redo = redo
+            raise
+        launched = self._sampled(redo.scheduled, redo.plan, redo.pending, logits)
+        self.scheduler.commit(launched.scheduled)
+        return self._read(launched)
 
     def _retire_length_stops(self, previous: InFlightStep) -> None:
         """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they

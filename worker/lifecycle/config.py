@@ -29,6 +29,9 @@ class LifecycleConfig(BaseModel):
         description="CUDA: hold weights and KV cache in virtual-memory regions whose addresses survive a sleep "
         "(off: plain torch allocations, whose addresses can move).",
     )
+    group_host: str = Field(
+        default="0.0.0.0", description="Expert parallelism: address the group endpoint listens on (the pod's IP)."
+    )
     group_port: int = Field(
         default=7100, ge=0, le=65535,
         description="Expert parallelism: port of this rank's group endpoint (epoch rendezvous; peers probe it).",

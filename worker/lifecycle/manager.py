@@ -39,7 +39,11 @@ from tidal.worker.checkpoint.judge import Candidate, find_problems
 from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.engine.async_engine import AsyncEngine, EngineNotRunningError
 from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.group_link import GroupLink
 from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
+from tidal.worker.group.endpoint import GroupEndpoint
+from tidal.worker.layers.expert_parallel import ExpertParallelState
 from tidal.worker.lifecycle.config import LifecycleConfig
 from tidal.worker.lifecycle.errors import (
     BusyError,
@@ -47,7 +51,9 @@ from tidal.worker.lifecycle.errors import (
     DrainTimeoutError,
     LifecycleError,
     NotLoadedError,
+    StaleEpochError,
 )
+from tidal.worker.lifecycle.expert_group import ExpertGroup
 from tidal.worker.lifecycle.membership import GroupMembership
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
@@ -70,6 +76,8 @@ class LifecycleManager:
         self.uploads = Uploads(config.upload_dir)
         self.group = GroupMembership(rank, world_size)
         self.engine: AsyncEngine | None = None
+        self.expert_group: ExpertGroup | None = None  # with expert parallelism, once loaded
+        self._newest_epoch = 0  # the newest epoch asked for, joined or not
         self.residency: Residency | None = None
         self._checksum: WeightsChecksum | None = None
         self._sleep_pending = False
@@ -92,11 +100,31 @@ class LifecycleManager:
         weights_path = self.config.weights_path
         if weights_path is not None and weights_path.resolve() != engine_config.model_path.resolve():
             residency.load_initial(weights_path)
-        engine = AsyncEngine(llm)
+        experts = llm.runner.model.expert_parallel
+        if experts is None:
+            engine = AsyncEngine(llm)
+        else:
+            engine = self._join_expert_parallel(llm, residency, experts)
         residency.engine = engine
         engine.set_admission_gate(self.admit)
         self.residency, self.engine = residency, engine
         self._publish_state()
+        return engine
+
+    def _join_expert_parallel(
+        self, llm: LLMEngine, residency: Residency, experts: ExpertParallelState
+    ) -> LockstepAsyncEngine:
+        """The lockstep engine and the group endpoint of a rank whose model spreads its experts over the group.
+        It serves nothing until the operator's first epoch is installed (`/group/reconfigure`)."""
+        endpoint = GroupEndpoint(self.config.group_host, self.config.group_port)
+        engine = LockstepAsyncEngine(llm, GroupLink(self.config.group_idle_poll_s), residency.version)
+        residency.on_version_installed = engine.set_weights_version
+        self.expert_group = ExpertGroup(
+            self.group.rank, endpoint, engine, experts, llm.runner.device, self.config.group_timeout_s,
+            checkpoint_dir=lambda: residency.version_source, on_installed=lambda _: residency.refresh_expert_slots(),
+        )  # fmt: skip
+        log.info("expert parallelism: rank %d of %d, group endpoint %s, %d expert slots", self.group.rank,
+                 self.group.world_size, endpoint.address, len(experts.slots))  # fmt: skip
         return engine
 
     # ----- queries -----
@@ -133,28 +161,50 @@ class LifecycleManager:
         )
 
     # ----- group membership -----
-    def group_status(self) -> GroupStatus:
-        current = self.group.current
-        members = current.ranks if current is not None else []
-        return GroupStatus(health=GroupHealth.SOLO if self.group.world_size == 1 else GroupHealth.WAITING,
-                           members=members)  # fmt: skip
-
-    def reconfigure(self, request: GroupReconfigureRequest) -> GroupReconfigureResult:
-        """Record the group's membership for an epoch. Neither the engine nor the weights are touched, so serving
-        and a running operation go on; it runs on the event loop in one piece, so it needs no lock."""
+    async def reconfigure(self, request: GroupReconfigureRequest) -> GroupReconfigureResult:
+        """Apply the group's membership for an epoch. Without expert parallelism it is only recorded; with it the
+        rank joins the epoch's process group and installs its expert map first (`ExpertGroup`), while the old
+        epoch, if healthy, keeps serving. A newer epoch arriving meanwhile wins: the older one is refused."""
         try:
-            applied = self.group.apply(request)
+            if not self.group.check(request):
+                return GroupReconfigureResult(
+                    applied=False, expert_map=self._expert_map_json(), state=self.state()
+                )  # fmt: skip
+            outcome = None
+            if self.expert_group is not None:
+                self._newest_epoch = max(self._newest_epoch, request.epoch)
+                outcome = await self.expert_group.join(request)
+                if request.epoch < self._newest_epoch:
+                    raise StaleEpochError(f"epoch {request.epoch} was overtaken by epoch {self._newest_epoch}")
+            elif self.group.world_size > 1 and not self.is_loaded:
+                raise NotLoadedError("the model is not loaded yet: the group's epochs start once it is")
+            self.group.commit(request)
         except LifecycleError:
             if self.metrics is not None:
                 self.metrics.record_reconfigure(None)
             raise
         if self.metrics is not None:
             self.metrics.record_reconfigure(self.group.epoch)
-        if applied:
-            ranks = sorted(m.rank for m in request.members)
-            log.info("group epoch %d: members %s, coordinator %d, formed=%s", request.epoch, ranks,
-                     request.coordinator_rank, self.group.is_formed)  # fmt: skip
-        return GroupReconfigureResult(applied=applied, state=self.state())
+        ranks = sorted(m.rank for m in request.members)
+        log.info("group epoch %d: members %s, coordinator %d, formed=%s", request.epoch, ranks,
+                 request.coordinator_rank, self.group.is_formed)  # fmt: skip
+        if outcome is None:
+            return GroupReconfigureResult(applied=True, state=self.state())
+        self._checksum = None  # the experts held, and so the tensors hashed, may have changed
+        return GroupReconfigureResult(
+            applied=True, expert_map=outcome.expert_map.to_json(), loaded_experts=list(outcome.loaded_experts),
+            duration_s=outcome.duration_s, state=self.state(),
+        )  # fmt: skip
+
+    def _expert_map_json(self) -> dict[str, object] | None:
+        return self.expert_group.expert_map.to_json() if self.expert_group is not None else None
+
+    def group_status(self) -> GroupStatus:
+        if self.expert_group is not None:
+            return self.expert_group.status()
+        current = self.group.current
+        health = GroupHealth.SOLO
+        return GroupStatus(health=health, members=current.ranks if current is not None else [])
 
     # ----- requests while asleep (the engine's admission gate) -----
     async def admit(self) -> None:

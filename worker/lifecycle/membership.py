@@ -60,6 +60,18 @@ class GroupMembership:
     def apply(self, request: GroupReconfigureRequest) -> bool:
         """Make `request` the membership. -> False when it is the one applied already (a retry).
         BadRequestError: it does not fit this worker; StaleEpochError: an older epoch, or this one with others."""
+        if not self.check(request):
+            return False
+        self.commit(request)
+        return True
+
+    def commit(self, request: GroupReconfigureRequest) -> None:
+        """Make `request` the membership (after `check` said it is new and the epoch was joined)."""
+        self.current = Membership.of(request)
+
+    def check(self, request: GroupReconfigureRequest) -> bool:
+        """Whether `request` is a new membership to apply (False: the one applied already, a retry); refuses what
+        `apply` refuses, and changes nothing."""
         proposed = Membership.of(request)
         outside = [rank for rank in proposed.ranks if rank >= self.world_size]
         if outside:
@@ -83,5 +95,4 @@ class GroupMembership:
             raise StaleEpochError(
                 f"epoch {proposed.epoch} is older than epoch {current.epoch}, applied already; nothing changed"
             )
-        self.current = proposed
         return True

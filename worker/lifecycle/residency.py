@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ class Residency:
         self.llm = llm
         self.weights = ResidentWeights(runner.model, runner.weights_region)
         self.kv = runner.kv_cache_region
+        self._model_path = model_path
         self.expected = expected_tensors(self.weights, model_path)
         self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
         self.version = version
@@ -57,6 +58,8 @@ class Residency:
         self._host_valid = False
         self.last_wake_phases: dict[str, float] = {}  # seconds of each part of the last wake, for the logs
         self.kv_fill = KVFill(self.kv, lambda: self._engine().between_steps())
+        # Told the version now on the device, inside the quiesced switch (a lockstep group steps on one version).
+        self.on_version_installed: Callable[[str], None] | None = None
 
     def load_initial(self, weights_path: Path) -> None:
         """Serve `weights_path` instead of the model directory's weights (before the engine starts)."""
@@ -233,11 +236,20 @@ class Residency:
             with self._quiesced() as llm:
                 self.weights.to_device()
                 llm.reset_prefix_cache()  # its KV was computed with the old weights
+                if self.on_version_installed is not None:
+                    self.on_version_installed(version)
             self._host_valid = True
         finally:
             if held_here:
                 self._engine().release()
         return time.monotonic() - start
+
+    def refresh_expert_slots(self) -> None:
+        """The experts this rank holds changed (a new epoch's map, installed on the loop thread): the checkpoint
+        names map to other slots now, and the host buffer no longer mirrors the device."""
+        self.weights.refresh_slots()
+        self.expected = expected_tensors(self.weights, self.version_source or self._model_path)
+        self._host_valid = False
 
     def checksum(self) -> WeightsChecksum:
         if self.weights.is_resident and not self._host_valid:

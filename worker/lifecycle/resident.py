@@ -69,6 +69,11 @@ class ResidentWeights:
             raise RuntimeError("checkpoint tensors do not tile the parameters: " + "; ".join(problems))
         return slots
 
+    def refresh_slots(self) -> None:
+        """Name the region again after the model's checkpoint names moved (expert parallelism: another epoch's
+        experts in the slots); the region and the host buffer stay."""
+        self.slots = self._slots()
+
     # ----- named views -----
     def host_views(self) -> dict[str, torch.Tensor]:
         return {name: view_of(self.host, slot) for name, slot in self.slots.items()}
