@@ -166,6 +166,10 @@ class AsyncEngine:
         _, prompt, _ = queued[0]
         self._deliver(request_id, _never_admitted(request_id, prompt))
 
+    def serving_problem(self) -> str | None:
+        """Why requests would wait here now although the loop runs (None: they would not); see LockstepAsyncEngine."""
+        return None
+
     def stats(self) -> EngineStats:
         with self._lock:
             num_queued = len(self._inbox.new)

@@ -47,6 +47,14 @@ class LockstepAsyncEngine(AsyncEngine):
             self._last = None
             self._wake.notify()
 
+    def serving_problem(self) -> str | None:
+        if self.link.group is not None:
+            return None
+        broken = self.link.broken
+        if broken is None:
+            return "expert parallelism: waiting for the group's first epoch (POST /group/reconfigure)"
+        return f"expert parallelism: the group broke in epoch {broken.epoch} ({broken.reason}); waiting for the next"
+
     @property
     def is_paused(self) -> bool:
         return self._paused

@@ -26,7 +26,13 @@ def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
         body: dict[str, str | None] = {"phase": runtime.phase.value}
         if runtime.failure is not None:
             body["reason"] = runtime.failure
-        return JSONResponse(body, status_code=200 if runtime.is_ready else 503)
+        ready = runtime.is_ready
+        # A rank of an expert-parallel group with no working epoch holds the requests it gets: not ready, so that
+        # the Service sends new ones to ranks that can serve them now.
+        waiting = runtime.engine.serving_problem() if ready and runtime.engine is not None else None
+        if waiting is not None:
+            body["reason"], ready = waiting, False
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:
