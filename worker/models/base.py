@@ -77,7 +77,8 @@ class CausalLM(nn.Module, ABC):
         return name.endswith("rotary_emb.inv_freq")
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime."""
+        """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime, except that an
+        expert-parallel model's expert names follow its slots (they change when an epoch is installed)."""
         return collect_checkpoint_tensors(self)
 
     def materialize_buffers(self, device: torch.device) -> None:
