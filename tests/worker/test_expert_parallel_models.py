@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from tidal.worker.checkpoint.errors import CheckpointFilesMissingError
+from tidal.worker.experts.expert_map import ExpertMap
 from tidal.worker.experts.placement import plan_placement
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.layers.expert_parallel import ExpertParallelSettings
@@ -199,6 +200,22 @@ def test_a_degraded_epoch_loads_the_missing_experts_and_the_names_follow(tiny_mo
         block = layer.checkpoint_block(path)
         for slot, expert in enumerate(state.slots):
             assert torch.equal(layer.w2[slot], on_disk[f"{block}.experts.{expert}.down_proj.weight"])
+
+
+def test_experts_that_change_slot_are_moved_without_a_read(tiny_model, tmp_path):
+    model_dir = tiny_model("qwen2_moe")
+    model = ep_model(model_dir, 1, 4, 1)
+    state = model.expert_parallel
+    assert state is not None
+    rows = list(state.expert_map.slots)
+    rows[1] = rows[1][1:] + rows[1][:1]  # this rank's experts each one slot over: a cycle of moves
+    rotated = ExpertMap(state.expert_map.num_experts, 4, state.slots_per_rank, tuple(rows))
+    changes = state.changes_to(rotated)
+    assert len(changes.moves) == state.slots_per_rank and not changes.loads
+    model.install_expert_epoch(rotated, changes, CommWithoutPeers((0, 1, 2, 3), 1), tmp_path / "nothing here")
+    on_disk = load_file(model_dir / "model.safetensors")
+    for name, tensor in model.checkpoint_weights().items():
+        assert torch.equal(tensor, on_disk[name]), name
 
 
 def test_a_failed_read_or_changes_that_do_not_fit_change_nothing(tiny_model, tmp_path):

@@ -67,7 +67,7 @@ def check_epoch(state: ExpertParallelState, expert_map: ExpertMap, changes: Rank
     place, and `changes` are what takes this rank's slots to the map's."""
     expert_map.check_fits(state.shape, list(comm.members))
     members = list(comm.members)
-    if state.rank not in members or comm.size != len(members) or members[comm.group_rank] != state.rank:
+    if comm.size != len(members) or not 0 <= comm.group_rank < len(members) or members[comm.group_rank] != state.rank:
         raise ValueError(
             f"rank {state.rank} is not group index {comm.group_rank} of the epoch's members {members} "
             f"(size {comm.size})"
