@@ -28,6 +28,9 @@ PIECE_BYTES = 64 * 2**20  # one read call; pieces of big tensors are read in par
 STAGING_BYTES = 256 * 2**20
 STAGING_PIECE_BYTES = 16 * 2**20
 STAGING_ALIGNMENT = 256  # where each staged part starts in a staging buffer (a multiple of every element size)
+# The stored dtypes a read converts into the destination's own: the float formats a plain copy can convert (fp8
+# weights would need their scales).
+CONVERTIBLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 @dataclass(frozen=True)

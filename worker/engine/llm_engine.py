@@ -41,6 +41,7 @@ from tidal.worker.engine.step_plan import StepPlan, build_step_plan
 from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
 from tidal.worker.group.errors import GroupBrokenError
+from tidal.worker.layers.expert_parallel import ExpertParallelSettings
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
 from tidal.worker.memory.provider import MemoryProvider
@@ -88,7 +89,8 @@ class LLMEngine:
         """`memory`: where the weights and the KV cache are allocated (default: plain torch storage; the lifecycle
         passes CUDA virtual memory so that they can be released and restored at the same addresses)."""
         device = resolve_device(config.device)
-        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory))
+        group = ExpertParallelSettings(config.rank, config.world_size, config.redundant_experts_per_rank)
+        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory, group))
 
     @classmethod
     def from_loaded_model(cls, config: EngineConfig, loaded: LoadedModel) -> Self:

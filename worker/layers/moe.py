@@ -4,6 +4,10 @@ The experts of a layer live in two stacked tensors, w13 [E, 2I, H] (each expert'
 w2 [E, H, I], which the fused kernel reads directly (Triton on a GPU, the torch reference on a CPU). Checkpoints
 store one tensor per expert and projection; `checkpoint_tensors` names a view into the stack for each, so
 loading, in-place weight updates, sleep/wake and checksums see the checkpoint's tensors and nothing else.
+
+With expert parallelism (an `ExpertParallelState`, see expert_parallel.py) the stacks hold this rank's S slots
+instead of all E experts, the checkpoint names follow what the slots hold (an expert this rank does not hold has no
+name here), and the forward dispatches each (token, expert) to a rank holding that expert (expert_dispatch.py).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.kernels.fused_moe import fused_moe
+from tidal.kernels.fused_moe import fused_moe, topk_route
 from tidal.worker.layers.checkpoint import new_weight
+from tidal.worker.layers.expert_dispatch import dispatch_and_combine
+from tidal.worker.layers.expert_parallel import ExpertParallelState
 from tidal.worker.layers.linear import Linear
 from tidal.worker.layers.mlp import GatedMLP
 
@@ -46,15 +52,27 @@ class MoeSpec:
 
 
 class SparseMoE(nn.Module):
-    """x [T, H] -> sum over the top-k experts of weight * expert(x), plus the gated shared expert if there is one."""
+    """x [T, H] -> sum over the top-k experts of weight * expert(x), plus the gated shared expert if there is one.
 
-    def __init__(self, hidden_size: int, moe: MoeSpec, dtype: torch.dtype, device: torch.device) -> None:
+    `expert_parallel`: the model's shared state when its experts are spread over a group; the stacks then have one
+    entry per slot of this rank (S) rather than per expert (E)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoeSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_parallel: ExpertParallelState | None = None,
+    ) -> None:
         super().__init__()
         num_experts, inter = moe.num_experts, moe.expert_intermediate_size
         self.moe = moe
+        self.expert_parallel = expert_parallel
+        stacked = num_experts if expert_parallel is None else expert_parallel.slots_per_rank
         self.router = new_weight((num_experts, hidden_size), dtype, device)  # [E, H]
-        self.w13 = new_weight((num_experts, 2 * inter, hidden_size), dtype, device)  # [E, 2I, H]: gate, then up
-        self.w2 = new_weight((num_experts, hidden_size, inter), dtype, device)  # [E, H, I]
+        self.w13 = new_weight((stacked, 2 * inter, hidden_size), dtype, device)  # [E or S, 2I, H]: gate, then up
+        self.w2 = new_weight((stacked, hidden_size, inter), dtype, device)  # [E or S, H, I]
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
@@ -67,20 +85,50 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         router_logits = F.linear(x, self.router)  # [T, E]
-        out = fused_moe(x, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize)
+        if self.expert_parallel is None:
+            out = fused_moe(x, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize)
+        else:
+            weights, ids = topk_route(router_logits, self.moe.top_k, self.moe.renormalize)  # [T, k] each
+            comm, routing = self.expert_parallel.epoch()
+            out = dispatch_and_combine(x, weights, ids, self.w13, self.w2, comm, routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # gate [T, 1]
         return out
 
-    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
-        """The router and one view per expert projection, under the family's block name beside `path`."""
+    def checkpoint_block(self, path: str) -> str:
+        """The checkpoint's prefix of this block, for the layer at module path `path` (the decoder's `...mlp`)."""
+        return f"{path.rsplit('.', 1)[0]}.{self.moe.names.block}"
+
+    def stacked_experts(self) -> list[tuple[int, int]]:
+        """(index in the stacks, logical expert) of every expert the stacks hold."""
+        if self.expert_parallel is None:
+            return [(e, e) for e in range(self.moe.num_experts)]
+        return [(slot, e) for slot, e in enumerate(self.expert_parallel.slots) if e is not None]
+
+    def expert_tensors(self, block: str, index: int, expert: int) -> dict[str, torch.Tensor]:
+        """Logical expert `expert`'s checkpoint names under `block`, as views of entry `index` of the stacks."""
+        names, inter = self.moe.names, self.moe.expert_intermediate_size
+        prefix = f"{block}.experts.{expert}"
+        return {
+            f"{prefix}.{names.gate}.weight": self.w13.data[index, :inter],  # [I, H]
+            f"{prefix}.{names.up}.weight": self.w13.data[index, inter:],  # [I, H]
+            f"{prefix}.{names.down}.weight": self.w2.data[index],  # [H, I]
+        }
+
+    def expert_of(self, block: str, name: str) -> int | None:
+        """The logical expert a checkpoint name of this block's experts belongs to; None for any other name."""
+        head, dot, tail = name.partition(".experts.")
+        expert, _, projection = tail.partition(".")
         names = self.moe.names
-        block = f"{path.rsplit('.', 1)[0]}.{names.block}"
-        inter = self.moe.expert_intermediate_size
-        tensors = {f"{block}.{names.router}.weight": self.router.data}
-        for e in range(self.moe.num_experts):
-            expert = f"{block}.experts.{e}"
-            tensors[f"{expert}.{names.gate}.weight"] = self.w13.data[e, :inter]  # [I, H]
-            tensors[f"{expert}.{names.up}.weight"] = self.w13.data[e, inter:]  # [I, H]
-            tensors[f"{expert}.{names.down}.weight"] = self.w2.data[e]  # [H, I]
+        if head != block or not dot or not expert.isdigit() or not 0 <= int(expert) < self.moe.num_experts:
+            return None
+        return int(expert) if projection in {f"{p}.weight" for p in (names.gate, names.up, names.down)} else None
+
+    def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
+        """The router and one view per projection of each expert the stacks hold, under the family's block name
+        beside `path`."""
+        block = self.checkpoint_block(path)
+        tensors = {f"{block}.{self.moe.names.router}.weight": self.router.data}
+        for index, expert in self.stacked_experts():
+            tensors.update(self.expert_tensors(block, index, expert))
         return tensors

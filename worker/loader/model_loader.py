@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from tidal.worker.checkpoint.reader import LoadReport
+from tidal.worker.layers.expert_parallel import ExpertParallelSettings
 from tidal.worker.loader.errors import MissingModelFileError, ModelLoadError
 from tidal.worker.loader.hf_config import load_hf_config, resolve_dtype
 from tidal.worker.loader.model_weights import find_checkpoint, load_weights
@@ -38,26 +39,39 @@ class LoadedModel:
 
 
 def build_model(
-    hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, memory: MemoryProvider
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory: MemoryProvider,
+    expert_parallel: ExpertParallelSettings | None = None,
 ) -> tuple[CausalLM, DeviceRegion]:
     """Our implementation of `hf_config`'s architecture, its parameters placed (uninitialised) in one region from
-    `memory`, its buffers computed on `device`. -> the model (in eval mode) and the weights' region."""
+    `memory`, its buffers computed on `device`. -> the model (in eval mode) and the weights' region.
+    `expert_parallel`: this process's place in its expert-parallel group (a model with experts then holds only its
+    rank's)."""
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
     log.info("building %s (%s) on %s", model_cls.__name__, dtype, device)
     with torch.no_grad():
-        model = model_cls.from_hf_config(hf_config, dtype, torch.device("meta"))
+        model = model_cls.from_hf_config(hf_config, dtype, torch.device("meta"), expert_parallel)
         weights = place_parameters(model, memory, device)
         model.materialize_buffers(device)
     return model.eval(), weights
 
 
-def load_model(model_path: Path, dtype: str, device: torch.device, memory: MemoryProvider | None = None) -> LoadedModel:
-    """`memory`: where the weights go (default: plain torch storage)."""
+def load_model(
+    model_path: Path,
+    dtype: str,
+    device: torch.device,
+    memory: MemoryProvider | None = None,
+    expert_parallel: ExpertParallelSettings | None = None,
+) -> LoadedModel:
+    """`memory`: where the weights go (default: plain torch storage). `expert_parallel`: see `build_model`; only the
+    experts this rank holds are read."""
     memory = memory or TorchMemory()
     hf_config = load_hf_config(model_path)
     stored = find_checkpoint(model_path)
     torch_dtype = resolve_dtype(dtype, hf_config)
-    model, weights = build_model(hf_config, torch_dtype, device, memory)
+    model, weights = build_model(hf_config, torch_dtype, device, memory, expert_parallel)
     log.info("loading %s into %.2f GiB (%s)", model_path, weights.nbytes / 2**30, type(weights).__name__)
     report = load_weights(model_path, stored, model)
     log.info(

@@ -16,13 +16,9 @@ from tidal.worker.checkpoint.directory import stored_tensors
 from tidal.worker.checkpoint.errors import CheckpointError, CheckpointFilesMissingError, CheckpointUnfitError
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected, tensors_to_read
-from tidal.worker.checkpoint.reader import LoadReport, read_tensors
+from tidal.worker.checkpoint.reader import CONVERTIBLE_DTYPES, LoadReport, read_tensors
 from tidal.worker.loader.errors import CheckpointMismatchError, MissingModelFileError, ModelLoadError
 from tidal.worker.models.base import CausalLM
-
-# The stored dtypes start-up converts into the model's own: the float formats a plain copy can convert
-# (fp8 weights would need their scales).
-CONVERTIBLE_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def find_checkpoint(model_path: Path) -> dict[str, StoredTensor]:

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.layers.checkpoint import collect_checkpoint_tensors
+from tidal.worker.layers.expert_parallel import ExpertParallelSettings, ExpertParallelState
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,22 @@ class BuildsBuffers(Protocol):
 class CausalLM(nn.Module, ABC):
     """A decoder-only model assembled from tidal.worker.layers."""
 
+    # Set by a model whose experts are spread over an expert-parallel group; None for every other model.
+    expert_parallel: ExpertParallelState | None = None
+
     @classmethod
     @abstractmethod
-    def from_hf_config(cls, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Self:
+    def from_hf_config(
+        cls,
+        hf_config: PretrainedConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_parallel: ExpertParallelSettings | None = None,
+    ) -> Self:
         """Build the model for `hf_config`. The loader builds it on the meta device, gives its parameters their
-        place (tidal.worker.memory.parameters) and fills them; buffers come from `materialize_buffers`."""
+        place (tidal.worker.memory.parameters) and fills them; buffers come from `materialize_buffers`.
+        `expert_parallel`: this process's place in its group; only a model with expert layers uses it (a dense
+        model runs whole on every rank)."""
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
@@ -65,7 +77,8 @@ class CausalLM(nn.Module, ABC):
         return name.endswith("rotary_emb.inv_freq")
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime."""
+        """Checkpoint name -> live tensor (views into fused weights); stable for the model's lifetime, except that an
+        expert-parallel model's expert names follow its slots (they change when an epoch is installed)."""
         return collect_checkpoint_tensors(self)
 
     def materialize_buffers(self, device: torch.device) -> None:

@@ -22,6 +22,7 @@ from tidal.kernels.small_batch_linear import NormInput, uses_small_batch_kernels
 from tidal.kernels.small_batch_qkv import can_fuse_rotary, qkv_rope_store_triton
 from tidal.worker.layers.attention import AttentionBatch, PagedAttention
 from tidal.worker.layers.embedding import LMHead, VocabEmbedding
+from tidal.worker.layers.expert_parallel import ExpertParallelSettings
 from tidal.worker.layers.linear import Linear, MergedLinear
 from tidal.worker.layers.mlp import GatedMLP
 from tidal.worker.layers.norm import RMSNorm
@@ -243,7 +244,13 @@ class DecoderForCausalLM(CausalLM):
         return llama_like_spec(cfg)
 
     @classmethod
-    def from_hf_config(cls, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> Self:
+    def from_hf_config(
+        cls,
+        hf_config: PretrainedConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_parallel: ExpertParallelSettings | None = None,
+    ) -> Self:
         return cls(cls.spec_from_config(hf_config), dtype, device)
 
     def __init__(self, spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> None:
