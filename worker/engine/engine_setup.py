@@ -27,6 +27,16 @@ def resolve_device(requested: str) -> torch.device:
     return device
 
 
+def expert_parallel_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """What expert parallelism changes: steps one at a time and eagerly. Each MoE layer exchanges rows whose counts
+    the host reads, so neither overlapping the host with the next step nor CUDA graphs would hold; and a step's
+    forward may have to be redone after a peer fails, before anything of it is sampled."""
+    if device.type == "cuda" and config.num_kv_blocks is None:
+        # Sizing the cache from free memory profiles a forward, which needs the group (its first epoch comes later).
+        raise EngineConfigError("expert parallelism on CUDA needs num_kv_blocks: the KV cache is not profiled")
+    return config.model_copy(update={"async_scheduling": False, "enforce_eager": True})
+
+
 def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:
     if config.max_model_len is None:
         return model_limit

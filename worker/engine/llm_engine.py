@@ -24,6 +24,7 @@ from tidal.worker.engine.detokenizer import IncrementalDetokenizer, WindowDecode
 from tidal.worker.engine.engine_setup import (
     EngineConfigError,
     decide_num_kv_blocks,
+    expert_parallel_config,
     fit_max_model_len,
     resolve_device,
     resolve_max_model_len,
@@ -101,6 +102,8 @@ class LLMEngine:
         if loaded.weights.device.type != device.type:
             raise EngineConfigError(f"the model's weights are on {loaded.weights.device}, the engine runs on {device}")
         tokenizer = load_tokenizer(config.model_path)
+        if loaded.model.expert_parallel is not None:
+            config = expert_parallel_config(config, device)
         max_model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
         runner = ModelRunner(loaded, device, config.block_size)
         runner.allocate_kv_cache(decide_num_kv_blocks(config, runner, max_model_len))

@@ -83,7 +83,9 @@ class LockstepAsyncEngine(AsyncEngine):
         """Under `_wake`: return when there is something to do this turn."""
         link = self.link
         while not self._stopping:
-            has_local = bool(self._inbox.aborts or self._interrupt is not None or (self._inbox.new and not self._holding))
+            has_local = bool(
+                self._inbox.aborts or self._interrupt is not None or (self._inbox.new and not self._holding)
+            )
             if link.group is None:
                 if link.pending is not None and not self._paused:
                     return  # an epoch to switch to (no old group to agree with)

@@ -4,7 +4,7 @@ The runner owns the engine's device memory: the weights' region (made by the loa
 which it takes once from the same memory provider, then captures CUDA graphs over both. The lifecycle releases and
 restores those regions (`weights_region`, `kv_cache_region`) but changes nothing here; after a restore that moved them
 (torch storage on CUDA, where virtual memory is unavailable) it asks for `recapture_graphs_if_moved`.
-A follower rank of a group (later) runs `execute` on the plan it receives and ignores the logits.
+With expert parallelism a rank with nothing of its own to run still runs `execute_empty` with its group, in lockstep.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.loader.model_loader import LoadedModel
 from tidal.worker.memory.kv_region import KVCacheRegion, KVCaches
+from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,14 @@ class ModelRunner:
         if plan.unknown_rows and previous_tokens is None:
             raise ValueError("the plan takes input tokens from the previous step's, and none were given")
         return self._forward(plan, self.kv_caches, previous_tokens)
+
+    @torch.inference_mode()
+    def execute_empty(self) -> None:
+        """A lockstep group's empty step (expert parallelism): this rank has no tokens, but its MoE layers still
+        serve the tokens its peers send to the experts it holds, in layer order, as a full forward would."""
+        if not isinstance(self.model, MoeDecoderForCausalLM) or self.model.expert_parallel is None:
+            raise RuntimeError("an empty step needs a model built for expert parallelism")
+        self.model.run_empty_moe_step()
 
     def synchronize(self) -> None:
         """Wait until the device has done all the work queued so far (not on the step path: see SampledTokens)."""

@@ -22,7 +22,7 @@ from tidal.worker.checkpoint.judge import Expected, tensors_to_read
 from tidal.worker.checkpoint.reader import CONVERTIBLE_DTYPES, read_tensors
 from tidal.worker.experts.changes import RankChanges
 from tidal.worker.experts.expert_map import ExpertMap
-from tidal.worker.layers.expert_parallel import ExpertComm, ExpertParallelState, build_routing
+from tidal.worker.layers.expert_parallel import EpochRouting, ExpertComm, ExpertParallelState, build_routing
 from tidal.worker.layers.moe import SparseMoE
 
 
@@ -33,22 +33,64 @@ class ExpertInstallReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class StagedEpoch:
+    """An epoch checked and read into host memory, ready for `apply_epoch` (which only copies on the device)."""
+
+    previous_map: ExpertMap  # the map the changes start from: applying over another one would be wrong
+    expert_map: ExpertMap
+    changes: RankChanges
+    comm: ExpertComm
+    routing: EpochRouting
+    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (view of a slot, its host copy)
+    report: ExpertInstallReport
+
+
 def install_epoch(
     state: ExpertParallelState,
     layers: Sequence[tuple[str, SparseMoE]],
     expert_map: ExpertMap,
     changes: RankChanges,
     comm: ExpertComm,
-    checkpoint_dir: Path,
+    checkpoint_dir: Path | None,
 ) -> ExpertInstallReport:
-    """Make this rank serve `expert_map` through `comm`: `layers` are the model's MoE layers by module path, `changes`
-    this rank's (`state.changes_to(expert_map)`), `checkpoint_dir` where missing experts are read from. ValueError
-    for an epoch that does not fit, CheckpointError for a failed read; either way nothing has changed."""
+    """`stage_epoch` then `apply_epoch` at once."""
+    staged = stage_epoch(state, layers, expert_map, changes, comm, checkpoint_dir)
+    apply_epoch(state, layers, staged)
+    return staged.report
+
+
+def stage_epoch(
+    state: ExpertParallelState,
+    layers: Sequence[tuple[str, SparseMoE]],
+    expert_map: ExpertMap,
+    changes: RankChanges,
+    comm: ExpertComm,
+    checkpoint_dir: Path | None,
+) -> StagedEpoch:
+    """Check an epoch and read what this rank must load, touching nothing served (so it runs while the previous
+    epoch still serves): `layers` are the model's MoE layers by module path, `changes` this rank's
+    (`state.changes_to(expert_map)`), `checkpoint_dir` where missing experts are read from (None: nowhere, so an
+    epoch that loads any is refused). ValueError for an epoch that does not fit, CheckpointError for a failed read."""
     start = time.monotonic()
     check_epoch(state, expert_map, changes, comm)
-    staged, bytes_read = read_loaded_experts(layers, changes, checkpoint_dir)
+    if changes.loads and checkpoint_dir is None:
+        raise ValueError(f"experts {list(changes.loaded_experts)} must be loaded and there is no checkpoint to read")
+    staged, bytes_read = read_loaded_experts(layers, changes, checkpoint_dir) if changes.loads else ([], 0)
     device = layers[0][1].w13.device
     routing = build_routing(expert_map, comm.members, state.rank, device)
+    report = ExpertInstallReport(changes.loaded_experts, bytes_read, time.monotonic() - start)
+    return StagedEpoch(state.expert_map, expert_map, changes, comm, routing, staged, report)
+
+
+def apply_epoch(state: ExpertParallelState, layers: Sequence[tuple[str, SparseMoE]], staged: StagedEpoch) -> None:
+    """Make this rank serve a staged epoch: moves through a temporary copy, loads into their slots, then the map,
+    comm and routing. Between steps only. ValueError (nothing changed) if another epoch was installed since it was
+    staged."""
+    if state.expert_map is not staged.previous_map:
+        raise ValueError("another epoch was installed after this one was staged: stage it again")
+    changes = staged.changes
+    device = layers[0][1].w13.device
     with torch.no_grad():
         if changes.moves:
             sources = torch.tensor([m.from_slot for m in changes.moves], device=device)
@@ -56,10 +98,9 @@ def install_epoch(
             for _, layer in layers:
                 for stack in (layer.w13.data, layer.w2.data):
                     stack.index_copy_(0, targets, stack.index_select(0, sources))  # a copy of every source first
-        for slot_view, host in staged:
+        for slot_view, host in staged.staged:
             slot_view.copy_(host)
-    state.enter_epoch(expert_map, comm, routing)
-    return ExpertInstallReport(changes.loaded_experts, bytes_read, time.monotonic() - start)
+    state.enter_epoch(staged.expert_map, staged.comm, staged.routing)
 
 
 def check_epoch(state: ExpertParallelState, expert_map: ExpertMap, changes: RankChanges, comm: ExpertComm) -> None:

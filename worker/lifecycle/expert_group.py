@@ -27,14 +27,13 @@ from tidal.contract.control_api import GroupHealth, GroupReconfigureRequest, Gro
 from tidal.worker.engine.group_link import GroupLink, PendingEpoch
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
-from tidal.worker.experts.changes import rank_changes
 from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError
 from tidal.worker.experts.placement import NotEnoughSlotsError, plan_placement
 from tidal.worker.group.endpoint import GroupEndpoint
 from tidal.worker.group.epoch_group import EpochGroup, EpochMember, join_epoch
 from tidal.worker.group.errors import GroupBrokenError
-from tidal.worker.layers.expert_parallel import ExpertParallelState
 from tidal.worker.lifecycle.errors import BadRequestError, ExpertsUnavailableError, GroupUnreachableError
+from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class ExpertGroup:
         rank: int,
         endpoint: GroupEndpoint,
         engine: LockstepAsyncEngine,
-        experts: ExpertParallelState,
+        model: MoeDecoderForCausalLM,
         device: torch.device,
         collective_timeout_s: float,
         checkpoint_dir: Callable[[], Path | None],
@@ -69,12 +68,14 @@ class ExpertGroup:
         self.endpoint = endpoint
         self.engine = engine
         self.link: GroupLink = engine.link
-        self.experts = experts
+        if model.expert_parallel is None:
+            raise ValueError("the model was not built for expert parallelism")
+        self.model = model
+        self.experts = model.expert_parallel
         self.device = device
         self.collective_timeout_s = collective_timeout_s
         self._checkpoint_dir = checkpoint_dir
         self._on_installed = on_installed
-        self.expert_map: ExpertMap = experts.initial_map()  # what this rank holds now is its part of this map
         self.last: EpochOutcome | None = None
 
     async def join(self, request: GroupReconfigureRequest) -> EpochOutcome:
@@ -93,7 +94,6 @@ class ExpertGroup:
             ) from None
         except GroupBrokenError as err:
             raise GroupUnreachableError(f"epoch {request.epoch} was not switched to: {err}") from err
-        self.expert_map = outcome.expert_map
         self.last = outcome = EpochOutcome(
             outcome.expert_map, outcome.loaded_experts, outcome.degraded_experts, outcome.reload_s,
             time.monotonic() - start,
@@ -111,8 +111,7 @@ class ExpertGroup:
             raise GroupUnreachableError(f"could not join epoch {request.epoch}: {err}") from err
         try:
             expert_map, degraded = self._epoch_map(request, group)
-            changes = rank_changes(self.expert_map, expert_map)
-            mine = next(c for c in changes if c.rank == self.rank)
+            mine = self.experts.changes_to(expert_map)
             reload_start = time.monotonic()
             checkpoint = self._checkpoint_dir()
             if mine.loads and checkpoint is None:
@@ -122,7 +121,9 @@ class ExpertGroup:
                     "from a directory first. The previous epoch is kept."
                 )
             try:
-                staged = self.experts.stage(expert_map, mine, checkpoint)
+                staged = self.model.stage_expert_epoch(expert_map, mine, group, checkpoint)
+            except ValueError as err:
+                raise BadRequestError(f"epoch {request.epoch} does not fit this rank: {err}") from err
             except Exception as err:
                 raise ExpertsUnavailableError(
                     f"epoch {request.epoch}: could not read experts {list(mine.loaded_experts)} from {checkpoint}: "
@@ -134,7 +135,7 @@ class ExpertGroup:
             raise
 
         def install(llm: LLMEngine) -> None:
-            self.experts.install(staged, group)
+            self.model.apply_expert_epoch(staged)
             self._on_installed(llm)
 
         outcome = EpochOutcome(expert_map, mine.loaded_experts, degraded, reload_s, time.monotonic() - start)
@@ -153,7 +154,7 @@ class ExpertGroup:
             return expert_map, ()
         if self.rank == request.coordinator_rank:
             try:
-                plan = plan_placement(shape, members, self.expert_map)
+                plan = plan_placement(shape, members, self.experts.expert_map)
             except NotEnoughSlotsError as err:
                 group.publish(_MAP_KEY, json.dumps({"error": str(err)}).encode())  # the others refuse it too
                 raise ExpertsUnavailableError(f"epoch {request.epoch} refused: {err}") from err
@@ -188,7 +189,7 @@ class ExpertGroup:
             broken_peer_rank=broken.peer_rank if broken is not None else None,
             broken_reason=broken.reason if broken is not None else None,
             broken_for_s=max(0.0, time.monotonic() - broken.since) if broken is not None else None,
-            expert_map=self.expert_map.to_json(),
+            expert_map=self.experts.expert_map.to_json(),
             held_experts=list(self.experts.slots),
             degraded_experts=list(last.degraded_experts) if last is not None else [],
             expert_reload_s=last.reload_s if last is not None else None,

@@ -43,7 +43,6 @@ from tidal.worker.engine.group_link import GroupLink
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
 from tidal.worker.group.endpoint import GroupEndpoint
-from tidal.worker.layers.expert_parallel import ExpertParallelState
 from tidal.worker.lifecycle.config import LifecycleConfig
 from tidal.worker.lifecycle.errors import (
     BusyError,
@@ -61,6 +60,7 @@ from tidal.worker.lifecycle.staging import EXTRAS_HINT
 from tidal.worker.lifecycle.uploads import Upload, Uploads
 from tidal.worker.memory.provider import memory_provider
 from tidal.worker.memory.regions import free_cached_device_memory
+from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +100,11 @@ class LifecycleManager:
         weights_path = self.config.weights_path
         if weights_path is not None and weights_path.resolve() != engine_config.model_path.resolve():
             residency.load_initial(weights_path)
-        experts = llm.runner.model.expert_parallel
-        if experts is None:
-            engine = AsyncEngine(llm)
+        model = llm.runner.model
+        if isinstance(model, MoeDecoderForCausalLM) and model.expert_parallel is not None:
+            engine: AsyncEngine = self._join_expert_parallel(llm, residency, model)
         else:
-            engine = self._join_expert_parallel(llm, residency, experts)
+            engine = AsyncEngine(llm)
         residency.engine = engine
         engine.set_admission_gate(self.admit)
         self.residency, self.engine = residency, engine
@@ -112,7 +112,7 @@ class LifecycleManager:
         return engine
 
     def _join_expert_parallel(
-        self, llm: LLMEngine, residency: Residency, experts: ExpertParallelState
+        self, llm: LLMEngine, residency: Residency, model: MoeDecoderForCausalLM
     ) -> LockstepAsyncEngine:
         """The lockstep engine and the group endpoint of a rank whose model spreads its experts over the group.
         It serves nothing until the operator's first epoch is installed (`/group/reconfigure`)."""
@@ -120,11 +120,11 @@ class LifecycleManager:
         engine = LockstepAsyncEngine(llm, GroupLink(self.config.group_idle_poll_s), residency.version)
         residency.on_version_installed = engine.set_weights_version
         self.expert_group = ExpertGroup(
-            self.group.rank, endpoint, engine, experts, llm.runner.device, self.config.group_timeout_s,
+            self.group.rank, endpoint, engine, model, llm.runner.device, self.config.group_timeout_s,
             checkpoint_dir=lambda: residency.version_source, on_installed=lambda _: residency.refresh_expert_slots(),
         )  # fmt: skip
         log.info("expert parallelism: rank %d of %d, group endpoint %s, %d expert slots", self.group.rank,
-                 self.group.world_size, endpoint.address, len(experts.slots))  # fmt: skip
+                 self.group.world_size, endpoint.address, len(self.expert_group.experts.slots))  # fmt: skip
         return engine
 
     # ----- queries -----
@@ -197,7 +197,7 @@ class LifecycleManager:
         )  # fmt: skip
 
     def _expert_map_json(self) -> dict[str, object] | None:
-        return self.expert_group.expert_map.to_json() if self.expert_group is not None else None
+        return self.expert_group.experts.expert_map.to_json() if self.expert_group is not None else None
 
     def group_status(self) -> GroupStatus:
         if self.expert_group is not None:

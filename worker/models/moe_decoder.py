@@ -23,7 +23,13 @@ from transformers import PretrainedConfig
 
 from tidal.worker.experts.changes import RankChanges
 from tidal.worker.experts.expert_map import ExpertMap
-from tidal.worker.layers.expert_install import ExpertInstallReport, install_epoch
+from tidal.worker.layers.expert_install import (
+    ExpertInstallReport,
+    StagedEpoch,
+    apply_epoch,
+    install_epoch,
+    stage_epoch,
+)
 from tidal.worker.layers.expert_parallel import ExpertComm, ExpertParallelSettings, ExpertParallelState
 from tidal.worker.layers.moe import MoeSpec, SparseMoE
 from tidal.worker.models.decoder import DecoderForCausalLM, DecoderSpec
@@ -93,11 +99,21 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     # ----- expert parallelism (only with `expert_parallel`) -----
     def install_expert_epoch(
-        self, expert_map: ExpertMap, changes: RankChanges, comm: ExpertComm, checkpoint_dir: Path
+        self, expert_map: ExpertMap, changes: RankChanges, comm: ExpertComm, checkpoint_dir: Path | None
     ) -> ExpertInstallReport:
         """Serve `expert_map` through `comm`, loading from `checkpoint_dir` the experts this rank must now hold
         (`changes`: `expert_parallel.changes_to(expert_map)`). On ValueError or CheckpointError nothing changed."""
         return install_epoch(self._state(), self.expert_layers, expert_map, changes, comm, checkpoint_dir)
+
+    def stage_expert_epoch(
+        self, expert_map: ExpertMap, changes: RankChanges, comm: ExpertComm, checkpoint_dir: Path | None
+    ) -> StagedEpoch:
+        """The first half of `install_expert_epoch`: checks and reads, touching nothing served (any thread)."""
+        return stage_epoch(self._state(), self.expert_layers, expert_map, changes, comm, checkpoint_dir)
+
+    def apply_expert_epoch(self, staged: StagedEpoch) -> None:
+        """The second half: device copies and the switch of map, comm and routing (between steps)."""
+        apply_epoch(self._state(), self.expert_layers, staged)
 
     def drop_expert_comm(self) -> None:
         """The group broke: forget its comm (a MoE layer refuses to run until the next epoch); weights stay."""

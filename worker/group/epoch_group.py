@@ -1,0 +1,170 @@
+"""One membership epoch's process group: a fresh rendezvous, the collectives of a lockstep step, their deadlines.
+
+The process group object is built directly (gloo on CPU, NCCL on CUDA), without torch.distributed's global default
+group, so one process can go through any number of epochs, each with a group of its own. The rendezvous is a client
+of the coordinator's group endpoint under the prefix `tidal/epoch/<epoch>`: keys of an older epoch are never read,
+and an epoch whose coordinator died does not block the next one, which names another coordinator.
+
+Every collective waits at most `collective_timeout_s`; any failure raises GroupBrokenError after probing the peers'
+endpoints, so the error names the peer that is gone or frozen when there is one. The happy path does no more than
+the collective itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tidal.worker.group.errors import GroupBrokenError
+from tidal.worker.group.members import EpochMember
+from tidal.worker.group.probe import probe_peers
+
+log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 0.5
+
+
+def join_epoch(
+    epoch: int,
+    members: Sequence[EpochMember],
+    my_rank: int,
+    coordinator_rank: int,
+    device: torch.device,
+    timeout_s: float,
+    collective_timeout_s: float,
+) -> EpochGroup:
+    """Rendezvous with every member of `epoch` (waiting up to `timeout_s` for the last one) -> the epoch's group.
+    GroupBrokenError when a member does not arrive in time or the coordinator cannot be reached."""
+    ordered = sorted(members, key=lambda m: m.rank)
+    ranks = [m.rank for m in ordered]
+    if my_rank not in ranks or coordinator_rank not in ranks:
+        raise ValueError(f"rank {my_rank} and coordinator {coordinator_rank} must be among the members {ranks}")
+    coordinator = ordered[ranks.index(coordinator_rank)]
+    join_timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        client = dist.TCPStore(
+            coordinator.host, coordinator.port, is_master=False, wait_for_workers=False, timeout=join_timeout
+        )
+        store = dist.PrefixStore(f"tidal/epoch/{epoch}", client)
+        group_rank, size = ranks.index(my_rank), len(ranks)
+        backend = _new_backend(store, group_rank, size, device, join_timeout)
+    except Exception as err:
+        raise GroupBrokenError(f"could not join: {_first_line(err)}", _gone_peer(ordered, my_rank), epoch) from err
+    return EpochGroup(epoch, ordered, my_rank, device, backend, store, collective_timeout_s)
+
+
+def _new_backend(
+    store: dist.Store, group_rank: int, size: int, device: torch.device, join_timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = join_timeout
+        return dist.ProcessGroupNCCL(store, group_rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = join_timeout  # connecting the full mesh waits for the last member to arrive
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, group_rank, size, options)
+
+
+class EpochGroup:
+    """The collectives of one epoch (see `tidal.worker.layers.expert_parallel.ExpertComm`)."""
+
+    def __init__(
+        self,
+        epoch: int,
+        members: Sequence[EpochMember],
+        my_rank: int,
+        device: torch.device,
+        backend: dist.ProcessGroup,
+        store: dist.Store,
+        collective_timeout_s: float,
+    ) -> None:
+        self.epoch = epoch
+        self.member_list = list(members)
+        self.members: tuple[int, ...] = tuple(m.rank for m in members)
+        self.my_rank = my_rank
+        self.size = len(self.members)
+        self.group_rank = self.members.index(my_rank)
+        self.device = device
+        self._backend: dist.ProcessGroup | None = backend
+        self._store = store
+        self._timeout = datetime.timedelta(seconds=collective_timeout_s)
+        self.collective_timeout_s = collective_timeout_s
+
+    # ----- collectives -----
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every member's `values` (same length everywhere), in member order: the step header."""
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        self._wait("all_gather", lambda b: b.allgather([gathered], [mine]))
+        return [t.tolist() for t in gathered]
+
+    def all_to_all_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts [size] int64 (rows for each member) -> [size] int64 (rows from each member)."""
+        received = torch.empty_like(counts)
+        self._wait("all_to_all_counts", lambda b: b.alltoall_base(received, counts, [], [], dist.AllToAllOptions()))
+        return received
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """send [sum(send_counts), ...] rows for each member in member order -> [sum(recv_counts), ...]."""
+        received = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        self._wait(
+            "all_to_all",
+            lambda b: b.alltoall_base(received, send.contiguous(), recv_counts, send_counts, dist.AllToAllOptions()),
+        )
+        return received
+
+    # ----- the epoch's store -----
+    def publish(self, key: str, value: bytes) -> None:
+        try:
+            self._store.set(key, value)
+        except Exception as err:
+            raise self._broken(f"publishing {key!r} failed: {_first_line(err)}") from err
+
+    def fetch(self, key: str, timeout_s: float) -> bytes:
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+            return bytes(self._store.get(key))
+        except Exception as err:
+            raise self._broken(f"no {key!r} within {timeout_s:g}s: {_first_line(err)}") from err
+
+    def close(self) -> None:
+        """Give the group up (it broke, or the next epoch replaced it); never blocks on a dead or frozen peer."""
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            try:
+                backend.abort()
+            except Exception as err:  # best effort: the group is unusable either way
+                log.debug("aborting epoch %d's group: %s", self.epoch, err)
+
+    # ----- failures -----
+    def _wait(self, op: str, start: object) -> None:
+        backend = self._backend
+        if backend is None:
+            raise GroupBrokenError(f"{op} on a closed group", epoch=self.epoch)
+        try:
+            work = start(backend)  # type: ignore[operator]
+            work.wait(self._timeout)
+        except Exception as err:
+            raise self._broken(f"{op} failed: {_first_line(err)}") from err
+
+    def _broken(self, why: str) -> GroupBrokenError:
+        gone = probe_peers(self.member_list, self.my_rank, min(_PROBE_TIMEOUT_S, self.collective_timeout_s))
+        if not gone:
+            return GroupBrokenError(why, None, self.epoch)
+        peer = min(gone)
+        return GroupBrokenError(f"{gone[peer]}; {why}", peer, self.epoch)
+
+
+def _gone_peer(members: Sequence[EpochMember], my_rank: int) -> int | None:
+    gone = probe_peers(members, my_rank, _PROBE_TIMEOUT_S)
+    return min(gone) if gone else None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0][:300]
