@@ -108,7 +108,12 @@ class GroupHarness:
 def reference_texts(launch: WorkerLaunch, prompts: Sequence[str | list[int]], max_tokens: int) -> list[str]:
     """Greedy outputs of `prompts` from one worker of world_size 1 in this process (same model, device, dtype and KV
     cache), one request at a time. Synchronous: call it before the event loop of the group's test starts."""
-    settings: dict[str, Any] = {"model_path": launch.model_path, "device": launch.device, "dtype": launch.dtype}
+    settings: dict[str, Any] = {
+        "model_path": launch.model_path,
+        "device": launch.device,
+        "dtype": launch.dtype,
+        "log_level": "warning",  # not a line per request
+    }
     if launch.num_kv_blocks is not None:
         settings["num_kv_blocks"] = launch.num_kv_blocks
     with ControlledWorker(**settings) as worker:

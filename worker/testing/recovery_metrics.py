@@ -70,7 +70,7 @@ class RecoveryReport:
             (
                 f"fault: {self.fault} of ranks {self.failed_ranks}",
                 f"detected after:                      {s(self.detection_s)}",
-                f"survivors' epoch {self.survivors_epoch} applied in:        {s(self.survivors_reconfigure_s)}",
+                f"survivors' epoch applied in:         {s(self.survivors_reconfigure_s)} (epoch {self.survivors_epoch})",
                 f"survivors' serving interruption:     {s(self.interruption_s)}",
                 f"fault -> serving again:              {s(self.fault_to_serving_s)}",
                 f"replacement loaded after:            {s(self.replacement_load_s)}",

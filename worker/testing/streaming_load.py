@@ -89,7 +89,10 @@ class StreamingLoad:
     """`start()` launches every stream at once in the running event loop; `wait()` returns the records.
 
     `serving_url(rank)` gives the rank's serving API base URL when the stream starts. Requests are greedy
-    (temperature 0) with `ignore_eos`, so each runs to exactly `max_tokens` and its text is reproducible."""
+    (temperature 0) with `ignore_eos`, so each runs to exactly `max_tokens` and its text is reproducible. With
+    `start(repeat=True)` each request is sent again as soon as it completes, until `stop_repeating()`, for a load
+    that lasts through a whole recovery; a request that fails is not repeated (its rank may be gone). Records are
+    kept in the order the requests were sent; `request.index` says which prompt each one carried."""
 
     def __init__(
         self,
@@ -101,25 +104,35 @@ class StreamingLoad:
     ) -> None:
         self.serving_url = serving_url
         self.model = model
-        self.records = [StreamRecord(request) for request in requests]
+        self.requests = list(requests)
+        self.records: list[StreamRecord] = []
+        self._repeat = False
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=0),
         )
         self._tasks: list[asyncio.Task[None]] = []
 
-    def start(self) -> StreamingLoad:
+    def start(self, *, repeat: bool = False) -> StreamingLoad:
         if self._tasks:
             raise RuntimeError("this load was started already")
-        self._tasks = [asyncio.create_task(self._run(record)) for record in self.records]
+        self._repeat = repeat
+        firsts = [StreamRecord(request) for request in self.requests]
+        self.records.extend(firsts)
+        self._tasks = [asyncio.create_task(self._keep_sending(record)) for record in firsts]
         return self
+
+    def stop_repeating(self) -> None:
+        """Requests in flight finish; none is sent again."""
+        self._repeat = False
 
     async def wait_streaming(self, timeout_s: float = 60.0) -> None:
         """Until every stream has received a chunk or ended: the moment to inject a fault 'under load'."""
         deadline = time.monotonic() + timeout_s
-        while any(not r.chunk_times and r.ended_at is None for r in self.records):
+        firsts = self.records[: len(self.requests)]
+        while any(not r.chunk_times and r.ended_at is None for r in firsts):
             if time.monotonic() > deadline:
-                waiting = [r.request.index for r in self.records if not r.chunk_times and r.ended_at is None]
+                waiting = [r.request.index for r in firsts if not r.chunk_times and r.ended_at is None]
                 raise TimeoutError(f"streams {waiting} got no chunk within {timeout_s:g}s")
             await asyncio.sleep(0.01)
 
@@ -146,6 +159,13 @@ class StreamingLoad:
 
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
+
+    async def _keep_sending(self, record: StreamRecord) -> None:
+        await self._run(record)
+        while self._repeat and record.completed:
+            record = StreamRecord(record.request)
+            self.records.append(record)
+            await self._run(record)
 
     async def _run(self, record: StreamRecord) -> None:
         request = record.request

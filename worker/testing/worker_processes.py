@@ -52,6 +52,8 @@ class WorkerLaunch:
     token: str = TEST_TOKEN
     log_level: str = "info"
     extra_flags: tuple[str, ...] = ()
+    # GPUs: rank r sees only visible_devices[r % len] (CUDA_VISIBLE_DEVICES), as a pod with one GPU would.
+    visible_devices: tuple[str, ...] | None = None
 
     @property
     def model_name(self) -> str:
@@ -187,7 +189,7 @@ class WorkerProcesses:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self._environment(),
+                env=self._environment(rank),
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         process = WorkerProcess(rank, incarnation, self.launch.host, ports, log_path, popen, time.monotonic())
@@ -219,13 +221,16 @@ class WorkerProcesses:
             flags["--group-timeout-s"] = str(launch.group_timeout_s)
         return [*(part for pair in flags.items() for part in pair), *launch.extra_flags]
 
-    def _environment(self) -> dict[str, str]:
+    def _environment(self, rank: int) -> dict[str, str]:
         """This process's environment without any worker setting (a stray TIDAL_PORT or TIDAL_CONTROL_TOKEN_FILE
         would change or break the workers), plus the control token, which a flag would show in `ps`."""
         worker_names = {name for option in WORKER_OPTIONS.options.values() for name in option.env_names}
         env = {name: value for name, value in os.environ.items() if name not in worker_names}
         env["TIDAL_CONTROL_TOKEN"] = self.launch.token
         env["PYTHONUNBUFFERED"] = "1"  # the log shows what happened up to a SIGKILL
+        devices = self.launch.visible_devices
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
         return env
 
     def _pick_port(self) -> int:
