@@ -20,7 +20,7 @@ from tidal.worker.testing.streaming_load import StreamFailure, StreamRecord, Str
 from tidal.worker.testing.worker_processes import WorkerLaunch, WorkerProcesses, WorkerStartError
 
 PROMPTS = [f"Stream {i}: the tide comes in and" for i in range(6)]
-MAX_TOKENS = 160
+MAX_TOKENS = 320  # a stream lasts well past the fault (about a second on a busy 2-core machine)
 
 
 @pytest.mark.multiprocess
@@ -58,7 +58,7 @@ def test_a_killed_rank_is_noticed_the_survivors_go_on_and_a_replacement_rejoins(
             report = recovery_report("kill", fault_at, [0], conductor, records, reference)
             assert report.survivors.total == 4 and report.survivors.lost == 0, _outcomes(records)
             assert report.failed_rank.total == 2 and report.failed_rank.other_failures == 0, _outcomes(records)
-            assert report.failed_rank.connection_errors >= 1, _outcomes(records)  # in flight when killed
+            _check_failed_rank_streams(records, [0], fault_at)
             assert report.whole_epoch == 3 and report.whole_after_replacement_s is not None
             assert report.detection_s is not None and report.detection_s < 2.0
 
@@ -97,7 +97,8 @@ def test_a_frozen_rank_is_found_by_its_silence_killed_and_replaced_on_request(ti
 
             report = recovery_report("stop", fault_at, [1], conductor, records, reference)
             assert report.survivors.total == 2 and report.survivors.lost == 0, _outcomes(records)
-            assert report.failed_rank.connection_errors == 2, _outcomes(records)  # frozen mid-stream, then killed
+            assert report.failed_rank.total == 2 and report.failed_rank.other_failures == 0, _outcomes(records)
+            _check_failed_rank_streams(records, [1], fault_at)  # frozen mid-stream, then killed
 
     asyncio.run(scenario())
 
@@ -111,6 +112,14 @@ def test_a_worker_that_cannot_start_fails_the_wait_with_its_log(tmp_path):
         processes.start(0)
         with pytest.raises(WorkerStartError, match=r"(?s)rank 0 .*exited while loading.*model_type"):
             asyncio.run(processes.wait_loaded(0, timeout_s=60))
+
+
+def _check_failed_rank_streams(records: list[StreamRecord], failed: list[int], fault_at: float) -> None:
+    """A failed rank's stream either ended before the fault or lost its connection; at least one was cut."""
+    on_failed = [r for r in records if r.request.rank in failed]
+    for record in on_failed:
+        assert record.lost_connection or (record.completed and record.ended_at < fault_at), _outcomes(records)
+    assert any(r.lost_connection for r in on_failed), _outcomes(records)
 
 
 def _outcomes(records: list[StreamRecord]) -> str:
