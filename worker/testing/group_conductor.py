@@ -160,10 +160,16 @@ class GroupConductor:
         member refuses it."""
         members = sorted(self.processes.ranks if ranks is None else ranks)
         attempt = await self._send_epoch(members)
-        if not attempt.applied:
-            refusals = "; ".join(f"rank {r}: {why}" for r, why in sorted(attempt.refusals.items()))
+        problems = [f"rank {r}: {why}" for r, why in sorted(attempt.refusals.items())]
+        problems += [
+            f"rank {r} answered with group_epoch {result.state.group_epoch}"
+            for r, result in sorted(attempt.results.items())
+            if result.state.group_epoch != attempt.epoch
+        ]
+        if problems:
             raise GroupConductorError(
-                f"epoch {attempt.epoch} with members {members} was refused: {refusals}\n{self.processes.log_reports()}"
+                f"epoch {attempt.epoch} with members {members} was not applied: {'; '.join(problems)}\n"
+                f"{self.processes.log_reports()}"
             )
         self.healthy = set(members)
         return attempt
@@ -248,12 +254,13 @@ class GroupConductor:
             and time.monotonic() - last.answered_at >= self.retry_after_refusal_s
         )
         if last is None or target != last.members or retry_due:
-            attempt = await self._send_epoch(target)
-            if self.replace_failed:
-                for rank in self.processes.ranks:
-                    is_gone = rank not in self.healthy and rank not in self.joining
-                    if is_gone and rank not in attempt.members and not self.processes[rank].is_running:
-                        self.replace(rank)
+            last = await self._send_epoch(target)
+        if self.replace_failed:
+            # After the survivors' epoch was sent (without the rank), as the survivors must not wait on a load.
+            for rank in self.processes.ranks:
+                is_gone = rank not in self.healthy and rank not in self.joining
+                if is_gone and rank not in last.members and not self.processes[rank].is_running:
+                    self.replace(rank)
 
     async def _poll(self, ranks: list[int]) -> None:
         async def one(rank: int) -> None:

@@ -66,26 +66,30 @@ class RecoveryReport:
         def s(value: float | None) -> str:
             return "n/a" if value is None else f"{value:.3f} s"
 
-        return "\n".join(
+        degraded = f", degraded experts {self.degraded_experts}" if self.degraded_experts else ""
+        rows = (
+            ("detected after", s(self.detection_s)),
+            ("survivors' epoch applied in", f"{s(self.survivors_reconfigure_s)} (epoch {self.survivors_epoch})"),
+            ("survivors' serving interruption", s(self.interruption_s)),
+            ("fault -> serving again", s(self.fault_to_serving_s)),
+            ("replacement loaded after", s(self.replacement_load_s)),
+            ("whole again after replacement start", f"{s(self.whole_after_replacement_s)} (epoch {self.whole_epoch})"),
+            ("interruption at the rejoin", s(self.rejoin_interruption_s)),
+            ("expert reload (survivors)", s(self.expert_reload_s) + degraded),
+            ("reconfigure", f"survivors {s(self.reconfigure_duration_s)}, rejoin {s(self.rejoin_duration_s)}"),
             (
-                f"fault: {self.fault} of ranks {self.failed_ranks}",
-                f"detected after:                      {s(self.detection_s)}",
-                f"survivors' epoch applied in:         {s(self.survivors_reconfigure_s)} (epoch {self.survivors_epoch})",
-                f"survivors' serving interruption:     {s(self.interruption_s)}",
-                f"fault -> serving again:              {s(self.fault_to_serving_s)}",
-                f"replacement loaded after:            {s(self.replacement_load_s)}",
-                f"whole again after replacement start: {s(self.whole_after_replacement_s)} (epoch {self.whole_epoch})",
-                f"interruption at the rejoin:          {s(self.rejoin_interruption_s)}",
-                f"expert reload (survivors):           {s(self.expert_reload_s)}"
-                + (f", degraded experts {self.degraded_experts}" if self.degraded_experts else ""),
-                f"reconfigure: survivors {s(self.reconfigure_duration_s)}, rejoin {s(self.rejoin_duration_s)}",
-                f"requests lost on survivors:          {self.survivors.lost} of {self.survivors.total}"
-                f" ({self.survivors.wrong_output} with a wrong output)",
-                f"requests lost on the failed rank(s): {self.failed_rank.connection_errors} connection errors, "
-                f"{self.failed_rank.other_failures} other failures, {self.failed_rank.completed} completed "
-                f"of {self.failed_rank.total}",
-            )
+                "requests lost on survivors",
+                f"{self.survivors.lost} of {self.survivors.total} ({self.survivors.wrong_output} with a wrong output)",
+            ),
+            (
+                "requests lost on the failed rank(s)",
+                f"{self.failed_rank.connection_errors} connection errors, {self.failed_rank.other_failures} other "
+                f"failures, {self.failed_rank.completed} completed of {self.failed_rank.total}",
+            ),
         )
+        lines = [f"fault: {self.fault} of ranks {self.failed_ranks}"]
+        lines += [f"{label + ':':<37}{value}" for label, value in rows]
+        return "\n".join(lines)
 
 
 def count_streams(records: Sequence[StreamRecord], reference: Sequence[str] | None) -> StreamCounts:
