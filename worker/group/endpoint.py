@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 
-from torch.distributed import TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
@@ -46,28 +48,47 @@ def join_epoch(
     coordinator = ordered[ranks.index(coordinator_rank)]
     join_timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        client = dist.TCPStore(
+        client = TCPStore(
             coordinator.host, coordinator.port, is_master=False, wait_for_workers=False, timeout=join_timeout
         )
-        store = dist.PrefixStore(f"tidal/epoch/{epoch}", client)
+        store = PrefixStore(f"tidal/epoch/{epoch}", client)
         group_rank, size = ranks.index(my_rank), len(ranks)
-        backend = _new_backend(store, group_rank, size, device, join_timeout)
+        backend = _new_backend(store, group_rank, size, device, join_timeout, ordered[group_rank].host)
     except Exception as err:
         raise GroupBrokenError(f"could not join: {_first_line(err)}", _gone_peer(ordered, my_rank), epoch) from err
     return EpochGroup(epoch, ordered, my_rank, device, backend, store, collective_timeout_s)
 
 
 def _new_backend(
-    store: dist.Store, group_rank: int, size: int, device: torch.device, join_timeout: datetime.timedelta
-) -> dist.ProcessGroup:
+    store: Store, group_rank: int, size: int, device: torch.device, join_timeout: datetime.timedelta, my_host: str
+) -> _Backend:
     if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = join_timeout
-        return dist.ProcessGroupNCCL(store, group_rank, size, options)
-    options = dist.ProcessGroupGloo._Options()
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = join_timeout
+        return cast(_Backend, dist.ProcessGroupNCCL(store, group_rank, size, nccl_options))
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = join_timeout  # connecting the full mesh waits for the last member to arrive
-    options._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, group_rank, size, options)
+    # Bound to this rank's own group address: on a node whose pods each have their own IP, the default (the
+    # host name's address) would be shared by all of them.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_host)]
+    return cast(_Backend, dist.ProcessGroupGloo(store, group_rank, size, options))
+
+
+class _Work(Protocol):
+    def wait(self, timeout: datetime.timedelta = ...) -> bool: ...
+
+
+class _Backend(Protocol):
+    """What is used of a gloo or NCCL process group."""
+
+    def allgather(self, output: list[list[torch.Tensor]], input: list[torch.Tensor]) -> _Work: ...
+
+    def alltoall_base(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+        options: dist.AllToAllOptions,
+    ) -> _Work: ...  # fmt: skip
+
+    def abort(self) -> None: ...
 
 
 class EpochGroup:
@@ -79,8 +100,8 @@ class EpochGroup:
         members: Sequence[EpochMember],
         my_rank: int,
         device: torch.device,
-        backend: dist.ProcessGroup,
-        store: dist.Store,
+        backend: _Backend,
+        store: Store,
         collective_timeout_s: float,
     ) -> None:
         self.epoch = epoch
@@ -90,7 +111,7 @@ class EpochGroup:
         self.size = len(self.members)
         self.group_rank = self.members.index(my_rank)
         self.device = device
-        self._backend: dist.ProcessGroup | None = backend
+        self._backend: _Backend | None = backend
         self._store = store
         self._timeout = datetime.timedelta(seconds=collective_timeout_s)
         self.collective_timeout_s = collective_timeout_s
@@ -120,8 +141,9 @@ class EpochGroup:
 
     # ----- the epoch's store -----
     def publish(self, key: str, value: bytes) -> None:
+        """Put `value` (UTF-8 text) under `key` in the epoch's store, for the other members to `fetch`."""
         try:
-            self._store.set(key, value)
+            self._store.set(key, value.decode())  # the JSON the coordinator publishes
         except Exception as err:
             raise self._broken(f"publishing {key!r} failed: {_first_line(err)}") from err
 
@@ -142,13 +164,12 @@ class EpochGroup:
                 log.debug("aborting epoch %d's group: %s", self.epoch, err)
 
     # ----- failures -----
-    def _wait(self, op: str, start: object) -> None:
+    def _wait(self, op: str, start: Callable[[_Backend], _Work]) -> None:
         backend = self._backend
         if backend is None:
             raise GroupBrokenError(f"{op} on a closed group", epoch=self.epoch)
         try:
-            work = start(backend)  # type: ignore[operator]
-            work.wait(self._timeout)
+            start(backend).wait(self._timeout)
         except Exception as err:
             raise self._broken(f"{op} failed: {_first_line(err)}") from err
 

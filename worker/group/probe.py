@@ -15,7 +15,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from torch.distributed import TCPStore
+from torch._C._distributed_c10d import TCPStore
 
 from tidal.worker.group.members import EpochMember
 

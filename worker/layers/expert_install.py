@@ -74,9 +74,14 @@ def stage_epoch(
     epoch that loads any is refused). ValueError for an epoch that does not fit, CheckpointError for a failed read."""
     start = time.monotonic()
     check_epoch(state, expert_map, changes, comm)
-    if changes.loads and checkpoint_dir is None:
-        raise ValueError(f"experts {list(changes.loaded_experts)} must be loaded and there is no checkpoint to read")
-    staged, bytes_read = read_loaded_experts(layers, changes, checkpoint_dir) if changes.loads else ([], 0)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    bytes_read = 0
+    if changes.loads:
+        if checkpoint_dir is None:
+            raise ValueError(
+                f"experts {list(changes.loaded_experts)} must be loaded and there is no checkpoint to read"
+            )
+        staged, bytes_read = read_loaded_experts(layers, changes, checkpoint_dir)
     device = layers[0][1].w13.device
     routing = build_routing(expert_map, comm.members, state.rank, device)
     report = ExpertInstallReport(changes.loaded_experts, bytes_read, time.monotonic() - start)

@@ -30,8 +30,9 @@ from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
 from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError
 from tidal.worker.experts.placement import NotEnoughSlotsError, plan_placement
 from tidal.worker.group.endpoint import GroupEndpoint
-from tidal.worker.group.epoch_group import EpochGroup, EpochMember, join_epoch
+from tidal.worker.group.epoch_group import EpochGroup, join_epoch
 from tidal.worker.group.errors import GroupBrokenError
+from tidal.worker.group.members import EpochMember
 from tidal.worker.lifecycle.errors import BadRequestError, ExpertsUnavailableError, GroupUnreachableError
 from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
