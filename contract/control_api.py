@@ -211,6 +211,11 @@ class WeightsChecksum(_Response):
     algorithm: Literal["sha256"] = "sha256"
     overall: str = Field(description="sha256 over the sorted 'name digest' lines")
     tensors: dict[str, str] = Field(description="name -> sha256 over dtype, shape and the raw bytes (row-major)")
+    covers_experts: list[int] | None = Field(
+        None,
+        description="expert parallelism: the logical experts this rank holds, whose tensors (with every dense one) "
+        "the checksum covers; null: the whole model",
+    )
 
 
 class GroupMember(_Model):

@@ -139,12 +139,13 @@ def _record(index: int, rank: int, times: list[float], text: str = "", failure: 
     return record
 
 
-def test_gaps_are_counted_by_their_end():
+def test_a_gap_counts_in_every_window_it_overlaps():
     times = [0.0, 0.1, 0.2, 1.5, 1.6]
     assert longest_gap(times) == pytest.approx(1.3)
     assert longest_gap(times, after=1.0) == pytest.approx(1.3)  # the gap the fault fell into
     assert longest_gap(times, after=1.55) == pytest.approx(0.1)
-    assert longest_gap(times, before=1.0) == pytest.approx(0.1)
+    assert longest_gap(times, before=0.15) == pytest.approx(0.1)
+    assert longest_gap(times, before=1.0) == pytest.approx(1.3)  # it starts before 1.0: the rejoin began inside it
     assert longest_gap([1.0]) is None and longest_gap(times, after=2.0) is None
     assert _record(0, 0, times).first_chunk_after(0.25) == 1.5
 

@@ -54,6 +54,8 @@ class GroupLink:
         self._broken: BrokenGroup | None = None
         self._epoch_steps = 0
         self.waiting_on: str | None = None  # why this rank's work waits, from the last header (for /state)
+        # Told when the link switched to an epoch (True) or broke (False), on the loop thread (for metrics).
+        self.on_change: Callable[[bool], None] | None = None
 
     # ----- read by anyone -----
     @property
@@ -115,16 +117,34 @@ class GroupLink:
             old.close()
         pending.switched.set_result(None)
         log.info("stepping with epoch %d (members %s)", pending.epoch, list(pending.group.members))
+        if self.on_change is not None:
+            self.on_change(True)
         return pending
 
     def mark_broken(self, error: GroupBrokenError) -> None:
-        """The group's collective failed: stop stepping with it, keep everything else, wait for the next epoch."""
+        """The group's collective failed: stop stepping with it, keep everything else, wait for the next epoch.
+        Which peer failed is found by probing on a thread of its own, so the next epoch is never kept waiting."""
         with self._lock:
             group, self._group = self._group, None
-            self._broken = BrokenGroup(error.epoch, error.peer_rank, error.reason, time.monotonic())
-        if group is not None:
-            group.close()
+            broken = self._broken = BrokenGroup(error.epoch, error.peer_rank, error.reason, time.monotonic())
         log.error("group broken: %s; holding requests until the next epoch", error)
+        if self.on_change is not None:
+            self.on_change(False)
+        if group is not None:
+            threading.Thread(target=self._blame, args=(group, broken), name="tidal-group-probe", daemon=True).start()
+
+    def _blame(self, group: EpochGroup, broken: BrokenGroup) -> None:
+        try:
+            culprit = group.find_culprit()
+        finally:
+            group.close()
+        if culprit is None:
+            return
+        peer, why = culprit
+        log.error("epoch %d broke: %s", broken.epoch, why)
+        with self._lock:
+            if self._broken is broken:  # not replaced by a newer epoch or a newer failure meanwhile
+                self._broken = BrokenGroup(broken.epoch, peer, f"{why}; {broken.reason}", broken.since)
 
     def count_step(self) -> None:
         self._epoch_steps += 1

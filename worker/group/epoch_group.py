@@ -5,9 +5,9 @@ group, so one process can go through any number of epochs, each with a group of 
 of the coordinator's group endpoint under the prefix `tidal/epoch/<epoch>`: keys of an older epoch are never read,
 and an epoch whose coordinator died does not block the next one, which names another coordinator.
 
-Every collective waits at most `collective_timeout_s`; any failure raises GroupBrokenError after probing the peers'
-endpoints, so the error names the peer that is gone or frozen when there is one. The happy path does no more than
-the collective itself.
+Every collective waits at most `collective_timeout_s`; any failure raises GroupBrokenError at once, and
+`find_culprit` probes the peers' endpoints (off the step path) to name the one that is gone or frozen. The happy path
+does no more than the collective itself.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ from tidal.worker.group.members import EpochMember
 from tidal.worker.group.probe import probe_peers
 
 log = logging.getLogger(__name__)
+
+GroupBackend = Literal["auto", "gloo", "nccl"]
 
 _PROBE_TIMEOUT_S = 0.5
 
@@ -38,9 +40,12 @@ def join_epoch(
     device: torch.device,
     timeout_s: float,
     collective_timeout_s: float,
+    backend: GroupBackend = "auto",
 ) -> EpochGroup:
     """Rendezvous with every member of `epoch` (waiting up to `timeout_s` for the last one) -> the epoch's group.
-    GroupBrokenError when a member does not arrive in time or the coordinator cannot be reached."""
+    `backend`: "auto" is NCCL on CUDA and gloo on CPU; "gloo" on CUDA stages every exchange through host memory
+    (several ranks sharing one GPU, which NCCL refuses). GroupBrokenError when a member does not arrive in time or
+    the coordinator cannot be reached."""
     ordered = sorted(members, key=lambda m: m.rank)
     ranks = [m.rank for m in ordered]
     if my_rank not in ranks or coordinator_rank not in ranks:
@@ -53,16 +58,18 @@ def join_epoch(
         )
         store = PrefixStore(f"tidal/epoch/{epoch}", client)
         group_rank, size = ranks.index(my_rank), len(ranks)
-        backend = _new_backend(store, group_rank, size, device, join_timeout, ordered[group_rank].host)
+        use_nccl = device.type == "cuda" and backend != "gloo"
+        process_group = _new_backend(store, group_rank, size, use_nccl, join_timeout, ordered[group_rank].host)
     except Exception as err:
         raise GroupBrokenError(f"could not join: {_first_line(err)}", _gone_peer(ordered, my_rank), epoch) from err
-    return EpochGroup(epoch, ordered, my_rank, device, backend, store, collective_timeout_s)
+    wire = device if use_nccl else torch.device("cpu")
+    return EpochGroup(epoch, ordered, my_rank, wire, process_group, store, collective_timeout_s)
 
 
 def _new_backend(
-    store: Store, group_rank: int, size: int, device: torch.device, join_timeout: datetime.timedelta, my_host: str
+    store: Store, group_rank: int, size: int, use_nccl: bool, join_timeout: datetime.timedelta, my_host: str
 ) -> _Backend:
-    if device.type == "cuda":
+    if use_nccl:
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = join_timeout
         return cast(_Backend, dist.ProcessGroupNCCL(store, group_rank, size, nccl_options))
@@ -99,7 +106,7 @@ class EpochGroup:
         epoch: int,
         members: Sequence[EpochMember],
         my_rank: int,
-        device: torch.device,
+        wire: torch.device,
         backend: _Backend,
         store: Store,
         collective_timeout_s: float,
@@ -110,7 +117,7 @@ class EpochGroup:
         self.my_rank = my_rank
         self.size = len(self.members)
         self.group_rank = self.members.index(my_rank)
-        self.device = device
+        self.wire = wire  # where exchanged tensors must be (host memory for gloo); `.to()` is free when they are
         self._backend: _Backend | None = backend
         self._store = store
         self._timeout = datetime.timedelta(seconds=collective_timeout_s)
@@ -119,25 +126,27 @@ class EpochGroup:
     # ----- collectives -----
     def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every member's `values` (same length everywhere), in member order: the step header."""
-        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.wire)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
         self._wait("all_gather", lambda b: b.allgather([gathered], [mine]))
         return [t.tolist() for t in gathered]
 
     def all_to_all_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """counts [size] int64 (rows for each member) -> [size] int64 (rows from each member)."""
-        received = torch.empty_like(counts)
-        self._wait("all_to_all_counts", lambda b: b.alltoall_base(received, counts, [], [], dist.AllToAllOptions()))
-        return received
+        sent = counts.to(self.wire)
+        received = torch.empty_like(sent)
+        self._wait("all_to_all_counts", lambda b: b.alltoall_base(received, sent, [], [], dist.AllToAllOptions()))
+        return received.to(counts.device)
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """send [sum(send_counts), ...] rows for each member in member order -> [sum(recv_counts), ...]."""
-        received = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        sent = send.to(self.wire).contiguous()
+        received = sent.new_empty((sum(recv_counts), *send.shape[1:]))
         self._wait(
             "all_to_all",
-            lambda b: b.alltoall_base(received, send.contiguous(), recv_counts, send_counts, dist.AllToAllOptions()),
+            lambda b: b.alltoall_base(received, sent, recv_counts, send_counts, dist.AllToAllOptions()),
         )
-        return received
+        return received.to(send.device)
 
     # ----- the epoch's store -----
     def publish(self, key: str, value: bytes) -> None:
@@ -174,11 +183,18 @@ class EpochGroup:
             raise self._broken(f"{op} failed: {_first_line(err)}") from err
 
     def _broken(self, why: str) -> GroupBrokenError:
+        """The error for a failed collective, at once: finding the peer to blame takes a probe (up to its timeout
+        for a frozen peer), which `find_culprit` does off the step path."""
+        return GroupBrokenError(why, None, self.epoch)
+
+    def find_culprit(self) -> tuple[int, str] | None:
+        """Probe every peer's endpoint: (rank, why) of the first one that is gone or frozen, None if all answer.
+        Blocks up to the probe timeout; call it from a thread of its own."""
         gone = probe_peers(self.member_list, self.my_rank, min(_PROBE_TIMEOUT_S, self.collective_timeout_s))
         if not gone:
-            return GroupBrokenError(why, None, self.epoch)
+            return None
         peer = min(gone)
-        return GroupBrokenError(f"{gone[peer]}; {why}", peer, self.epoch)
+        return peer, gone[peer]
 
 
 def _gone_peer(members: Sequence[EpochMember], my_rank: int) -> int | None:

@@ -36,6 +36,11 @@ class LifecycleConfig(BaseModel):
         default=7100, ge=0, le=65535,
         description="Expert parallelism: port of this rank's group endpoint (epoch rendezvous; peers probe it).",
     )  # fmt: skip
+    group_backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="Expert parallelism: collectives over NCCL on CUDA and gloo on CPU ('auto'); 'gloo' on CUDA "
+        "goes through host memory (several ranks on one GPU, which NCCL refuses).",
+    )
     group_timeout_s: float = Field(
         default=10.0, gt=0,
         description="Expert parallelism: deadline of one collective; a peer slower than this breaks the group.",

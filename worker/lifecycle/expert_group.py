@@ -30,7 +30,7 @@ from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
 from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError
 from tidal.worker.experts.placement import NotEnoughSlotsError, plan_placement
 from tidal.worker.group.endpoint import GroupEndpoint
-from tidal.worker.group.epoch_group import EpochGroup, join_epoch
+from tidal.worker.group.epoch_group import EpochGroup, GroupBackend, join_epoch
 from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
 from tidal.worker.lifecycle.errors import BadRequestError, ExpertsUnavailableError, GroupUnreachableError
@@ -59,6 +59,7 @@ class ExpertGroup:
         model: MoeDecoderForCausalLM,
         device: torch.device,
         collective_timeout_s: float,
+        backend: GroupBackend,
         checkpoint_dir: Callable[[], Path | None],
         on_installed: Callable[[LLMEngine], None],
     ) -> None:
@@ -75,6 +76,7 @@ class ExpertGroup:
         self.experts = model.expert_parallel
         self.device = device
         self.collective_timeout_s = collective_timeout_s
+        self.backend: GroupBackend = backend
         self._checkpoint_dir = checkpoint_dir
         self._on_installed = on_installed
         self.last: EpochOutcome | None = None
@@ -106,7 +108,7 @@ class ExpertGroup:
         try:
             group = join_epoch(
                 request.epoch, members, self.rank, request.coordinator_rank, self.device,
-                timeout_s=request.timeout_s, collective_timeout_s=self.collective_timeout_s,
+                timeout_s=request.timeout_s, collective_timeout_s=self.collective_timeout_s, backend=self.backend,
             )  # fmt: skip
         except GroupBrokenError as err:
             raise GroupUnreachableError(f"could not join epoch {request.epoch}: {err}") from err

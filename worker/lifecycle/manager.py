@@ -121,8 +121,19 @@ class LifecycleManager:
         residency.on_version_installed = engine.set_weights_version
         self.expert_group = ExpertGroup(
             self.group.rank, endpoint, engine, model, llm.runner.device, self.config.group_timeout_s,
+            self.config.group_backend,
             checkpoint_dir=lambda: residency.version_source, on_installed=lambda _: residency.refresh_expert_slots(),
         )  # fmt: skip
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.set_group_health(GroupHealth.WAITING)
+
+            def on_change(serving: bool) -> None:
+                metrics.set_group_health(GroupHealth.SERVING if serving else GroupHealth.BROKEN)
+                if not serving:
+                    metrics.record_group_break()
+
+            engine.link.on_change = on_change
         log.info("expert parallelism: rank %d of %d, group endpoint %s, %d expert slots", self.group.rank,
                  self.group.world_size, endpoint.address, len(self.expert_group.experts.slots))  # fmt: skip
         return engine
@@ -191,6 +202,8 @@ class LifecycleManager:
         if outcome is None:
             return GroupReconfigureResult(applied=True, state=self.state())
         self._checksum = None  # the experts held, and so the tensors hashed, may have changed
+        if self.metrics is not None:
+            self.metrics.record_group_epoch(len(outcome.loaded_experts))
         return GroupReconfigureResult(
             applied=True, expert_map=outcome.expert_map.to_json(), loaded_experts=list(outcome.loaded_experts),
             duration_s=outcome.duration_s, state=self.state(),
@@ -351,8 +364,16 @@ class LifecycleManager:
     async def checksum(self, recompute: bool = False) -> WeightsChecksum:
         async with self._exclusive("checksum") as r:
             if recompute or self._checksum is None or self._checksum.version != r.version:
-                self._checksum = await asyncio.to_thread(r.checksum)
+                self._checksum = self._with_coverage(await asyncio.to_thread(r.checksum))
             return self._checksum
+
+    def _with_coverage(self, checksum: WeightsChecksum) -> WeightsChecksum:
+        """Say which experts a rank's checksum covers, so that the ranks of a group can be checked to serve one
+        version (equal dense tensors; every expert's tensors equal wherever a copy is held)."""
+        if self.expert_group is None:
+            return checksum
+        held = sorted(e for e in self.expert_group.experts.slots if e is not None)
+        return checksum.model_copy(update={"covers_experts": held})
 
     async def _update(
         self,
@@ -372,13 +393,15 @@ class LifecycleManager:
                 self.metrics.record_failure("update")
             raise
         r.version, r.version_source, self._checksum = version, source, None
+        if isinstance(self.engine, LockstepAsyncEngine):  # also when asleep: the version it wakes with
+            self.engine.set_weights_version(version)
         seconds = time.monotonic() - start
         if self.metrics is not None:
             self.metrics.record("update", seconds, report.num_bytes)
         self._publish_state()
         log.info("now serving weights %s (%.2fs, serving held %.2fs)", version, seconds, paused_s)
         checksum_start = time.monotonic()
-        self._checksum = await asyncio.to_thread(r.checksum)
+        self._checksum = self._with_coverage(await asyncio.to_thread(r.checksum))
         return WeightsUpdateResult(
             version=version, checksum=self._checksum.overall, duration_s=seconds, bytes_loaded=report.num_bytes,
             paused_s=paused_s, checksum_s=time.monotonic() - checksum_start,

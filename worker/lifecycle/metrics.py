@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
 
+from tidal.contract.control_api import GroupHealth
 from tidal.worker.metrics import PREFIX
 
 OPERATIONS = ("sleep", "wake_up", "update")  # timed, and they move bytes
@@ -35,6 +36,18 @@ class LifecycleMetrics:
             f"{PREFIX}_group_epoch", "Group membership epoch last applied by /group/reconfigure (0: never)",
             registry=registry,
         )  # fmt: skip
+        self.group_health = Enum(
+            f"{PREFIX}_group_health", "This rank in its expert-parallel group (solo: no expert parallelism)",
+            states=[h.value for h in GroupHealth], registry=registry,
+        )  # fmt: skip
+        self.group_breaks = Counter(
+            f"{PREFIX}_group_breaks", "Collectives of an expert-parallel group that failed or missed their deadline",
+            registry=registry,
+        )  # fmt: skip
+        self.group_experts_reloaded = Counter(
+            f"{PREFIX}_group_experts_reloaded", "Experts read from the checkpoint to install a group's epoch",
+            registry=registry,
+        )  # fmt: skip
         for op in OPERATIONS:
             self.duration.labels(operation=op)
             self.bytes_moved.labels(operation=op)
@@ -52,6 +65,15 @@ class LifecycleMetrics:
         self.operations.labels(operation="reconfigure", outcome="ok" if epoch is not None else "error").inc()
         if epoch is not None:
             self.group_epoch.set(epoch)
+
+    def set_group_health(self, health: GroupHealth) -> None:
+        self.group_health.state(health.value)
+
+    def record_group_break(self) -> None:
+        self.group_breaks.inc()
+
+    def record_group_epoch(self, loaded_experts: int) -> None:
+        self.group_experts_reloaded.inc(loaded_experts)
 
     def record_failure(self, operation: str) -> None:
         self.operations.labels(operation=operation, outcome="error").inc()

@@ -159,7 +159,7 @@ class GroupConductor:
         """Send the next epoch with `ranks` (default: all) and wait for every answer; GroupConductorError when a
         member refuses it."""
         members = sorted(self.processes.ranks if ranks is None else ranks)
-        attempt = await self._send_epoch(members)
+        attempt = await self.send_epoch(members)
         problems = [f"rank {r}: {why}" for r, why in sorted(attempt.refusals.items())]
         problems += [
             f"rank {r} answered with group_epoch {result.state.group_epoch}"
@@ -254,7 +254,7 @@ class GroupConductor:
             and time.monotonic() - last.answered_at >= self.retry_after_refusal_s
         )
         if last is None or target != last.members or retry_due:
-            last = await self._send_epoch(target)
+            last = await self.send_epoch(target)
         if self.replace_failed:
             # After the survivors' epoch was sent (without the rank), as the survivors must not wait on a load.
             for rank in self.processes.ranks:
@@ -326,7 +326,8 @@ class GroupConductor:
                     f"{process.log_report()}"
                 )
 
-    async def _send_epoch(self, members: list[int]) -> EpochAttempt:
+    async def send_epoch(self, members: list[int]) -> EpochAttempt:
+        """Send the next epoch with `members` to each of them and wait for every answer (applied or refused)."""
         seen = max((s.group_epoch for s in self.states.values()), default=0)
         self._epoch = max(self._epoch, seen) + 1
         previous = self.applied

@@ -88,6 +88,18 @@ class GroupHarness:
         response.raise_for_status()
         return WorkerState.model_validate(response.json())
 
+    async def control(
+        self, rank: int, path: str, body: dict[str, Any] | None, method: str = "POST", timeout_s: float = 120.0
+    ) -> dict[str, Any]:
+        """A control-API call to the rank's current process; RuntimeError with the answer unless it is 200."""
+        headers = {TOKEN_HEADER: f"Bearer {self.launch.token}"}
+        async with httpx.AsyncClient(headers=headers, timeout=timeout_s) as client:
+            response = await client.request(method, f"{self.processes[rank].control_url}{path}", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"rank {rank} {method} {path} answered {response.status_code}: {response.text[:300]}")
+        answer: dict[str, Any] = response.json()
+        return answer
+
     async def complete(self, rank: int, prompt: str | list[int], max_tokens: int, timeout_s: float = 60.0) -> str:
         """One greedy, non-streamed completion from the rank's current process."""
         body = {

@@ -3,9 +3,10 @@
 All times are time.monotonic() of the harness process. The fault is the moment the harness sent the signal. The
 survivors' epoch is the first epoch applied after the fault without the failed ranks; "serving again" is the first
 chunk of a surviving stream after that epoch was answered. A surviving stream's interruption is its longest gap
-between two chunks; gaps are counted by their end: from the fault until the first replacement started (the fault's
-interruption), and after it (the rejoin's). A survivor's request is lost when it did not complete or its text is not
-the reference's; a failed rank's request is expected to end with a connection error, and those are counted.
+between two chunks: the fault's interruption over the gaps that end after the fault and start before the epoch that
+brings the group back whole was sent, the rejoin's over those that end after that. A survivor's request is lost when
+it did not complete or its text is not the reference's; a failed rank's request is expected to end with a
+connection error, and those are counted.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class RecoveryReport:
     survivors_epoch: int | None
     survivors_reconfigure_s: float | None  # survivors' epoch sent -> every survivor answered
     fault_to_serving_s: float | None  # fault -> first chunk of a surviving stream after the survivors' epoch
-    interruption_s: float | None  # longest gap of a surviving stream ending between the fault and the replacement
-    rejoin_interruption_s: float | None  # longest gap of a surviving stream ending after the replacement started
+    interruption_s: float | None  # longest gap of a surviving stream from the fault until the rejoin's epoch is sent
+    rejoin_interruption_s: float | None  # longest gap of a surviving stream after the rejoin's epoch was sent
     replacement_load_s: float | None  # replacement started -> loaded
     whole_after_replacement_s: float | None  # replacement started -> the epoch with every rank applied
     whole_epoch: int | None
@@ -134,6 +135,9 @@ def recovery_report(
     loaded = conductor.find(EventKind.REPLACEMENT_LOADED, after=fault_at)
     whole = conductor.find(EventKind.WHOLE, after=fault_at)
     replacement_at = started.at if started is not None else None
+    whole_attempt = conductor.attempt(whole.epoch) if whole is not None and whole.epoch is not None else None
+    # The fault's window ends when the epoch that brings the group back whole is sent; the rejoin's begins there.
+    rejoin_at = whole_attempt.sent_at if whole_attempt is not None else None
 
     serving_again = None
     if epoch is not None and epoch.answered_at is not None:
@@ -149,7 +153,6 @@ def recovery_report(
 
     survivor_results = list(epoch.results.values()) if epoch is not None else []
     reloads = [r.state.group.expert_reload_s for r in survivor_results if r.state.group.expert_reload_s is not None]
-    whole_attempt = conductor.attempt(whole.epoch) if whole is not None and whole.epoch is not None else None
     return RecoveryReport(
         fault=fault,
         failed_ranks=sorted(failed),
@@ -157,8 +160,8 @@ def recovery_report(
         survivors_epoch=epoch.epoch if epoch is not None else None,
         survivors_reconfigure_s=_since(epoch.sent_at, epoch.answered_at) if epoch is not None else None,
         fault_to_serving_s=_since(fault_at, serving_again),
-        interruption_s=worst_gap(fault_at, replacement_at),
-        rejoin_interruption_s=worst_gap(replacement_at, None),
+        interruption_s=worst_gap(fault_at, rejoin_at),
+        rejoin_interruption_s=worst_gap(rejoin_at, None),
         replacement_load_s=_since(replacement_at, loaded.at if loaded else None),
         whole_after_replacement_s=_since(replacement_at, whole.at if whole else None),
         whole_epoch=whole.epoch if whole is not None else None,

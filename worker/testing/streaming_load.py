@@ -63,8 +63,9 @@ class StreamRecord:
         return self.failure is StreamFailure.CONNECTION
 
     def longest_gap(self, after: float | None = None, before: float | None = None) -> float | None:
-        """The longest time between two consecutive chunks, over the gaps that end in (after, before]; None when no
-        gap does. A gap is counted by its end, so the one a fault falls into is counted after the fault."""
+        """The longest time between two consecutive chunks, over the gaps that end after `after` and start before
+        `before`; None when no gap does. So the gap a fault falls into counts after the fault, and a gap is never
+        split between two windows that meet inside it: it counts in both."""
         return longest_gap(self.chunk_times, after, before)
 
     def first_chunk_after(self, t: float) -> float | None:
@@ -75,7 +76,7 @@ def longest_gap(times: Sequence[float], after: float | None = None, before: floa
     gaps = [
         end - start
         for start, end in itertools.pairwise(times)
-        if (after is None or end > after) and (before is None or end <= before)
+        if (after is None or end > after) and (before is None or start < before)
     ]
     return max(gaps, default=None)
 
