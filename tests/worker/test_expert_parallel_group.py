@@ -43,10 +43,12 @@ def _full_layout(world_size: int, redundant: int) -> dict[str, object]:
     return plan_placement(GroupShape(NUM_EXPERTS, world_size, redundant), range(world_size)).expert_map.to_json()
 
 
-async def _every_rank_serves(group: GroupHarness, reference: list[str], prompts: list[str] = PROMPTS) -> None:
+async def _every_rank_serves(
+    group: GroupHarness, reference: list[str], prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS
+) -> None:
     """Each prompt sent to every rank at once gives the reference text."""
     ranks = group.processes.ranks
-    texts = await asyncio.gather(*(group.complete(r, p, MAX_TOKENS) for r in ranks for p in prompts))
+    texts = await asyncio.gather(*(group.complete(r, p, max_tokens) for r in ranks for p in prompts))
     expected = [ref for _ in ranks for ref in reference]
     assert texts == expected
 
@@ -104,7 +106,7 @@ def test_under_load_a_killed_rank_costs_the_survivors_nothing_and_is_replaced(
             for rank in group.processes.ranks:
                 state = await group.state(rank)
                 assert state.group.expert_map == _full_layout(4, 1) and state.group_formed
-            await _every_rank_serves(group, reference[:2], PROMPTS[:2])
+            await _every_rank_serves(group, reference[:2], PROMPTS[:2], LOAD_TOKENS)
 
     asyncio.run(scenario())
 
@@ -129,7 +131,7 @@ def test_a_frozen_rank_breaks_the_group_at_the_deadline_and_the_survivors_go_on(
             assert noticed.at - fault_at < 3.5  # the 1 s deadline and a probe, not the conductor's 4 s silence
             report = recovery_report("stop", fault_at, [1], group.conductor, records, reference)
             assert report.survivors.total == 6 and report.survivors.lost == 0, report.summary()
-            await _every_rank_serves(group, reference[:2], PROMPTS[:2])
+            await _every_rank_serves(group, reference[:2], PROMPTS[:2], LOAD_TOKENS)
 
     asyncio.run(scenario())
 
@@ -164,7 +166,7 @@ def test_losing_every_copy_of_an_expert_makes_the_survivors_reload_it(
                 assert result.state.group.expert_reload_s is not None
             report = recovery_report("kill2", fault_at, failing, group.conductor, records, reference)
             assert report.survivors.lost == 0, report.summary()
-            await _every_rank_serves(group, reference[:2], PROMPTS[:2])
+            await _every_rank_serves(group, reference[:2], PROMPTS[:2], LOAD_TOKENS)
 
     asyncio.run(scenario())
 

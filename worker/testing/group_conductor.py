@@ -95,8 +95,10 @@ class GroupConductor:
         retry_after_refusal_s: float = 1.0,
         replace_failed: bool = True,
         load_timeout_s: float = 120.0,
+        broken_grace_s: float = 1.0,
     ) -> None:
         self.processes = processes
+        self.broken_grace_s = broken_grace_s
         self.poll_interval_s = poll_interval_s
         self.state_timeout_s = state_timeout_s
         self.unresponsive_after_s = unresponsive_after_s
@@ -253,7 +255,7 @@ class GroupConductor:
             and last.answered_at is not None
             and time.monotonic() - last.answered_at >= self.retry_after_refusal_s
         )
-        if last is None or target != last.members or retry_due:
+        if last is None or target != last.members or retry_due or self._broken_without_culprit(last):
             last = await self.send_epoch(target)
         if self.replace_failed:
             # After the survivors' epoch was sent (without the rank), as the survivors must not wait on a load.
@@ -295,6 +297,22 @@ class GroupConductor:
             if peer is not None and peer in self.healthy and peer not in failed:
                 failed[peer] = f"rank {rank} reports the group broken by it: {state.group.broken_reason}"
         return failed
+
+    def _broken_without_culprit(self, last: EpochAttempt) -> bool:
+        """A member reports the applied epoch broken and, past the time its probe needs, names no peer: a collective
+        missed its deadline with every rank alive (a slow step). The same members get a new epoch."""
+        now = time.monotonic()
+        reports = [
+            s for r in last.members if (s := self.states.get(r)) is not None
+            and s.group_epoch == last.epoch and s.group.health is GroupHealth.BROKEN
+        ]  # fmt: skip
+        if not last.applied or not reports or any(s.group.broken_peer_rank is not None for s in reports):
+            return False
+        if max(s.group.broken_for_s or 0.0 for s in reports) < self.broken_grace_s:
+            return False
+        self._record(EventKind.FAULT_NOTICED, epoch=last.epoch, detail=f"broken with no culprit: "
+                     f"{reports[0].group.broken_reason}; the same members get the next epoch")  # fmt: skip
+        return True
 
     def _remove_failed(self, rank: int, why: str) -> None:
         self._record(EventKind.FAULT_NOTICED, rank=rank, detail=why)
