@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import NamedTuple, Self
+from typing import Self
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -41,21 +41,12 @@ from tidal.worker.engine.sequence import Sequence, SequenceStatus
 from tidal.worker.engine.step_plan import StepPlan, build_step_plan
 from tidal.worker.engine.stop_checker import token_stop_reason
 from tidal.worker.engine.text_stream import TextStream
-from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.layers.expert_parallel import ExpertParallelSettings
 from tidal.worker.loader.hf_config import eos_token_ids, model_max_len
 from tidal.worker.loader.model_loader import LoadedModel, load_model, load_tokenizer
 from tidal.worker.memory.provider import MemoryProvider
 
 log = logging.getLogger(__name__)
-
-
-class _RedoableStep(NamedTuple):
-    """A lockstep step, scheduled and planned, whose forward may have to run again."""
-
-    scheduled: SchedulerOutput
-    plan: StepPlan
-    pending: list[PendingToken]
 
 
 class LLMEngine:
@@ -80,7 +71,6 @@ class LLMEngine:
         self._window_decoder = WindowDecoder(tokenizer)
         self._requests: dict[str, EngineRequest] = {}
         self._in_flight: InFlightStep | None = None  # launched, its tokens not read yet (async scheduling)
-        self._redo: _RedoableStep | None = None  # a lockstep step whose group broke during its forward
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -157,7 +147,6 @@ class LLMEngine:
         outputs = (self.abort_request(request_id) for request_id in list(self._requests))
         finals = [out for out in outputs if out is not None]
         self._in_flight = None
-        self._redo = None
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
 
@@ -168,7 +157,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: a request to run, or a step in flight to read."""
-        return bool(self._requests) or self._in_flight is not None or self._redo is not None
+        return bool(self._requests) or self._in_flight is not None
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (after new weights, or a KV cache that was freed); -> blocks forgotten."""
@@ -238,23 +227,18 @@ class LLMEngine:
     def group_step(self) -> list[RequestOutput]:
         """One step of a lockstep group (async scheduling is off with expert parallelism): this rank's own batch,
         or, with nothing of its own to run, an empty step that only serves its peers' tokens for the experts it
-        holds. When the group breaks during the forward (GroupBrokenError) the step is kept and the next call
-        redoes it unchanged, once the next epoch is installed: nothing of it was sampled or committed, and its KV
-        cache writes are written again with the same values."""
-        redo, self._redo = self._redo, None
-        if redo is None:
-            scheduled = self.scheduler.schedule()
-            if scheduled.is_empty:
-                self.runner.execute_empty()
-                return []
-            plan = build_step_plan(scheduled, self.config.block_size, None)
-            redo = _RedoableStep(scheduled, plan, self._pending_tokens(scheduled))
-        try:
-            logits = self.runner.execute(redo.plan, None)
-        except GroupBrokenError:
-            self._redo = redo
-            raise
-        launched = self._sampled(redo.scheduled, redo.plan, redo.pending, logits)
+        holds. When the group breaks during the forward (GroupBrokenError), nothing of the step was sampled or
+        committed: the sequences are where they were, so the next call, once the next epoch is installed, schedules
+        the same tokens again and rewrites their KV cache slots with the same values (a preemption the failed
+        schedule made stands, as any preemption does)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            self.runner.execute_empty()
+            return []
+        plan = build_step_plan(scheduled, self.config.block_size, None)
+        pending = self._pending_tokens(scheduled)
+        logits = self.runner.execute(plan, None)
+        launched = self._sampled(scheduled, plan, pending, logits)
         self.scheduler.commit(launched.scheduled)
         return self._read(launched)
 

@@ -301,7 +301,6 @@ class GroupConductor:
     def _broken_without_culprit(self, last: EpochAttempt) -> bool:
         """A member reports the applied epoch broken and, past the time its probe needs, names no peer: a collective
         missed its deadline with every rank alive (a slow step). The same members get a new epoch."""
-        now = time.monotonic()
         reports = [
             s for r in last.members if (s := self.states.get(r)) is not None
             and s.group_epoch == last.epoch and s.group.health is GroupHealth.BROKEN
