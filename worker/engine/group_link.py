@@ -79,8 +79,15 @@ class GroupLink:
 
     # ----- the lifecycle -----
     def offer(self, pending: PendingEpoch) -> None:
-        """Hand the loop an epoch to switch to; a newer one replaces one not switched to yet (whose group closes)."""
+        """Hand the loop an epoch to switch to; a newer one replaces one not switched to yet (whose group closes).
+        GroupBrokenError for one older than the epoch pending or served (prepared concurrently, overtaken)."""
         with self._lock:
+            newest = max(
+                self._pending.epoch if self._pending is not None else 0, self._group.epoch if self._group else 0
+            )
+            if pending.epoch <= newest:
+                pending.group.close()
+                raise GroupBrokenError(f"overtaken by epoch {newest}", epoch=pending.epoch)
             replaced, self._pending = self._pending, pending
         if replaced is not None:
             replaced.switched.set_exception(

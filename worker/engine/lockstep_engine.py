@@ -6,7 +6,7 @@ What changes against the plain loop:
   header every `idle_poll_s`, so it does not spin, and a rank that gets a request enters the next header at once.
 - A collective that fails or misses its deadline marks the link broken: the rank keeps its requests and KV cache,
   keeps admitting (queued) requests, and steps again once the lifecycle offers the next epoch; the step that was in
-  flight is redone then (`LLMEngine.group_step`).
+  flight committed nothing and is scheduled again then (`LLMEngine.group_step`).
 - hold() (sleep, weight update) pauses the rank once its own requests are done (drain: once the whole group is idle,
   so that no peer's request waits on this rank's experts): while paused the loop touches no engine state (the
   lifecycle owns it) and only answers headers with `paused`, which stops every rank from stepping, so a peer never

@@ -33,7 +33,12 @@ from tidal.worker.group.endpoint import GroupEndpoint
 from tidal.worker.group.epoch_group import EpochGroup, GroupBackend, join_epoch
 from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
-from tidal.worker.lifecycle.errors import BadRequestError, ExpertsUnavailableError, GroupUnreachableError
+from tidal.worker.lifecycle.errors import (
+    BadRequestError,
+    ExpertsUnavailableError,
+    GroupUnreachableError,
+    StaleEpochError,
+)
 from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
@@ -85,7 +90,10 @@ class ExpertGroup:
         """Prepare the epoch, hand it to the engine and wait until the loop switched to it."""
         start = time.monotonic()
         pending, outcome = await asyncio.to_thread(self._prepare, request, start)
-        self.link.offer(pending)
+        try:
+            self.link.offer(pending)
+        except GroupBrokenError as err:  # a newer epoch was asked for and prepared meanwhile
+            raise StaleEpochError(f"epoch {request.epoch} was not switched to: {err}") from err
         self.engine.notify_group_changed()
         try:
             await asyncio.wait_for(asyncio.wrap_future(pending.switched), request.timeout_s)

@@ -95,7 +95,7 @@ class GroupConductor:
         retry_after_refusal_s: float = 1.0,
         replace_failed: bool = True,
         load_timeout_s: float = 120.0,
-        broken_grace_s: float = 1.0,
+        broken_grace_s: float = 3.0,
     ) -> None:
         self.processes = processes
         self.broken_grace_s = broken_grace_s
@@ -299,8 +299,9 @@ class GroupConductor:
         return failed
 
     def _broken_without_culprit(self, last: EpochAttempt) -> bool:
-        """A member reports the applied epoch broken and, past the time its probe needs, names no peer: a collective
-        missed its deadline with every rank alive (a slow step). The same members get a new epoch."""
+        """A member reports the applied epoch broken and, well past the time its probe needs (`broken_grace_s`), names
+        no peer: a collective missed its deadline with every rank alive (a slow step). The same members get a new
+        epoch. (Sooner, a frozen peer not named yet would be sent the epoch too, and its rendezvous would hang.)"""
         reports = [
             s for r in last.members if (s := self.states.get(r)) is not None
             and s.group_epoch == last.epoch and s.group.health is GroupHealth.BROKEN
