@@ -78,6 +78,9 @@ class GroupStatus(_Response):
     )
     expert_reload_s: float | None = Field(None, ge=0, description="time this rank spent loading experts this epoch")
     epoch_steps: int = Field(0, ge=0, description="group steps taken in the current epoch (empty steps included)")
+    waiting_on: str | None = Field(
+        None, description="why work waits although the group serves (a paused rank, two weights versions)"
+    )
 
 
 SleepLevel = Literal[1, 2]

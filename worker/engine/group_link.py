@@ -141,17 +141,17 @@ class GroupLink:
             threading.Thread(target=self._blame, args=(group, broken), name="tidal-group-probe", daemon=True).start()
 
     def _blame(self, group: EpochGroup, broken: BrokenGroup) -> None:
+        """Name the culprit, then give the group up (closing it can wait on the frozen peer: never before naming)."""
         try:
             culprit = group.find_culprit()
+            if culprit is not None:
+                peer, why = culprit
+                log.error("epoch %d broke: %s", broken.epoch, why)
+                with self._lock:
+                    if self._broken is broken:  # not replaced by a newer epoch or a newer failure meanwhile
+                        self._broken = BrokenGroup(broken.epoch, peer, f"{why}; {broken.reason}", broken.since)
         finally:
             group.close()
-        if culprit is None:
-            return
-        peer, why = culprit
-        log.error("epoch %d broke: %s", broken.epoch, why)
-        with self._lock:
-            if self._broken is broken:  # not replaced by a newer epoch or a newer failure meanwhile
-                self._broken = BrokenGroup(broken.epoch, peer, f"{why}; {broken.reason}", broken.since)
 
     def count_step(self) -> None:
         self._epoch_steps += 1

@@ -205,4 +205,5 @@ class ExpertGroup:
             degraded_experts=list(last.degraded_experts) if last is not None else [],
             expert_reload_s=last.reload_s if last is not None else None,
             epoch_steps=link.epoch_steps,
+            waiting_on=link.waiting_on if group is not None else None,
         )
