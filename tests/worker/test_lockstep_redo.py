@@ -102,3 +102,19 @@ def test_an_empty_step_runs_every_moe_layer_on_no_tokens(tiny_model):
     model = engine.runner.model
     assert isinstance(model, MoeDecoderForCausalLM)
     assert comm.calls == 3 * len(model.expert_layers)  # counts, rows out, results back: per MoE layer
+
+
+def test_the_warm_up_runs_steps_with_the_rank_alone_and_installs_no_epoch(tiny_model):
+    config = EngineConfig(
+        model_path=tiny_model("qwen3_moe"), dtype="float32", device="cpu", num_kv_blocks=64, world_size=4
+    )
+    engine = LLMEngine.from_config(config)
+    model = engine.runner.model
+    assert isinstance(model, MoeDecoderForCausalLM) and model.expert_parallel is not None
+    state = model.expert_parallel
+    with state.warm_up_alone(engine.runner.device):
+        engine.runner.profile(24, 4, engine.max_model_len)  # a prefill and a decode shape, every MoE layer alone
+        engine.runner.profile(3, 3, engine.max_model_len)
+        with pytest.raises(RuntimeError, match="before the first epoch"), state.warm_up_alone(engine.runner.device):
+            pass
+    assert state.comm is None and state.routing is None  # still waiting for its first epoch

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -35,6 +36,23 @@ def expert_parallel_config(config: EngineConfig, device: torch.device) -> Engine
         # Sizing the cache from free memory profiles a forward, which needs the group (its first epoch comes later).
         raise EngineConfigError("expert parallelism on CUDA needs num_kv_blocks: the KV cache is not profiled")
     return config.model_copy(update={"async_scheduling": False, "enforce_eager": True})
+
+
+def warm_up_expert_parallel(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> None:
+    """CUDA: compile the kernels of prefill and decode steps of several sizes before the group needs them. A Triton
+    kernel compiled in the middle of a lockstep step holds every peer in its collective, past the group's deadline
+    on a first start; the same shapes come from the disk cache afterwards."""
+    state = runner.model.expert_parallel
+    if state is None or runner.device.type != "cuda":
+        return
+    start = time.monotonic()
+    with state.warm_up_alone(runner.device):
+        runner.profile(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)  # the largest prefill
+        for num_seqs in sorted({1, 2, 3, 16, 17, 32, 64, config.max_num_seqs}):
+            if num_seqs <= config.max_num_seqs:
+                runner.profile(num_seqs, num_seqs, max_model_len)  # a decode step of num_seqs sequences
+    torch.cuda.synchronize(runner.device)
+    log.info("expert parallelism: kernels warmed up in %.1fs", time.monotonic() - start)
 
 
 def resolve_max_model_len(config: EngineConfig, model_limit: int) -> int:

@@ -28,6 +28,7 @@ from tidal.worker.engine.engine_setup import (
     fit_max_model_len,
     resolve_device,
     resolve_max_model_len,
+    warm_up_expert_parallel,
 )
 from tidal.worker.engine.errors import DuplicateRequestError, EmptyPromptError, InvalidTokenError, PromptTooLongError
 from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
@@ -98,6 +99,7 @@ class LLMEngine:
         runner = ModelRunner(loaded, device, config.block_size)
         runner.allocate_kv_cache(decide_num_kv_blocks(config, runner, max_model_len))
         max_model_len = fit_max_model_len(config, max_model_len, runner.num_kv_blocks)
+        warm_up_expert_parallel(runner, config, max_model_len)
         if device.type == "cuda" and not config.enforce_eager:
             runner.capture_cuda_graphs(config.max_num_seqs, max_model_len)
         return cls(config, runner, tokenizer, max_model_len, eos_token_ids(config.model_path, loaded.hf_config))

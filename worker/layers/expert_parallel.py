@@ -13,7 +13,8 @@ expert e (just its own copy, or every copy), as flat destinations group_index * 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,6 +98,21 @@ def build_routing(expert_map: ExpertMap, members: Sequence[int], my_rank: int, d
     )
 
 
+class LoopbackComm:
+    """A group of this rank alone: every exchange gives back what it was given (`warm_up_alone`'s stand-in)."""
+
+    def __init__(self, rank: int) -> None:
+        self.members = (rank,)
+        self.group_rank = 0
+        self.size = 1
+
+    def all_to_all_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        return send
+
+
 class ExpertParallelState:
     """One per model: the current expert map (this rank's slots are its row), the epoch's comm and routing."""
 
@@ -144,6 +160,21 @@ class ExpertParallelState:
     def enter_epoch(self, expert_map: ExpertMap, comm: ExpertComm, routing: EpochRouting) -> None:
         """Serve `expert_map` through `comm` (the slots already hold what the map says)."""
         self.expert_map, self.comm, self.routing = expert_map, comm, routing
+
+    @contextlib.contextmanager
+    def warm_up_alone(self, device: torch.device) -> Iterator[None]:
+        """Inside, the MoE layers run with this rank alone, every expert sent to one of its own slots (e mod S):
+        wrong answers, but every kernel and code path of a real step. Only before the first epoch."""
+        if self.comm is not None:
+            raise RuntimeError("a warm-up runs before the first epoch only")
+        num_experts, slots = self.shape.num_experts, self.slots_per_rank
+        table = torch.arange(num_experts, dtype=torch.int64, device=device).remainder(slots).view(-1, 1)
+        ones = torch.ones(num_experts, dtype=torch.int64, device=device)
+        self.comm, self.routing = LoopbackComm(self.rank), EpochRouting(table, ones, slots)
+        try:
+            yield
+        finally:
+            self.comm, self.routing = None, None
 
     def drop_comm(self) -> None:
         """Forget the epoch's group (it broke); the slots and the map stay as they are for the next epoch."""
