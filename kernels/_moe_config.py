@@ -11,6 +11,10 @@ class GemmTiles:
     num_stages: int
 
 
+# Shared memory a block may use on the GPUs we tune for (H100/H200: 227 KiB); a tile set above it cannot launch.
+MAX_SHARED_MEMORY_BYTES = 232448
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     block_m: int  # rows per M-block; both passes share it because the sorted layout is aligned to it
@@ -19,9 +23,27 @@ class MoeConfig:
     group_m: int = 8
 
 
-def default_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+def shared_memory_bytes(block_m: int, tiles: GemmTiles, element_size: int) -> int:
+    """What a grouped GEMM's software pipeline keeps in shared memory: an A and a B tile per stage."""
+    return tiles.num_stages * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * element_size
+
+
+def default_moe_config(num_tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
     """Few tokens: the GEMMs only stream the chosen experts' weights, so use the smallest M tile and narrow N tiles
-    (many programs in flight). Many tokens: large tiles for tensor-core throughput."""
+    (many programs in flight). Many tokens: large tiles for tensor-core throughput. `element_size`: bytes per
+    weight element; 4-byte weights (fp32) get fewer pipeline stages where the tiles would not fit shared memory."""
+    config = _tiles_for(num_tokens, top_k, num_experts)
+    fitted = {}
+    for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
+        while (
+            tiles.num_stages > 1 and shared_memory_bytes(config.block_m, tiles, element_size) > MAX_SHARED_MEMORY_BYTES
+        ):
+            tiles = GemmTiles(tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages - 1)
+        fitted[name] = tiles
+    return MoeConfig(config.block_m, fitted["gate_up"], fitted["down"], config.group_m)
+
+
+def _tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if num_tokens <= 32:
         return MoeConfig(

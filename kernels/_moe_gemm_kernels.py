@@ -14,7 +14,9 @@ import triton.language as tl
 from tidal.kernels._triton_utils import exact_dot
 
 
-@triton.jit
+# The row counts change with every batch: not specialised on (divisible by 16, equal to 1), so that a new batch size
+# never compiles a new variant in the middle of serving (an expert-parallel group's step waits on it at a deadline).
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def grouped_gemm_kernel(
     a_ptr,  # pass 1: hidden [T, K]; pass 2: intermediate [max_rows, K] in sorted order
     w_ptr,  # pass 1: w13 [E, 2N, K]; pass 2: w2 [E, N, K]

@@ -42,7 +42,7 @@ def topk_softmax_kernel(
     tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # per-batch counts: see grouped_gemm_kernel
 def align_by_expert_kernel(
     ids_ptr,  # [N] int32 expert of each (token, k) pair, N = T * top_k
     sorted_pairs_ptr,  # [max_rows] int32 out: pair index of each sorted row, N for padding rows

@@ -166,7 +166,7 @@ def fused_moe_experts_triton(
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    config = config or default_moe_config(num_tokens, top_k, num_experts)
+    config = config or default_moe_config(num_tokens, top_k, num_experts, w13.element_size())
     num_pairs = num_tokens * top_k
     block_m = config.block_m
     # Each expert's segment is padded up to a multiple of block_m: at most num_experts * (block_m - 1) extra rows.

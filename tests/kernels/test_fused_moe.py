@@ -4,7 +4,13 @@ import pytest
 import torch
 from tolerances import DOT_DTYPES, assert_close
 
-from tidal.kernels._moe_config import GemmTiles, MoeConfig, default_moe_config
+from tidal.kernels._moe_config import (
+    MAX_SHARED_MEMORY_BYTES,
+    GemmTiles,
+    MoeConfig,
+    default_moe_config,
+    shared_memory_bytes,
+)
 from tidal.kernels.fused_moe import (
     fused_moe,
     fused_moe_experts_reference,
@@ -73,6 +79,16 @@ def test_default_configs_cover_decode_and_prefill(device):
     assert_close(fused_moe_triton(x, w13, w2, logits, 2, False), fused_moe_reference(x, w13, w2, logits, 2, False))
     assert default_moe_config(8192, 2, 8).block_m == 128
     assert default_moe_config(1, 2, 8).block_m == 16
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_every_default_tile_set_fits_shared_memory(num_tokens, element_size):
+    # fp32 weights with the large tiles once asked for 288 KiB (found on an H200 by the expert-parallel warm-up).
+    config = default_moe_config(num_tokens, 2, 8, element_size)
+    for tiles in (config.gate_up, config.down):
+        assert shared_memory_bytes(config.block_m, tiles, element_size) <= MAX_SHARED_MEMORY_BYTES
+    assert default_moe_config(num_tokens, 2, 8, 2) == default_moe_config(num_tokens, 2, 8)  # bf16: as tuned
 
 
 def test_dispatch_and_validation_on_cpu():
