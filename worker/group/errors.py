@@ -12,3 +12,6 @@ class GroupBrokenError(RuntimeError):
         self.reason = reason
         self.peer_rank = peer_rank
         self.epoch = epoch
+
+    def __reduce__(self) -> tuple[type[GroupBrokenError], tuple[str, int | None, int]]:
+        return (GroupBrokenError, (self.reason, self.peer_rank, self.epoch))  # keeps the fields across processes

@@ -1,0 +1,86 @@
+"""A group's failures between real processes: a crashed peer (SIGKILL), a frozen one (SIGSTOP), a dead coordinator.
+
+Times are measured in the ranks and checked with wide margins and orderings (a crash is seen long before the
+deadline; a freeze no sooner than the deadline), never against tight bounds. The collective fails at once; naming
+the peer to blame is `EpochGroup.find_culprit`'s probe, which the engine runs off the step path.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from group_ranks import HOST, ok
+
+from tidal.worker.group.endpoint import GroupEndpoint
+from tidal.worker.group.members import EpochMember
+from tidal.worker.group.probe import probe_peers
+
+LONG_DEADLINE_S = 20.0
+
+
+def test_a_killed_peer_fails_a_collective_at_once_and_the_probe_names_it(start_ranks):
+    ranks = start_ranks(3)
+    ok(ranks.join(epoch=1, ranks=[0, 1, 2], coordinator=0, timeout_s=LONG_DEADLINE_S))
+    ok(ranks.run("gather", {r: (1, [r]) for r in range(3)}))
+    ranks.kill(2)
+    replies = ranks.run("exchange", {r: (1, [1, 1, 1], [4], "float32") for r in (0, 1)})
+    for reply in replies.values():
+        assert reply.kind == "broken", reply.value
+        assert reply.value.epoch == 1 and "failed" in reply.value.reason, str(reply.value)
+        assert reply.seconds < LONG_DEADLINE_S / 4
+    culprits = ok(ranks.run("culprit", {r: (1,) for r in (0, 1)}))
+    for peer, why in culprits.values():
+        assert peer == 2 and why == f"rank 2 at {ranks.addresses[2]} is gone (connection refused)"
+
+
+def test_a_frozen_peer_fails_a_collective_at_the_deadline_and_the_probe_names_it(start_ranks):
+    ranks = start_ranks(3)
+    deadline_s = 1.0
+    ok(ranks.join(epoch=1, ranks=[0, 1, 2], coordinator=0, collective_timeout_s=deadline_s))
+    ok(ranks.run("gather", {r: (1, [r]) for r in range(3)}))
+    ranks.signal(2, signal.SIGSTOP)  # the fixture kills it at the end, stopped or not
+    replies = ranks.run("gather", {r: (1, [r]) for r in (0, 1)})
+    for reply in replies.values():
+        assert reply.kind == "broken", reply.value
+        assert deadline_s * 0.9 <= reply.seconds < deadline_s * 10
+    culprits = ok(ranks.run("culprit", {r: (1,) for r in (0, 1)}))
+    for peer, why in culprits.values():
+        assert peer == 2 and "(frozen)" in why, why
+    ok(ranks.run("close", {0: (1,), 1: (1,)}))  # closing a broken group does not wait for the frozen peer
+
+
+def test_survivors_form_the_next_epoch_after_its_coordinator_was_killed(start_ranks):
+    ranks = start_ranks(4)
+    ok(ranks.join(epoch=1, ranks=[0, 1, 2, 3], coordinator=0, timeout_s=LONG_DEADLINE_S))
+    ok(ranks.run("publish", {0: (1, "expert_map", b"epoch 1")}))
+    ranks.kill(0)
+    survivors = [1, 2, 3]
+    broken = ranks.run("gather", {r: (1, [r]) for r in survivors})
+    assert all(reply.kind == "broken" for reply in broken.values())
+    ok(ranks.run("close", {r: (1,) for r in survivors}))
+
+    joined = ok(ranks.join(epoch=2, ranks=survivors, coordinator=2, timeout_s=LONG_DEADLINE_S))
+    assert set(joined) == set(survivors)
+    assert ok(ranks.run("gather", {r: (2, [r, 2]) for r in survivors})) == {
+        r: [[1, 2], [2, 2], [3, 2]] for r in survivors
+    }
+    counts = {1: [0, 2, 1], 2: [3, 0, 0], 3: [1, 1, 0]}
+    exchanged = ok(ranks.run("exchange", {r: (2, counts[r], [2], "float32") for r in survivors}))
+    assert {r: recv_counts for r, (recv_counts, _) in exchanged.items()} == {1: [0, 3, 1], 2: [2, 0, 1], 3: [1, 0, 0]}
+    ok(ranks.run("publish", {2: (2, "expert_map", b"epoch 2")}))
+    assert ok(ranks.run("fetch", {r: (2, "expert_map", 5.0) for r in survivors})) == {r: b"epoch 2" for r in survivors}
+
+
+def test_the_probe_tells_a_live_peer_from_a_gone_and_a_frozen_one(start_ranks):
+    ranks = start_ranks(3)
+    me = GroupEndpoint(HOST, 0)
+    try:
+        members = [EpochMember(9, me.address)] + [EpochMember(r, a) for r, a in ranks.members([0, 1, 2])]
+        assert probe_peers(members, 9, 0.5) == {}
+        ranks.kill(1)
+        ranks.signal(2, signal.SIGSTOP)
+        found = probe_peers(members, 9, 0.5)
+        assert sorted(found) == [1, 2]
+        assert "gone (connection refused)" in found[1] and "(frozen)" in found[2]
+    finally:
+        me.close()
