@@ -26,6 +26,9 @@ LABEL_MODEL = "tidal.dev/model"
 LABEL_REPLICA = "tidal.dev/replica"
 LABEL_RANK = "tidal.dev/rank"
 LABEL_LEADER = "tidal.dev/leader"
+# "true" while the pod's rank serves: always with expertParallel 1; with expert parallelism, while its rank steps in
+# its group's current epoch (set by the operator from the worker's /state). The serving Service selects it.
+LABEL_SERVING = "tidal.dev/serving"
 
 APP_NAME = "tidal-worker"
 MANAGED_BY = "tidal-operator"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 
 from torch._C._distributed_c10d import TCPStore
 
@@ -18,13 +19,20 @@ log = logging.getLogger(__name__)
 
 class GroupEndpoint:
     def __init__(self, host: str, port: int) -> None:
-        """Listen on `port` (0: any free one; `address` says which)."""
+        """Listen on `host`:`port` (port 0: any free one; `address` says which). The socket is bound here and handed
+        to the store: TCPStore binds every interface by itself, so two ranks whose pods share a node (each with its
+        own IP, as the local control plane's node agent gives them) could not both use the group port."""
         self.host = host
+        self._socket: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(128)
+        self.port: int = self._socket.getsockname()[1]
         self._store: TCPStore | None = TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
-        )
-        self.port = self._store.port
-        log.info("group endpoint listening on port %d", self.port)
+            host, self.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30),
+            master_listen_fd=self._socket.fileno(),
+        )  # fmt: skip
+        log.info("group endpoint listening on %s:%d", host, self.port)
 
     @property
     def address(self) -> str:
@@ -32,3 +40,6 @@ class GroupEndpoint:
 
     def close(self) -> None:
         self._store = None  # the server stops when the last reference goes
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
