@@ -87,7 +87,7 @@ def test_a_frozen_rank_is_found_by_its_silence_killed_and_replaced_on_request(ti
             await conductor.wait_for(EventKind.EPOCH_APPLIED, after=fault_at, timeout_s=30)
             survivor = await group.state(0)
             assert (survivor.group_epoch, survivor.group_formed, survivor.group.members) == (2, False, [0])
-            assert survivor.group.health is GroupHealth.WAITING  # a dense model: membership only
+            assert survivor.group.health is GroupHealth.SOLO  # a dense model: membership only, no expert parallelism
             assert conductor.find(EventKind.REPLACEMENT_STARTED, after=fault_at) is None  # not on its own
 
             conductor.replace(1)
@@ -194,14 +194,14 @@ def test_a_report_reads_the_conductors_events_and_the_streams(tmp_path):
         ConductorEvent(EventKind.REPLACEMENT_LOADED, 13.5, 1),
         ConductorEvent(EventKind.WHOLE, 14.2, None, 4),
     ]
-    survivors = [_record(0, 0, [9.8, 9.9, 11.0, 11.1, 12.0, 14.5], "a")]
+    survivors = [_record(0, 0, [9.8, 9.9, 11.0, 11.1, 12.0, 13.0, 13.9, 14.5], "a")]
     failed = [_record(1, 1, [9.9], failure=StreamFailure.CONNECTION)]
     report = recovery_report("kill", 10.0, [1], conductor, survivors + failed, ["a", "b"])
     assert report.detection_s == pytest.approx(0.4) and report.survivors_epoch == 3
     assert report.survivors_reconfigure_s == pytest.approx(0.2)
     assert report.fault_to_serving_s == pytest.approx(1.0)  # the first chunk (11.0) after epoch 3 was answered (10.9)
-    assert report.interruption_s == pytest.approx(1.1)  # 9.9 -> 11.0 ends after the fault
-    assert report.rejoin_interruption_s == pytest.approx(2.5)  # 12.0 -> 14.5 ends after the replacement started
+    assert report.interruption_s == pytest.approx(1.1)  # 9.9 -> 11.0: the gap the fault fell into
+    assert report.rejoin_interruption_s == pytest.approx(0.6)  # 13.9 -> 14.5: the rejoin's epoch was sent inside it
     assert report.replacement_load_s == pytest.approx(2.0) and report.whole_after_replacement_s == pytest.approx(2.7)
     assert (report.expert_reload_s, report.degraded_experts, report.whole_epoch) == (0.3, [5], 4)
     assert (report.survivors.lost, report.failed_rank.connection_errors) == (0, 1)

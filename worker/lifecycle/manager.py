@@ -177,7 +177,9 @@ class LifecycleManager:
         rank joins the epoch's process group and installs its expert map first (`ExpertGroup`), while the old
         epoch, if healthy, keeps serving. A newer epoch arriving meanwhile wins: the older one is refused."""
         try:
-            if not self.group.check(request):
+            if not self.group.check(request):  # a retry of the epoch applied: answered, and counted, as applied
+                if self.metrics is not None:
+                    self.metrics.record_reconfigure(self.group.epoch)
                 return GroupReconfigureResult(
                     applied=False, expert_map=self._expert_map_json(), state=self.state()
                 )  # fmt: skip
