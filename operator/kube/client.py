@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tidal.operator.api import constants as c
+from tidal.operator.kube.merge_patch import service_patch
 
 MERGE_PATCH = "application/merge-patch+json"
 API_CONCURRENCY = 32
@@ -90,8 +91,13 @@ class KubeApi:
             "NetworkPolicy": self.networking.patch_namespaced_network_policy,
         }[manifest["kind"]]
         meta = manifest["metadata"]
+        body = manifest
+        if manifest["kind"] == "Service":
+            # Read first: removing a selector key needs its name (see merge_patch.py). Patches are rare (a spec
+            # hash changed), so the extra read costs nothing that matters.
+            body = service_patch(manifest, await self.get_child("Service", meta["namespace"], meta["name"]))
         await self._call(
-            patch, meta["name"], meta["namespace"], manifest, _content_type=MERGE_PATCH, _preload_content=False
+            patch, meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH, _preload_content=False
         )
 
     async def delete_pod(self, namespace: str, name: str) -> None:
