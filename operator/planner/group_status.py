@@ -152,7 +152,8 @@ def group_view(
         ]
         for rank in newly_failed:
             why = decision.failures[rank].reason if rank in decision.failures else "it left the group"
-            events.append(EmitEvent(type="Warning", reason="RankFailed", message=f"replica {replica} rank {rank}: {why}"))
+            message = f"replica {replica} rank {rank}: {why}"
+            events.append(EmitEvent(type="Warning", reason="RankFailed", message=message))
         applied_at = _served_at(decision, clock)
         recovery = _recovery(
             before.last_recovery if before is not None else None,

@@ -19,7 +19,7 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
 - A current epoch reported broken with no culprit (every rank alive, a collective missed its deadline) gets the same
   members again once BROKEN_GRACE_S passed: sooner, the probe of a frozen peer may not have named it yet.
 - The serving label is "true" exactly while the rank's worker reports serving in the current epoch (always with
-  expertParallel 1).
+  expertParallel 1, where the pod builder sets it).
 """
 
 from __future__ import annotations
@@ -276,7 +276,10 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
         if pod is None or pod.terminating:
             continue
         if facts.ranks_per_replica <= 1:
+            # The pod builder labels a lone rank serving at creation; only a "false" left over is corrected.
             serving = True
+            if pod.serving_label is None:
+                continue
         else:
             decision = views[slot.replica]
             serving = serving_in(slot, decision.view) and slot.rank not in decision.failures

@@ -89,5 +89,6 @@ def plan(inp: PlanInput) -> Plan:
     status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups)
     if status != previous:
         actions.append(PatchStatus(status=status))
-    actions += _events(previous, status) + groups.events
+    actions += _events(previous, status)
+    actions += groups.events
     return Plan(actions, status)
