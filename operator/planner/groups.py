@@ -271,9 +271,10 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
             if failure.delete_pod:
                 actions.append(DeletePod(name=names[failure.rank], reason=f"rank failed: {failure.reason}"))
     views = {d.replica: d for d in decisions}
+    deleted = {a.name for a in actions if isinstance(a, DeletePod)}
     for slot in facts.slots:
         pod = slot.pod
-        if pod is None or pod.terminating:
+        if pod is None or pod.terminating or slot.name in deleted:
             continue
         if facts.ranks_per_replica <= 1:
             # The pod builder labels a lone rank serving at creation; only a "false" left over is corrected.
