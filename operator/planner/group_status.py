@@ -106,9 +106,11 @@ def _recovery(
         if rec is not None and rec.whole_at is None:
             rec = rec.model_copy(update={"failed_ranks": sorted({*rec.failed_ranks, *newly_failed})})
         else:
-            first = decision.failures[newly_failed[0]]
+            # The failure may be seen only once the survivors' epoch is out (an operator restarted meanwhile).
+            first = decision.failures.get(newly_failed[0])
+            reason = first.reason if first is not None else "it left the group"
             rec = RecoveryStatus(
-                failed_ranks=newly_failed, reason=first.reason, failed_epoch=view.epoch, failure_seen_at=clock
+                failed_ranks=newly_failed, reason=reason, failed_epoch=view.epoch, failure_seen_at=clock
             )
     if rec is None or rec.whole_at is not None or view is None or state not in SERVING_GROUP_STATES:
         return rec
