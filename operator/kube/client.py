@@ -107,6 +107,17 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
+    async def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """Merge `labels` into a pod's labels; a pod that is gone is fine (its replacement is labelled later)."""
+        try:
+            await self._call(
+                self.core.patch_namespaced_pod, name, namespace, {"metadata": {"labels": labels}},
+                _content_type=MERGE_PATCH, _preload_content=False,
+            )  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         await self._call(
             self.custom.patch_namespaced_custom_object_status,
