@@ -277,10 +277,10 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
         if pod is None or pod.terminating or slot.name in deleted:
             continue
         if facts.ranks_per_replica <= 1:
-            # The pod builder labels a lone rank serving at creation; only a "false" left over is corrected.
+            # A lone rank always serves; the builder labels it so at creation, and a pod made by an operator from
+            # before the label (none) or one left "false" by a group that shrank to one rank gets it here, since the
+            # serving Service selects the label.
             serving = True
-            if pod.serving_label is None:
-                continue
         else:
             decision = views[slot.replica]
             serving = serving_in(slot, decision.view) and slot.rank not in decision.failures

@@ -289,3 +289,13 @@ def test_a_lone_rank_model_has_no_groups():
     result = run(model, pods, {pods[0].name: worker()})
     assert result.status.groups == [] and result.status.ranks[0].group_state is None
     assert not any(isinstance(a, ReconfigureGroup | SetServingLabel) for a in result.actions)
+
+
+def test_a_lone_rank_pod_without_the_serving_label_gets_it():
+    # A pod made by an operator from before the label: the serving Service selects the label, so it is added.
+    model = make_model()
+    unlabelled = pod_for(model, 0, serving_label=None)
+    result = run(model, [unlabelled], {unlabelled.name: worker()})
+    assert [a for a in result.actions if isinstance(a, SetServingLabel)] == [
+        SetServingLabel(pod=unlabelled.name, serving=True)
+    ]
