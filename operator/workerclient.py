@@ -16,6 +16,8 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from tidal.contract.control_api import (
     TOKEN_HEADER,
     ControlError,
+    GroupReconfigureRequest,
+    GroupReconfigureResult,
     SleepLevel,
     SleepRequest,
     TransitionResult,
@@ -33,6 +35,8 @@ _T = TypeVar("_T", bound=BaseModel)
 STATE_TIMEOUT_S = 3.0
 # Sleep, wake and weight updates move whole checkpoints; the worker bounds its own drain time.
 TRANSITION_TIMEOUT_S = 600.0
+# A reconfigure is bounded by the request's own timeout_s on the worker; the answer may take a little longer.
+RECONFIGURE_SLACK_S = 10.0
 
 
 class CallErrorCode(StrEnum):
@@ -88,8 +92,8 @@ class WorkerClient:
         except ValidationError as exc:
             raise WorkerCallError(CallErrorCode.BAD_RESPONSE, f"{method} {path}: {exc}") from None
 
-    async def state(self) -> WorkerState:
-        return await self._call("GET", "/state", WorkerState)
+    async def state(self, timeout: float = STATE_TIMEOUT_S) -> WorkerState:
+        return await self._call("GET", "/state", WorkerState, timeout=timeout)
 
     async def checksum(self) -> WeightsChecksum:
         return await self._call("GET", "/weights/checksum", WeightsChecksum, timeout=60.0)
@@ -105,3 +109,9 @@ class WorkerClient:
     async def update_weights(self, source: str, version: str) -> WeightsUpdateResult:
         request = WeightsUpdateRequest(source=source, version=version)
         return await self._call("POST", "/weights/update", WeightsUpdateResult, request, timeout=TRANSITION_TIMEOUT_S)
+
+    async def reconfigure(self, request: GroupReconfigureRequest) -> GroupReconfigureResult:
+        return await self._call(
+            "POST", "/group/reconfigure", GroupReconfigureResult, request,
+            timeout=request.timeout_s + RECONFIGURE_SLACK_S,
+        )  # fmt: skip

@@ -40,6 +40,10 @@ ANNOTATION_SPEC_HASH = "tidal.dev/spec-hash"
 # The weights in `spec.model.path` when `spec.weights` is not set carry this version; users cannot claim it.
 BASE_WEIGHTS_VERSION = "base"
 
+# Port of every expert-parallel rank's group endpoint (epoch rendezvous, peer probes): the worker's default. One
+# constant for all models: each pod has its own IP, so ranks of different models never collide on it.
+GROUP_PORT = 7100
+
 # Longest object name: the pod name `<name>-r<replica>-<rank>` and the Service name `<name>-group` must stay
 # DNS labels (<= 63 characters) for every allowed replica and rank count.
 MAX_NAME_LENGTH = 50

@@ -7,7 +7,7 @@ from pydantic import BeforeValidator, Field
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule, nested
-from tidal.operator.api.constants import BASE_WEIGHTS_VERSION
+from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, GROUP_PORT
 from tidal.operator.api.worker_spec import WorkerSpec
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
@@ -144,6 +144,24 @@ class UpdateStrategy(ApiModel):
     """Most replicas being updated or not ready at once during a roll."""
 
 
+class ExpertsSpec(ApiModel):
+    """How the ranks of an expert-parallel group share the experts. Read by each rank's worker at start, so with
+    expertParallel above 1 a change replaces the pods; with expertParallel 1 they are accepted and unused."""
+
+    redundant_experts_per_rank: int = Field(0, ge=0, le=256)
+    """Expert slots on each rank beyond an even share (ceil(experts / expertParallel)); they hold extra copies of
+    experts, so a group that loses a rank has fewer experts (or none) to reload before its survivors serve again, at
+    the cost of device memory for the copies. Used only when expertParallel is above 1."""
+    collective_timeout_seconds: float = Field(10.0, gt=0, le=600)
+    """Deadline of one exchange between the ranks of a group: a rank that has not answered by then (crashed or frozen)
+    breaks the group's step, and the operator forms a new epoch without it. Shorter finds a frozen rank sooner; too
+    short breaks a healthy group on a slow step. Used only when expertParallel is above 1."""
+
+
+def _group_port_free(spec: "InferenceModelSpec") -> bool:
+    return not spec.is_expert_parallel or GROUP_PORT not in (spec.serving.port, spec.serving.control_port)
+
+
 class InferenceModelSpec(ApiModel):
     """Desired state of an InferenceModel."""
 
@@ -154,7 +172,11 @@ class InferenceModelSpec(ApiModel):
     replicas: int = Field(1, ge=0, le=64)
     """Independent copies of the model behind the Service; 0 keeps the object but runs no pods."""
     expert_parallel: int = Field(1, ge=1, le=64)
-    """Ranks (pods) per replica that share the experts of a mixture-of-experts model."""
+    """Ranks (pods) per replica that share the experts of a mixture-of-experts model; 1 runs each replica as one
+    pod. Above 1, every rank is a full serving endpoint and the Service sends requests to each rank that serves in
+    its group's current epoch."""
+    experts: ExpertsSpec = nested(ExpertsSpec)
+    """Expert parallelism: redundant expert copies and the group's deadline."""
     serving: ServingSpec = nested(ServingSpec)
     """Ports."""
     sleep: SleepSpec = nested(SleepSpec)
@@ -164,12 +186,17 @@ class InferenceModelSpec(ApiModel):
     update_strategy: UpdateStrategy = nested(UpdateStrategy)
     """Pace of weight rolls."""
 
+    @property
+    def is_expert_parallel(self) -> bool:
+        """Each replica is a group of ranks that share the experts (and talk to each other)."""
+        return self.expert_parallel > 1
+
     cel_rules = (
         CelRule(
-            rule="self.expertParallel == 1",
-            message="expertParallel above 1 is not supported yet: the worker has no expert parallelism in this "
-            "release; set expertParallel: 1",
-            holds=lambda s: s.expert_parallel == 1,
-            field_path=".expertParallel",
+            rule=f"self.expertParallel == 1 || !({GROUP_PORT} in [self.serving.port, self.serving.controlPort])",
+            message=f"serving.port and serving.controlPort must not be {GROUP_PORT} when expertParallel is above 1: "
+            f"the ranks of a group reach each other on port {GROUP_PORT}",
+            holds=_group_port_free,
+            field_path=".serving",
         ),
     )

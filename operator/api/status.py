@@ -13,6 +13,13 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Loading", "Ready", "Updating", "Sleeping", "Degraded", "Stopped"]
 RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating"]
 SleepState = Literal["Awake", "Asleep", "Mixed", "None"]
+# A rank's place in its expert-parallel group: Loading (pod starting or model loading), Joining (loaded, not yet in
+# the current epoch), Serving (steps in the current epoch), Broken (a member of the current epoch whose group broke;
+# it keeps its requests and waits for the next epoch), Failed (gone, not answering, or named by a peer).
+GroupRankState = Literal["Loading", "Joining", "Serving", "Broken", "Failed"]
+# A replica's group: Forming (no epoch yet), Whole (every rank serves), Degraded (the survivors serve),
+# Reconfiguring (an epoch was sent and is not applied yet), Broken (the current epoch broke; none sent yet).
+GroupState = Literal["Forming", "Whole", "Degraded", "Reconfiguring", "Broken"]
 
 
 class Condition(StatusModel):
@@ -45,6 +52,50 @@ class RankStatus(StatusModel):
     """What the rank is doing."""
     weights_version: str | None = Field(None, max_length=63)
     """Weights version the worker reports."""
+    group_state: GroupRankState | None = None
+    """With expertParallel above 1: the rank's place in its group."""
+
+
+class RecoveryStatus(StatusModel):
+    """The last time a group lost a rank, and how it came back."""
+
+    failed_ranks: list[int] = Field(default_factory=list)
+    """Ranks that left the group (more than one when a second fails before the group is whole again)."""
+    reason: str = Field("", max_length=1024)
+    """Why the first of them was found failed."""
+    failed_epoch: int = Field(0, ge=0)
+    """The epoch that lost the rank."""
+    failure_seen_at: datetime
+    """When the operator observed the failure."""
+    survivors_epoch: int | None = Field(None, ge=1)
+    """The first epoch without the failed ranks that served."""
+    survivors_serving_at: datetime | None = None
+    """When the survivors served again (their epoch applied)."""
+    whole_at: datetime | None = None
+    """When the group served with every rank again."""
+    interruption_seconds: float | None = Field(None, ge=0)
+    """From the failure seen to the survivors serving."""
+
+
+class ReplicaGroupStatus(StatusModel):
+    """One replica's expert-parallel group."""
+
+    replica: int = Field(ge=0)
+    """Replica index."""
+    state: GroupState
+    """Forming, Whole, Degraded, Reconfiguring or Broken."""
+    epoch: int = Field(0, ge=0)
+    """The membership epoch the ranks serve (or last served) in; 0 before the first."""
+    members: list[int] = Field(default_factory=list)
+    """Ranks of that epoch."""
+    coordinator_rank: int | None = Field(None, ge=0)
+    """The member that hosted the epoch's rendezvous and planned its expert map."""
+    degraded_experts: list[int] = Field(default_factory=list)
+    """Experts no member held when the epoch began, reloaded from the checkpoint for it."""
+    message: str = Field("", max_length=32768)
+    """What is going on (an epoch in flight, a refusal)."""
+    last_recovery: RecoveryStatus | None = None
+    """The last loss of a rank and its recovery."""
 
 
 class WeightsRolloutStatus(StatusModel):
@@ -79,5 +130,7 @@ class InferenceModelStatus(StatusModel):
     """Awake, Asleep, Mixed (some ranks asleep) or None (no ranks)."""
     endpoint: str | None = Field(None, max_length=1024)
     """In-cluster URL of the OpenAI-compatible API."""
+    groups: list[ReplicaGroupStatus] = Field(default_factory=list)
+    """With expertParallel above 1: each replica's group."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, Progressing, Degraded, Sleeping, WeightsSynced."""

@@ -16,6 +16,11 @@ RANK = "TIDAL_RANK"
 WORLD_SIZE = "TIDAL_WORLD_SIZE"
 POD_NAME = "TIDAL_POD_NAME"
 GROUP_SERVICE = "TIDAL_GROUP_SERVICE"
+# Expert parallelism (set only when spec.expertParallel is above 1; a worker of a group of one ignores them).
+GROUP_HOST = "TIDAL_GROUP_HOST"  # the pod IP: the group endpoint listens there
+GROUP_PORT = "TIDAL_GROUP_PORT"
+GROUP_TIMEOUT_S = "TIDAL_GROUP_TIMEOUT_S"
+REDUNDANT_EXPERTS_PER_RANK = "TIDAL_REDUNDANT_EXPERTS_PER_RANK"
 
 RESERVED_ENV_NAMES: tuple[str, ...] = (
     MODEL,
@@ -33,6 +38,10 @@ RESERVED_ENV_NAMES: tuple[str, ...] = (
     WORLD_SIZE,
     POD_NAME,
     GROUP_SERVICE,
+    GROUP_HOST,
+    GROUP_PORT,
+    GROUP_TIMEOUT_S,
+    REDUNDANT_EXPERTS_PER_RANK,
 )
 
 # Weights change in place (POST /weights/update), so these two do not make a pod outdated when they change.

@@ -5,7 +5,7 @@
    template item with a known name merges into that item, a new name is appended. Other lists are replaced.
 3. Scalars from the template replace Tidal's.
 4. Afterwards Tidal re-asserts what it must own: the pod's name, namespace, ownerReferences and Tidal's labels, and in
-   the `worker` container its command, args, reserved TIDAL_* variables and the `serve` / `control` ports.
+   the `worker` container its command, args, reserved TIDAL_* variables and the `serve` / `control` / `group` ports.
 """
 
 import copy
@@ -14,7 +14,8 @@ from typing import Any
 from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
 
 WORKER_CONTAINER = "worker"
-OWNED_PORT_NAMES = ("serve", "control")
+GROUP_PORT_NAME = "group"  # expert parallelism: the rank's group endpoint
+OWNED_PORT_NAMES = ("serve", "control", GROUP_PORT_NAME)
 
 
 def _is_named_list(value: Any) -> bool:

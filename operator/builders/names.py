@@ -13,7 +13,7 @@ def group_service_name(model: str) -> str:
 
 
 def serving_service_name(model: str) -> str:
-    """The Service clients call: it selects each replica's leader."""
+    """The Service clients call: it selects every pod whose rank serves (see `serving_selector`)."""
     return model
 
 
@@ -43,15 +43,22 @@ def model_selector(model: str) -> dict[str, str]:
     return {c.LABEL_MODEL: model}
 
 
-def leader_selector(model: str) -> dict[str, str]:
-    return {c.LABEL_MODEL: model, c.LABEL_LEADER: "true"}
+def serving_selector(model: str) -> dict[str, str]:
+    """Every rank of an expert-parallel group is a full endpoint, so the Service takes all ranks that serve, not only
+    leaders; with expertParallel 1 every pod is its replica's only rank and is built serving."""
+    return {c.LABEL_MODEL: model, c.LABEL_SERVING: "true"}
 
 
-def pod_labels(model: str, replica: int, rank: int, leader: bool) -> dict[str, str]:
+def label_value(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def pod_labels(model: str, replica: int, rank: int, leader: bool, serving: bool) -> dict[str, str]:
     return {
         **model_labels(model),
         c.LABEL_COMPONENT: "worker",
         c.LABEL_REPLICA: str(replica),
         c.LABEL_RANK: str(rank),
-        c.LABEL_LEADER: "true" if leader else "false",
+        c.LABEL_LEADER: label_value(leader),
+        c.LABEL_SERVING: label_value(serving),
     }

@@ -1,4 +1,5 @@
-"""NetworkPolicy for a model's pods: the serving port is open, the control port only to the operator's pods."""
+"""NetworkPolicy for a model's pods: the serving port is open, the control port only to the operator's pods, and
+with expert parallelism every TCP port between the model's own pods."""
 
 from typing import Any
 
@@ -16,11 +17,25 @@ class OperatorIdentity(BaseModel):
     pod_labels: dict[str, str] = Field(min_length=1)
 
 
+def _between_ranks(model_name: str) -> dict[str, Any]:
+    """Ranks of a group meet at each other's group endpoint (port 7100), but gloo's connections (and NCCL's bootstrap
+    sockets) then go to ephemeral ports each process picks at run time, so no port list can name them: every TCP port
+    is open, to the model's own pods only (same namespace, same model label). That includes the control port between
+    peers, which widens nothing in effect: they run the same worker and mount the same control token. (A pair of
+    ranges around the control port would need `endPort`, which some network plugins ignore, opening a single port
+    and silently breaking the group.)"""
+    return {
+        "from": [{"podSelector": {"matchLabels": names.model_selector(model_name)}}],
+        "ports": [{"protocol": "TCP"}],
+    }
+
+
 def build_network_policy(model: InferenceModel, operator: OperatorIdentity) -> dict[str, Any]:
-    """Ingress only. Rank-to-rank traffic (expert parallelism) will need its own rule when it exists."""
+    """Ingress only (egress is not restricted). A model of expertParallel 1 has no rank-to-rank traffic, so its
+    policy stays as tight as before."""
     name = model.metadata.name
     serving = model.spec.serving
-    policy = {
+    policy: dict[str, Any] = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": object_meta(model, names.network_policy_name(name), names.model_labels(name)),
@@ -41,4 +56,6 @@ def build_network_policy(model: InferenceModel, operator: OperatorIdentity) -> d
             ],
         },
     }
+    if model.spec.is_expert_parallel:
+        policy["spec"]["ingress"].append(_between_ranks(name))
     return stamp_hash(policy, policy["spec"])

@@ -4,15 +4,17 @@ import posixpath
 from typing import Any
 
 from tidal.operator.api import worker_env as env
-from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, LABEL_LEADER
+from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, GROUP_PORT, LABEL_LEADER, LABEL_SERVING
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.api.spec import InferenceModelSpec, ModelVolume
 from tidal.operator.builders import names
-from tidal.operator.builders.merge import WORKER_CONTAINER, apply_pod_template
+from tidal.operator.builders.merge import GROUP_PORT_NAME, WORKER_CONTAINER, apply_pod_template
 from tidal.operator.builders.owner import object_meta, stamp_hash
 
 MODEL_VOLUME = "model"
 DEFAULT_PVC_MOUNT = "/models"
+# Labels the operator moves on a live pod; they describe the pod's role now, not what it was built from.
+MUTABLE_LABELS = frozenset({LABEL_LEADER, LABEL_SERVING})
 
 
 def mount_path(volume: ModelVolume) -> str:
@@ -40,6 +42,22 @@ def _value(name: str, value: str | int) -> dict[str, Any]:
     return {"name": name, "value": str(value)}
 
 
+def serving_at_creation(spec: InferenceModelSpec) -> bool:
+    """A lone rank serves as soon as it is ready. A rank of a group serves only once the operator has seen it step
+    in its group's epoch (until then its answers would wait on peers that may not be there), so it starts out."""
+    return not spec.is_expert_parallel
+
+
+def _group_env(spec: InferenceModelSpec) -> list[dict[str, Any]]:
+    experts = spec.experts
+    return [
+        {"name": env.GROUP_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        _value(env.GROUP_PORT, GROUP_PORT),
+        _value(env.GROUP_TIMEOUT_S, str(float(experts.collective_timeout_seconds))),
+        _value(env.REDUNDANT_EXPERTS_PER_RANK, experts.redundant_experts_per_rank),
+    ]
+
+
 def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str, Any]]:
     spec = model.spec
     name = model.metadata.name
@@ -65,6 +83,10 @@ def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str,
     ]
     if spec.model.max_model_len is not None:
         out.insert(5, _value(env.MAX_MODEL_LEN, spec.model.max_model_len))
+    # Only groups get the group's settings: a pod of expertParallel 1 stays exactly as it was before groups existed
+    # (same spec hash, so upgrading the operator replaces no pod), and its worker would ignore them anyway.
+    if spec.is_expert_parallel:
+        out += _group_env(spec)
     return out + [{"name": e.name, "value": e.value} for e in spec.worker.env]
 
 
@@ -99,6 +121,16 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def _ports(spec: InferenceModelSpec) -> list[dict[str, Any]]:
+    ports = [
+        {"name": "serve", "containerPort": spec.serving.port, "protocol": "TCP"},
+        {"name": "control", "containerPort": spec.serving.control_port, "protocol": "TCP"},
+    ]
+    if spec.is_expert_parallel:
+        ports.append({"name": GROUP_PORT_NAME, "containerPort": GROUP_PORT, "protocol": "TCP"})
+    return ports
+
+
 def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
     spec = model.spec
     return {
@@ -107,10 +139,7 @@ def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]
         "imagePullPolicy": spec.worker.image_pull_policy,
         "command": ["tidal-worker", "--model", model_dir(spec), "--port", str(spec.serving.port)],
         "env": worker_env(model, replica, rank),
-        "ports": [
-            {"name": "serve", "containerPort": spec.serving.port, "protocol": "TCP"},
-            {"name": "control", "containerPort": spec.serving.control_port, "protocol": "TCP"},
-        ],
+        "ports": _ports(spec),
         "resources": _resources(spec),
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": mount_path(spec.model.volume), "readOnly": True}],
         # Loading a large model can take many minutes (up to 30 here); liveness only starts once /health answered.
@@ -123,13 +152,14 @@ def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]
 
 
 def _identity(pod: dict[str, Any]) -> dict[str, Any]:
-    """What makes a pod outdated when it changes: everything except in-place weights and the leader label."""
+    """What makes a pod outdated when it changes: everything except in-place weights and the labels the operator
+    moves on live pods (the serving label flips with the group's epochs; flipping it must never replace a pod)."""
     spec = pod["spec"]
     containers = []
     for c in spec["containers"]:
         kept = [e for e in c.get("env", []) if e["name"] not in env.IN_PLACE_ENV_NAMES]
         containers.append({**c, "env": kept})
-    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k != LABEL_LEADER}
+    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k not in MUTABLE_LABELS}
     annotations = pod["metadata"].get("annotations", {})
     return {"spec": {**spec, "containers": containers}, "labels": labels, "annotations": annotations}
 
@@ -137,10 +167,11 @@ def _identity(pod: dict[str, Any]) -> dict[str, Any]:
 def build_pod(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
     name = model.metadata.name
     pod_name = names.pod_name(name, replica, rank)
+    labels = names.pod_labels(name, replica, rank, leader=rank == 0, serving=serving_at_creation(model.spec))
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": object_meta(model, pod_name, names.pod_labels(name, replica, rank, leader=rank == 0)),
+        "metadata": object_meta(model, pod_name, labels),
         "spec": {
             "hostname": pod_name,
             "subdomain": names.group_service_name(name),

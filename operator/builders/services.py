@@ -1,4 +1,4 @@
-"""The model's two Services: a headless one for per-rank DNS, and the serving one that selects replica leaders."""
+"""The model's two Services: a headless one for per-rank DNS, and the serving one that selects the ranks that serve."""
 
 from typing import Any
 
@@ -25,7 +25,8 @@ def build_group_service(model: InferenceModel) -> dict[str, Any]:
 
 
 def build_serving_service(model: InferenceModel) -> dict[str, Any]:
-    """Clients' entry point. Only leaders take requests; the control port is deliberately not exposed."""
+    """Clients' entry point: every pod labelled serving takes requests (with expertParallel 1 that is every pod; in a
+    group, each rank while it steps in its group's epoch). The control port is deliberately not exposed."""
     name = model.metadata.name
     svc = {
         "apiVersion": "v1",
@@ -33,7 +34,7 @@ def build_serving_service(model: InferenceModel) -> dict[str, Any]:
         "metadata": object_meta(model, names.serving_service_name(name), names.model_labels(name)),
         "spec": {
             "type": "ClusterIP",
-            "selector": names.leader_selector(name),
+            "selector": names.serving_selector(name),
             "ports": [{"name": "http", "port": model.spec.serving.port, "targetPort": "serve", "protocol": "TCP"}],
         },
     }

@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tidal.operator.api import constants as c
+from tidal.operator.kube.merge_patch import service_patch
 
 MERGE_PATCH = "application/merge-patch+json"
 API_CONCURRENCY = 32
@@ -90,13 +91,29 @@ class KubeApi:
             "NetworkPolicy": self.networking.patch_namespaced_network_policy,
         }[manifest["kind"]]
         meta = manifest["metadata"]
+        body = manifest
+        if manifest["kind"] == "Service":
+            # Read first: removing a selector key needs its name (see merge_patch.py). Patches are rare (a spec
+            # hash changed), so the extra read costs nothing that matters.
+            body = service_patch(manifest, await self.get_child("Service", meta["namespace"], meta["name"]))
         await self._call(
-            patch, meta["name"], meta["namespace"], manifest, _content_type=MERGE_PATCH, _preload_content=False
+            patch, meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH, _preload_content=False
         )
 
     async def delete_pod(self, namespace: str, name: str) -> None:
         try:
             await self._call(self.core.delete_namespaced_pod, name, namespace, _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def patch_pod_labels(self, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """Merge `labels` into a pod's labels; a pod that is gone is fine (its replacement is labelled later)."""
+        try:
+            await self._call(
+                self.core.patch_namespaced_pod, name, namespace, {"metadata": {"labels": labels}},
+                _content_type=MERGE_PATCH, _preload_content=False,
+            )  # fmt: skip
         except ApiException as exc:
             if exc.status != 404:
                 raise

@@ -18,10 +18,17 @@ Observing (build a `PlanInput`):
 - `operator`: the operator's `OperatorConfig.identity()`; `now`: an aware UTC datetime in whole seconds; `fresh_token`:
   a new random token (`secrets.token_urlsafe(32)`), used only if the Secret is missing.
 
-Executing `Plan.actions`: in three phases, not in list order.
+Expert parallelism (`groups.py`, `group_status.py`): `groups` is, per replica, the last epoch this process sent with
+its answers (`SentEpoch`; empty after a restart), and each rank's observation says for how long its `/state` has been
+silent (`silent_for_s`). The planner sends the next epoch (ReconfigureGroup), deletes the pods of failed ranks that
+still run, flips the `tidal.dev/serving` label (SetServingLabel) and writes each group's status.
+
+Executing `Plan.actions`: in phases, not in list order.
+0. ReconfigureGroup: `POST /group/reconfigure` to every member at once, each call on its own, started before anything
+   else and not waited for by the pass; the answers go into the model's memory (the next pass's `groups`).
 1. Children: CreateSecret, CreateService, CreateNetworkPolicy (409 AlreadyExists is fine) and PatchService,
    PatchNetworkPolicy (merge patch with the manifest), one after another, so the Secret exists before any pod that
-   mounts it. Then every CreatePod and DeletePod (404 is fine) at once.
+   mounts it. Then every CreatePod, DeletePod (404 is fine) and SetServingLabel at once.
 2. PatchStatus (a merge patch of the status subresource: top-level nulls remove cleared fields such as
    weightsRollout; inside lists, which a merge patch replaces whole, unset fields are left out), then each EmitEvent
    as an Event on the model. This comes before the worker calls, which may run for minutes: meanwhile the status this

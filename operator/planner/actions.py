@@ -91,6 +91,45 @@ class UpdateWeights(_Action):
         return f"update weights of {self.pod} to {self.version} from {self.source}"
 
 
+class EpochMemberRef(BaseModel):
+    """One member of an epoch: its rank, its pod, and its group endpoint (podIP:groupPort)."""
+
+    rank: int = Field(ge=0)
+    pod: str
+    address: str
+
+
+class ReconfigureGroup(_Action):
+    """POST /group/reconfigure of one epoch to every member of a replica's group, each on its own (a slow rank must
+    not hold the others). Started before the pass's other writes, and not waited for by the pass."""
+
+    kind: Literal["ReconfigureGroup"] = "ReconfigureGroup"
+    replica: int = Field(ge=0)
+    epoch: int = Field(ge=1)
+    members: list[EpochMemberRef] = Field(min_length=1)
+    coordinator_rank: int = Field(ge=0)
+    timeout_s: float = Field(gt=0, description="each member's limit for the rendezvous and installing the map")
+    reason: str
+
+    def describe(self) -> str:
+        ranks = [m.rank for m in self.members]
+        return (
+            f"reconfigure replica {self.replica}: epoch {self.epoch}, ranks {ranks}, coordinator "
+            f"{self.coordinator_rank} ({self.reason})"
+        )
+
+
+class SetServingLabel(_Action):
+    """Set the pod's `tidal.dev/serving` label, which the serving Service selects on."""
+
+    kind: Literal["SetServingLabel"] = "SetServingLabel"
+    pod: str
+    serving: bool
+
+    def describe(self) -> str:
+        return f"label {self.pod} serving={'true' if self.serving else 'false'}"
+
+
 class PatchStatus(_Action):
     kind: Literal["PatchStatus"] = "PatchStatus"
     status: InferenceModelStatus
@@ -120,6 +159,8 @@ Action = Annotated[
     | SleepRank
     | WakeRank
     | UpdateWeights
+    | ReconfigureGroup
+    | SetServingLabel
     | PatchStatus
     | EmitEvent,
     Field(discriminator="kind"),

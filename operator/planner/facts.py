@@ -3,17 +3,21 @@
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, Field, SecretStr
 
 from tidal.contract.control_api import SleepState, WorkerState
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.builders.networkpolicy import OperatorIdentity
-from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation
+from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation, SentEpoch
 
 
 class PlanInput(BaseModel):
-    """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing."""
+    """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing.
+
+    `now` is in whole seconds (conditions' timestamps compare equal across passes); `observed_at` is the precise time
+    the observations were taken, for the few timestamps written once (a recovery's milestones); `groups` is, per
+    replica, the last epoch this operator process sent (empty after a restart)."""
 
     model: InferenceModel
     pods: list[ObservedPod]
@@ -22,6 +26,12 @@ class PlanInput(BaseModel):
     operator: OperatorIdentity
     now: datetime
     fresh_token: SecretStr
+    groups: dict[int, SentEpoch] = Field(default_factory=dict)
+    observed_at: datetime | None = None
+
+    @property
+    def clock(self) -> datetime:
+        return self.observed_at if self.observed_at is not None else self.now
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 The worker's own `GET /state` model comes from the worker's control-API contract (tidal.contract.control_api); the
 planner adds what the executor learns from other calls (the checksum, a failed weight update)."""
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -12,6 +13,8 @@ from tidal.operator.api import constants as c
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 CRASH_LOOP_REASON = "CrashLoopBackOff"
+# The worker container's port that its group endpoint listens on (expert parallelism; set by the pod builder).
+GROUP_PORT_NAME = "group"
 
 
 class ObservedPod(BaseModel):
@@ -27,8 +30,18 @@ class ObservedPod(BaseModel):
     restart_count: int = Field(0, ge=0)
     waiting_reason: str | None = None
     last_exit_message: str | None = None
-    # Where the executor reaches the rank's control API (the planner itself never uses it).
+    # Where the executor reaches the rank's control API; with the group port, where its group endpoint listens.
     pod_ip: str | None = None
+    group_port: int | None = Field(None, ge=1, le=65535)
+    # The pod's `tidal.dev/serving` label as it is now (None: not set).
+    serving_label: str | None = None
+
+    @property
+    def group_address(self) -> str | None:
+        """host:port of the rank's group endpoint, once the pod has an IP (expert parallelism only)."""
+        if self.pod_ip is None or self.group_port is None:
+            return None
+        return f"{self.pod_ip}:{self.group_port}"
 
     @property
     def crash_looping(self) -> bool:
@@ -56,6 +69,40 @@ class RankObservation(BaseModel):
     # The worker answered 401: it holds another token than the Secret's (the Secret was re-created), so it can
     # never be controlled again until its pod restarts with the current token.
     token_rejected: bool = False
+    # Seconds since this process's `/state` last failed to answer, counted from the first miss in a row (None: it
+    # answered, or was never asked). The executor keeps the clock; the planner compares it with its threshold.
+    silent_for_s: float | None = Field(None, ge=0)
+
+
+class EpochRefusal(BaseModel):
+    """One member's refusal of a `/group/reconfigure` (the worker's code, or the client's for no answer)."""
+
+    rank: int = Field(ge=0)
+    code: str
+    message: str
+
+
+class SentEpoch(BaseModel):
+    """The last epoch the operator sent to a replica's group, as this process remembers it (nothing after a
+    restart: the planner then goes by what the workers report)."""
+
+    epoch: int = Field(ge=1)
+    members: list[int]
+    coordinator_rank: int = Field(ge=0)
+    sent_at: datetime
+    age_s: float = Field(ge=0, description="seconds since it was sent")
+    answered: bool = Field(False, description="every member answered (applied or refused)")
+    answered_age_s: float | None = Field(None, ge=0, description="seconds since the last answer came")
+    applied_at: datetime | None = Field(None, description="when the last member answered that it applied it")
+    refusals: list[EpochRefusal] = Field(default_factory=list)
+
+    @property
+    def in_flight(self) -> bool:
+        return not self.answered
+
+    @property
+    def refused(self) -> bool:
+        return self.answered and bool(self.refusals)
 
 
 class ObservedChildren(BaseModel):
@@ -87,6 +134,9 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     worker: dict[str, Any] = next((s for s in status.get("containerStatuses") or [] if s.get("name") == "worker"), {})
     waiting = (worker.get("state") or {}).get("waiting") or {}
     terminated = (worker.get("lastState") or {}).get("terminated") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    ports = next((c_.get("ports") or [] for c_ in containers if c_.get("name") == "worker"), [])
+    group_port = next((p.get("containerPort") for p in ports if p.get("name") == GROUP_PORT_NAME), None)
     return ObservedPod(
         name=meta["name"],
         replica=int(replica),
@@ -99,4 +149,6 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         waiting_reason=waiting.get("reason"),
         last_exit_message=terminated.get("message") or terminated.get("reason"),
         pod_ip=status.get("podIP"),
+        group_port=group_port,
+        serving_label=labels.get(c.LABEL_SERVING),
     )

@@ -10,12 +10,15 @@ from tidal.operator.planner.actions import (
     DeletePod,
     EmitEvent,
     PatchStatus,
+    ReconfigureGroup,
     SleepRank,
     UpdateWeights,
     WakeRank,
 )
 from tidal.operator.planner.children import plan_children
 from tidal.operator.planner.facts import Facts, PlanInput, gather
+from tidal.operator.planner.group_status import group_view
+from tidal.operator.planner.groups import decide_groups, group_actions
 from tidal.operator.planner.pods import plan_pods
 from tidal.operator.planner.rollout import RolloutPlan, plan_rollout
 from tidal.operator.planner.sleep import decide_sleep, plan_sleep
@@ -33,6 +36,8 @@ class Plan:
 
 def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bool) -> Progress:
     kinds = {type(a) for a in work}
+    if ReconfigureGroup in kinds:
+        return Progress("ReconfiguringGroups", "sending expert-parallel groups their next epoch")
     if CreatePod in kinds:
         return Progress("CreatingPods", "creating worker pods")
     if DeletePod in kinds:
@@ -73,10 +78,17 @@ def plan(inp: PlanInput) -> Plan:
     sleep = decide_sleep(facts, inp.now)
     sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
-    work = pods.actions + sleep_actions + rollout.actions
+    decisions = decide_groups(facts, inp.groups, sleep.asleep)
+    groups = group_view(facts, decisions, previous, inp.clock)
+    deleting = {a.name for a in pods.actions if isinstance(a, DeletePod)}
+    group_work = [a for a in group_actions(facts, decisions) if not (isinstance(a, DeletePod) and a.name in deleting)]
+    # Epochs first: the executor starts them before any other write, as the survivors wait for theirs.
+    work = group_work + pods.actions + sleep_actions + rollout.actions
     actions += work
-    status = compute_status(facts, previous, sleep, rollout, _progress(facts, work, rollout, sleep.asleep), inp.now)
+    progress = _progress(facts, work, rollout, sleep.asleep)
+    status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups)
     if status != previous:
         actions.append(PatchStatus(status=status))
     actions += _events(previous, status)
+    actions += groups.events
     return Plan(actions, status)

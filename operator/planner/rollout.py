@@ -38,8 +38,11 @@ def _failure(facts: Facts, version: str, previous: InferenceModelStatus | None) 
     return None
 
 
-def _agreed_version(slots: list[RankSlot]) -> tuple[str | None, bool]:
-    """(version every rank serves with one checksum, or None; True when versions agree but checksums do not)."""
+def _agreed_version(slots: list[RankSlot], one_checksum: bool) -> tuple[str | None, bool]:
+    """(version every rank serves with one checksum, or None; True when versions agree but checksums do not).
+
+    With expert parallelism each rank's checksum covers the experts it holds (and every dense tensor), so ranks
+    differ by design: then every rank must report the version and its checksum, and no two are compared."""
     if not slots:
         return None, False
     pairs = []
@@ -51,7 +54,7 @@ def _agreed_version(slots: list[RankSlot]) -> tuple[str | None, bool]:
     versions = {v for v, _ in pairs}
     if len(versions) != 1:
         return None, False
-    if len({s for _, s in pairs}) != 1:
+    if one_checksum and len({s for _, s in pairs}) != 1:
         return None, True
     return versions.pop(), False
 
@@ -64,7 +67,7 @@ def plan_rollout(
     facts: Facts, asleep: bool, budget: int, skip_replicas: frozenset[int], previous: InferenceModelStatus | None
 ) -> RolloutPlan:
     source, version = desired_weights(facts.model.spec)
-    agreed, mismatch = _agreed_version(facts.slots)
+    agreed, mismatch = _agreed_version(facts.slots, one_checksum=facts.ranks_per_replica == 1)
     served = agreed if agreed is not None else (previous.weights_version if previous is not None else None)
     failure = _failure(facts, version, previous)
     actions: list[Action] = []

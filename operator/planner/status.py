@@ -15,6 +15,7 @@ from tidal.operator.api.status import (
 )
 from tidal.operator.builders.services import endpoint
 from tidal.operator.planner.facts import Facts, RankSlot
+from tidal.operator.planner.group_status import GroupsView
 from tidal.operator.planner.rollout import RolloutPlan
 from tidal.operator.planner.sleep import SleepDecision
 
@@ -54,7 +55,7 @@ def _sleep_state(slots: list[RankSlot]) -> SleepState:
     return "Asleep" if asleep == len(known) else "Awake" if asleep == 0 else "Mixed"
 
 
-def _degraded(facts: Facts, rollout: RolloutPlan) -> tuple[str, str] | None:
+def _degraded(facts: Facts, rollout: RolloutPlan, groups: GroupsView) -> tuple[str, str] | None:
     looping = [s.pod for s in facts.slots if s.pod is not None and s.pod.crash_looping]
     if looping:
         worst = max(looping, key=lambda p: p.restart_count)
@@ -69,7 +70,7 @@ def _degraded(facts: Facts, rollout: RolloutPlan) -> tuple[str, str] | None:
         )
     if rollout.sync == "ChecksumMismatch":
         return "ChecksumMismatch", "ranks report the same weights version with different checksums"
-    return None
+    return groups.degraded()
 
 
 def _phase(facts: Facts, states: list[RankState], degraded: bool, sleep: SleepDecision, rollout: RolloutPlan) -> Phase:
@@ -95,16 +96,20 @@ def compute_status(
     rollout: RolloutPlan,
     progress: Progress,
     now: datetime,
+    groups: GroupsView,
 ) -> InferenceModelStatus:
     model = facts.model
     generation = model.metadata.generation
     states = [rank_state(s, rollout) for s in facts.slots]
     ready_ranks = sum(1 for s in facts.slots if s.ready)
     total = len(facts.slots)
-    degraded = _degraded(facts, rollout)
+    degraded = _degraded(facts, rollout, groups)
     sleep_state = _sleep_state(facts.slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
-    serving = total > 0 and ready_ranks == total and not any(s.asleep for s in facts.slots)
+    expert_parallel = facts.ranks_per_replica > 1
+    # With expert parallelism a replica serves while its group does, survivors included (Ready, and Degraded).
+    every_rank = groups.all_serving if expert_parallel else ready_ranks == total
+    serving = total > 0 and every_rank and not any(s.asleep for s in facts.slots)
 
     conds: list[Condition] = list(previous.conditions) if previous is not None else []
 
@@ -114,6 +119,9 @@ def compute_status(
 
     if total == 0:
         put("Ready", False, "ScaledToZero", "spec.replicas is 0")
+    elif serving and expert_parallel:
+        in_group = sum(1 for state in groups.rank_states.values() if state == "Serving")
+        put("Ready", True, "GroupsServing", f"every replica's group serves ({in_group}/{total} ranks in them)")
     elif serving:
         put("Ready", True, "AllRanksReady", f"{ready_ranks}/{total} ranks ready")
     elif all_asleep:
@@ -155,6 +163,7 @@ def compute_status(
                 rank=s.rank,
                 state=state,
                 weights_version=s.state.weights_version if s.state is not None else None,
+                group_state=groups.rank_states.get(s.name),
             )
             for s, state in zip(facts.slots, states, strict=True)
         ],
@@ -162,5 +171,6 @@ def compute_status(
         weights_rollout=rollout.failure if rollout.sync == "UpdateFailed" else None,
         sleep_state=sleep_state,
         endpoint=endpoint(model),
+        groups=groups.groups,
         conditions=conds,
     )

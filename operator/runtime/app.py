@@ -38,7 +38,8 @@ class OperatorApp:
         # Keep-alive connections to hundreds of ranks are not worth keeping; each pass opens what it needs.
         self._http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
         self._kube = kube = KubeApi(self._api_client, reporting_instance=self.config.pod_name)
-        self.reconciler = Reconciler(kube, WorkerFleet(self._http, self.metrics), self.metrics, self.config)
+        fleet = WorkerFleet(self._http, self.metrics)
+        self.reconciler = Reconciler(kube, fleet, self.metrics, self.config, self.queue.schedule)
         self._heartbeat = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
@@ -58,6 +59,8 @@ class OperatorApp:
 
     async def stop(self) -> None:
         await self.queue.close()
+        if self.reconciler is not None:
+            self.reconciler.memories.stop()  # reconfigure calls still running
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,10 +1,14 @@
-"""Carry out a plan's actions in three phases: Kubernetes objects, then the status and Events, then the workers' calls.
+"""Carry out a plan's actions in phases: group epochs, Kubernetes objects, the status and Events, the workers' calls.
 
+- Group epochs (`/group/reconfigure` to every member) are started first and not waited for: a group's survivors
+  wait for theirs, and the pass must stay free to see the next failure. Each answer lands in the model's memory; once
+  every member answered, a refusal is posted as a Warning Event and the model is queued for a pass at once.
 - Children (Secret, Services, NetworkPolicy) one after another in the plan's order, then pods all at once: a pod
   mounts the token Secret, so the Secret exists first.
 - The status and Events. They are written before the (possibly long) worker calls on purpose: while a weight update
   or a wake runs, the status the planner computed for this pass ("Updating", "WakingUp") is the true one. The next
   pass, which comes right after the calls, records their outcome.
+- Pods: created, deleted and (their serving label) patched, all at once.
 - Sleeps, wakes and weight updates, all at once; the pass waits for every answer (the planner's maxUnavailable budget
   assumes no update is still running when it plans again). A failed call also becomes a Warning Event.
 
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import SecretStr
 
+from tidal.operator.api import constants as c
 from tidal.operator.api.status import InferenceModelStatus
 from tidal.operator.kube.client import KubeApi
 from tidal.operator.planner.actions import (
@@ -34,24 +40,27 @@ from tidal.operator.planner.actions import (
     PatchNetworkPolicy,
     PatchService,
     PatchStatus,
+    ReconfigureGroup,
+    SetServingLabel,
     SleepRank,
     UpdateWeights,
     WakeRank,
 )
-from tidal.operator.runtime.memory import ModelMemory
+from tidal.operator.runtime.memory import EpochFlight, ModelMemory
 from tidal.operator.runtime.workers import CallFailure, Target, WorkerCall, WorkerFleet
 
 log = logging.getLogger("tidal.operator.execute")
 
 ChildAction = CreateSecret | CreateService | PatchService | CreateNetworkPolicy | PatchNetworkPolicy
-PodAction = CreatePod | DeletePod
+PodAction = CreatePod | DeletePod | SetServingLabel
 StatusAction = PatchStatus | EmitEvent
 WorkerAction = SleepRank | WakeRank | UpdateWeights
 KubeAction = ChildAction | PodAction | StatusAction
 
 # Which phase carries out which action; together they cover every kind of Action (a unit test holds them to it).
 CHILD_ACTIONS = (CreateSecret, CreateService, PatchService, CreateNetworkPolicy, PatchNetworkPolicy)
-POD_ACTIONS = (CreatePod, DeletePod)
+GROUP_ACTIONS = (ReconfigureGroup,)
+POD_ACTIONS = (CreatePod, DeletePod, SetServingLabel)
 STATUS_ACTIONS = (PatchStatus, EmitEvent)
 WORKER_ACTIONS = (SleepRank, WakeRank, UpdateWeights)
 
@@ -67,10 +76,16 @@ def status_patch(status: InferenceModelStatus) -> dict[str, Any]:
     a merge patch replaces whole, unset fields are left out (the schema does not accept null there)."""
     out: dict[str, Any] = {}
     for key, value in status.model_dump(mode="json", by_alias=True).items():
-        if isinstance(value, list):
-            value = [{k: v for k, v in item.items() if v is not None} for item in value]
-        out[key] = value
+        out[key] = _without_nulls(value) if isinstance(value, list) else value
     return out
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 @dataclass
@@ -80,6 +95,7 @@ class Executed:
     calls: int = 0  # worker calls made (sleep, wake, weight updates)
     failures: list[CallFailure] = field(default_factory=list)
     updates: list[UpdateWeights] = field(default_factory=list)
+    epochs: list[ReconfigureGroup] = field(default_factory=list)  # started, not waited for
 
     @property
     def only_unavailable_workers(self) -> bool:
@@ -103,6 +119,8 @@ class Context:
     targets: dict[str, Target]
     token: SecretStr | None
     memory: ModelMemory
+    # Queues the model for a pass now (after a group's epoch got every answer); None: wait for the next one.
+    wake: Callable[[], None] | None = None
 
 
 def _log(ctx: Context, action: Action, outcome: str, level: int = logging.INFO) -> None:
@@ -119,6 +137,9 @@ async def _write(kube: KubeApi, ctx: Context, action: KubeAction) -> str:
     if isinstance(action, DeletePod):
         await kube.delete_pod(ctx.namespace, action.name)
         return "deleted"
+    if isinstance(action, SetServingLabel):
+        await kube.patch_pod_labels(ctx.namespace, action.pod, {c.LABEL_SERVING: "true" if action.serving else "false"})
+        return "labelled"
     if isinstance(action, PatchStatus):
         await kube.patch_status(ctx.namespace, ctx.name, status_patch(action.status))
         return "written"
@@ -156,6 +177,45 @@ async def write_status(kube: KubeApi, ctx: Context, actions: list[Action]) -> No
     for action in actions:
         if isinstance(action, STATUS_ACTIONS):
             await _apply(kube, ctx, action)
+
+
+def _epoch_outcome(flight: EpochFlight) -> str:
+    if flight.applied:
+        return f"applied by ranks {sorted(flight.results)}"
+    refused = "; ".join(f"rank {r}: {x.code}: {x.message}" for r, x in sorted(flight.refusals.items()))
+    return f"refused: {refused}"
+
+
+def start_epochs(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]) -> list[ReconfigureGroup]:
+    """Send each group its epoch, in the background (see the module's docstring); returns the epochs started."""
+    epochs = [a for a in actions if isinstance(a, ReconfigureGroup)]
+    if not epochs:
+        return []
+    if ctx.token is None:
+        for action in epochs:
+            _log(ctx, action, "skipped: no control token yet")
+        return []
+
+    def reporter(action: ReconfigureGroup) -> Callable[[EpochFlight], Awaitable[None]]:
+        async def report(flight: EpochFlight) -> None:
+            outcome = _epoch_outcome(flight)
+            _log(ctx, action, outcome, logging.INFO if flight.applied else logging.WARNING)
+            try:
+                if not flight.applied:
+                    message = f"replica {action.replica} epoch {action.epoch} (ranks {flight.members}): {outcome}"
+                    await kube.post_event(ctx.body, "Warning", "ReconfigureRefused", message)
+            except Exception:
+                log.exception("%s/%s: posting the refusal of epoch %d", ctx.namespace, ctx.name, action.epoch)
+            finally:
+                if ctx.wake is not None:
+                    ctx.wake()
+
+        return report
+
+    for action in epochs:
+        fleet.start_epoch(ctx.memory, action, ctx.targets, ctx.control_port, ctx.token, reporter(action))
+        _log(ctx, action, "sent")
+    return epochs
 
 
 def _failure_line(failure: CallFailure) -> str:
@@ -196,14 +256,16 @@ async def call_workers(
 
 async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]) -> Executed:
     """Run the phases in order; a Kubernetes write that fails ends the pass (the next one plans again)."""
+    epochs = start_epochs(kube, fleet, ctx, actions)
     children = await apply_children(kube, ctx, actions)
     pods = await apply_pods(kube, ctx, actions)
     await write_status(kube, ctx, actions)
     calls = await call_workers(kube, fleet, ctx, actions)
     return Executed(
-        acted=children or pods or bool(calls),
+        acted=children or pods or bool(calls) or bool(epochs),
         changed_objects=children or pods,
         calls=len(calls),
         failures=[f for _, f in calls if f is not None],
         updates=[a for a, _ in calls if isinstance(a, UpdateWeights)],
+        epochs=epochs,
     )

@@ -2,15 +2,21 @@
 
 The planner keeps no state, and whatever must survive an operator restart lives in the model's status. What is
 kept here are hints and clocks a fresh process can do without: back-off streaks, when the current weight roll began
-(for its duration metric), the checksums already read, and weight updates the worker refused (which `/state` does
-not report). Holding all of it in one `ModelMemory` means a deleted model is forgotten by one `forget(key)`.
+(for its duration metric), the checksums already read, weight updates the worker refused (which `/state` does
+not report), since when each rank's `/state` has gone unanswered, and each group's last epoch sent with its answers
+(a fresh process goes by the epochs the workers report). Holding all of it in one `ModelMemory` means a deleted
+model is forgotten by one `forget(key)`, which also stops the reconfigure calls still running for it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
-from tidal.operator.planner.observed import UpdateFailure
+from tidal.contract.control_api import GroupReconfigureResult
+from tidal.operator.planner.observed import EpochRefusal, SentEpoch, UpdateFailure
 from tidal.operator.runtime.queue import Key
 
 # A streak stops growing here: 2.0**streak overflows a float after 1023, and 2**16 s is far past any back-off cap.
@@ -26,6 +32,63 @@ class RollStart:
 
 
 @dataclass
+class EpochFlight:
+    """One epoch sent to a replica's members (times from time.monotonic()), and each member's answer so far."""
+
+    epoch: int
+    members: list[int]
+    coordinator_rank: int
+    sent_at: float
+    sent_wall: datetime
+    results: dict[int, GroupReconfigureResult] = field(default_factory=dict)
+    refusals: dict[int, EpochRefusal] = field(default_factory=dict)
+    last_answer_at: float | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def answered(self) -> bool:
+        return len(self.results) + len(self.refusals) >= len(self.members)
+
+    @property
+    def applied(self) -> bool:
+        return not self.refusals and sorted(self.results) == sorted(self.members)
+
+    def record(self, rank: int, answer: GroupReconfigureResult | EpochRefusal) -> None:
+        if isinstance(answer, EpochRefusal):
+            self.refusals[rank] = answer
+        else:
+            self.results[rank] = answer
+        self.last_answer_at = time.monotonic()
+
+    def as_sent(self, now: float) -> SentEpoch:
+        """What the planner is told: ages from the monotonic clock, the applied time as wall-clock."""
+        answered = self.answered
+        last = self.last_answer_at
+        applied_at = None
+        if answered and self.applied and last is not None:
+            applied_at = self.sent_wall + timedelta(seconds=last - self.sent_at)
+        return SentEpoch(
+            epoch=self.epoch,
+            members=self.members,
+            coordinator_rank=self.coordinator_rank,
+            sent_at=self.sent_wall,
+            age_s=max(0.0, now - self.sent_at),
+            answered=answered,
+            answered_age_s=max(0.0, now - last) if answered and last is not None else None,
+            applied_at=applied_at,
+            refusals=[self.refusals[r] for r in sorted(self.refusals)],
+        )
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+def wall_clock() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
 class ModelMemory:
     error_streak: int = 0  # passes in a row that raised
     unavailable_streak: int = 0  # passes in a row whose every worker call was answered "not now"
@@ -35,6 +98,25 @@ class ModelMemory:
     checksums: dict[tuple[str, str], str] = field(default_factory=dict)
     # pod -> the last weight update it refused (cleared by its next successful update).
     update_failures: dict[str, UpdateFailure] = field(default_factory=dict)
+    # pod UID -> time.monotonic() of the first `/state` call in a row that got no answer.
+    state_misses: dict[str, float] = field(default_factory=dict)
+    # replica -> the last epoch sent to its group.
+    epochs: dict[int, EpochFlight] = field(default_factory=dict)
+
+    def sent_epochs(self) -> dict[int, SentEpoch]:
+        now = time.monotonic()
+        return {replica: flight.as_sent(now) for replica, flight in self.epochs.items()}
+
+    def start_epoch(self, replica: int, flight: EpochFlight) -> None:
+        """A newer epoch supersedes the one in flight: the older calls are dropped (the workers drop it too)."""
+        previous = self.epochs.get(replica)
+        if previous is not None:
+            previous.cancel()
+        self.epochs[replica] = flight
+
+    def stop(self) -> None:
+        for flight in self.epochs.values():
+            flight.cancel()
 
     def count_error(self) -> int:
         self.error_streak = min(self.error_streak + 1, MAX_STREAK)
@@ -45,8 +127,10 @@ class ModelMemory:
         return self.unavailable_streak
 
     def keep_checksums_of(self, pod_uids: set[str]) -> None:
-        """Drop the checksums of processes that are gone, so the cache stays as small as the model."""
+        """Drop the checksums (and `/state` misses) of processes that are gone, so the memory stays as small as the
+        model."""
         self.checksums = {key: value for key, value in self.checksums.items() if key[0] in pod_uids}
+        self.state_misses = {uid: since for uid, since in self.state_misses.items() if uid in pod_uids}
 
 
 class ModelMemories:
@@ -63,8 +147,15 @@ class ModelMemories:
         return memory
 
     def forget(self, key: Key) -> None:
-        """The model is gone. A pass still running for it keeps writing into its own, now detached, object."""
-        self._by_model.pop(key, None)
+        """The model is gone. A pass still running for it keeps writing into its own, now detached, object; the
+        reconfigure calls still running for it are stopped."""
+        memory = self._by_model.pop(key, None)
+        if memory is not None:
+            memory.stop()
+
+    def stop(self) -> None:
+        for memory in self._by_model.values():
+            memory.stop()
 
     def __contains__(self, key: object) -> bool:
         return key in self._by_model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from pydantic import SecretStr, ValidationError
@@ -28,12 +29,17 @@ from tidal.operator.runtime.memory import ModelMemories, ModelMemory, RollStart
 from tidal.operator.runtime.observe import observe_kube
 from tidal.operator.runtime.queue import Key
 from tidal.operator.runtime.workers import WorkerFleet
+from tidal.operator.workerclient import STATE_TIMEOUT_S
 
 log = logging.getLogger("tidal.operator.reconcile")
 
 # After acting, look again soon: pods and workers move on their own, and not every move is a pod event.
 ACTED_REQUEUE_S = 1.0
 MAX_ERROR_BACKOFF_S = 30.0
+# Expert-parallel models are watched this often: a frozen rank, or a group a worker reports broken, changes no pod.
+GROUP_WATCH_S = 0.5
+# /state of a group's rank: short, as a frozen rank's call holds the pass that must reconfigure its survivors.
+GROUP_STATE_TIMEOUT_S = 1.0
 
 
 def back_off(streak: int) -> float:
@@ -48,11 +54,20 @@ def now_utc() -> datetime:
 
 
 class Reconciler:
-    def __init__(self, kube: KubeApi, fleet: WorkerFleet, metrics: OperatorMetrics, config: OperatorConfig) -> None:
+    def __init__(
+        self,
+        kube: KubeApi,
+        fleet: WorkerFleet,
+        metrics: OperatorMetrics,
+        config: OperatorConfig,
+        requeue: Callable[[Key, float], None] | None = None,
+    ) -> None:
+        """`requeue(key, delay)` brings a model back sooner (the queue's schedule): a group's epoch answered."""
         self._kube = kube
         self._fleet = fleet
         self._metrics = metrics
         self._config = config
+        self._requeue = requeue
         self.memories = ModelMemories()
 
     async def __call__(self, key: Key) -> float | None:
@@ -88,7 +103,10 @@ class Reconciler:
             log.error("%s/%s: invalid object, not reconciled: %s", *key, exc)
             return "error", self._config.resync_seconds
         obs = await observe_kube(self._kube, body, model)
-        ranks = await self._fleet.observe(key, memory, obs.targets, model.spec.serving.control_port, obs.token)
+        grouped = model.spec.expert_parallel > 1
+        timeout = GROUP_STATE_TIMEOUT_S if grouped else STATE_TIMEOUT_S
+        port = model.spec.serving.control_port
+        ranks = await self._fleet.observe(key, memory, obs.targets, port, obs.token, timeout)
         result = plan(
             PlanInput(
                 model=model,
@@ -98,9 +116,13 @@ class Reconciler:
                 operator=self._config.identity(),
                 now=now_utc(),
                 fresh_token=SecretStr(secrets.token_urlsafe(32)),
+                groups=memory.sent_epochs(),
+                observed_at=datetime.now(UTC),
             )
         )
-        ctx = Context(body, *key, model.spec.serving.control_port, obs.targets, obs.token, memory)
+        requeue = self._requeue
+        wake = (lambda: requeue(key, 0.0)) if requeue is not None else None
+        ctx = Context(body, *key, port, obs.targets, obs.token, memory, wake)
         done = await execute(self._kube, self._fleet, ctx, result.actions)
         self._metrics.set_phase(key, result.status.phase)
         self._track_roll(memory, result.status, done)
@@ -108,7 +130,10 @@ class Reconciler:
             # Asked again later, with back-off: each call may hold the rank's requests (a drain) and posts an Event.
             return "acted", back_off(memory.count_unavailable())
         memory.unavailable_streak = 0
-        return ("acted" if done.acted else "ok"), (ACTED_REQUEUE_S if done.acted else self._config.resync_seconds)
+        delay = ACTED_REQUEUE_S if done.acted else self._config.resync_seconds
+        if grouped:
+            delay = min(delay, GROUP_WATCH_S)
+        return ("acted" if done.acted else "ok"), delay
 
     def _track_roll(self, memory: ModelMemory, status: InferenceModelStatus, done: Executed) -> None:
         if done.updates:

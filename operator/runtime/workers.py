@@ -9,19 +9,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 import httpx
 from pydantic import SecretStr
 
+from tidal.contract.control_api import GroupHealth, GroupMember, GroupReconfigureRequest
 from tidal.contract.error_codes import ErrorCode
 from tidal.operator.metrics import OperatorMetrics
-from tidal.operator.planner.actions import SleepRank, UpdateWeights, WakeRank
-from tidal.operator.planner.observed import RankObservation, UpdateFailure
-from tidal.operator.runtime.memory import ModelMemory
+from tidal.operator.planner.actions import EpochMemberRef, ReconfigureGroup, SleepRank, UpdateWeights, WakeRank
+from tidal.operator.planner.observed import EpochRefusal, RankObservation, UpdateFailure
+from tidal.operator.runtime.memory import EpochFlight, ModelMemory, wall_clock
 from tidal.operator.runtime.queue import Key
-from tidal.operator.workerclient import CallErrorCode, WorkerCallError, WorkerClient
+from tidal.operator.workerclient import STATE_TIMEOUT_S, CallErrorCode, WorkerCallError, WorkerClient
 
 log = logging.getLogger("tidal.operator.workers")
 
@@ -53,6 +55,7 @@ class WorkerCall(StrEnum):
     SLEEP = "sleep"
     WAKE_UP = "wake_up"
     WEIGHTS_UPDATE = "weights/update"
+    GROUP_RECONFIGURE = "group/reconfigure"
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,16 @@ class WorkerFleet:
         return WorkerClient(self._http, target.address, port, token)
 
     async def observe(
-        self, key: Key, memory: ModelMemory, targets: dict[str, Target], port: int, token: SecretStr | None
+        self,
+        key: Key,
+        memory: ModelMemory,
+        targets: dict[str, Target],
+        port: int,
+        token: SecretStr | None,
+        state_timeout_s: float = STATE_TIMEOUT_S,
     ) -> dict[str, RankObservation]:
-        """`GET /state` (and the checksum when not known yet) of every reachable rank, in parallel."""
+        """`GET /state` (and the checksum when not known yet) of every reachable rank, in parallel. A rank that does
+        not answer is told with how long it has been silent (from the first miss in a row, per process)."""
         failures = memory.update_failures
         memory.keep_checksums_of({t.uid for t in targets.values()})
         checksums = memory.checksums
@@ -87,14 +97,22 @@ class WorkerFleet:
 
         async def one(pod: str, target: Target) -> tuple[str, RankObservation]:
             client = self._client(target, port, token)
+            asked = time.monotonic()
             try:
-                state = await client.state()
+                state = await client.state(timeout=state_timeout_s)
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
                 rejected = exc.code == ErrorCode.UNAUTHORIZED
-                return pod, RankObservation(update_failure=failures.get(pod), token_rejected=rejected)
+                since = memory.state_misses.setdefault(target.uid, asked)
+                silent = time.monotonic() - since
+                missed = RankObservation(update_failure=failures.get(pod), token_rejected=rejected, silent_for_s=silent)
+                return pod, missed
+            memory.state_misses.pop(target.uid, None)
             checksum = None
-            if state.model_loaded and state.weights_version is not None:
+            # A rank of a group that does not serve yet is not hashed: the experts it holds change with its epoch,
+            # and a long hash must not hold up the pass that sends that epoch.
+            hashable = state.group.health in (GroupHealth.SOLO, GroupHealth.SERVING)
+            if state.model_loaded and state.weights_version is not None and hashable:
                 cache_key = (target.uid, state.weights_version)
                 checksum = checksums.get(cache_key)
                 if checksum is None:
@@ -164,3 +182,53 @@ class WorkerFleet:
             return None
 
         return list(await asyncio.gather(*(one(a) for a in actions)))
+
+    def start_epoch(
+        self,
+        memory: ModelMemory,
+        action: ReconfigureGroup,
+        targets: dict[str, Target],
+        port: int,
+        token: SecretStr,
+        report: Callable[[EpochFlight], Awaitable[None]],
+    ) -> EpochFlight:
+        """Send the epoch to every member at once, each call on its own (its own timeout: a slow rank holds no other
+        member's call), in the background: the pass goes on, and each answer goes into the model's memory as it comes.
+        `report` runs once every member answered."""
+        request = GroupReconfigureRequest(
+            epoch=action.epoch,
+            members=[GroupMember(rank=m.rank, address=m.address) for m in action.members],
+            coordinator_rank=action.coordinator_rank,
+            timeout_s=action.timeout_s,
+        )
+        flight = EpochFlight(
+            epoch=action.epoch,
+            members=[m.rank for m in action.members],
+            coordinator_rank=action.coordinator_rank,
+            sent_at=time.monotonic(),
+            sent_wall=wall_clock(),
+        )
+
+        async def one(member: EpochMemberRef) -> None:
+            target = targets.get(member.pod)
+            if target is None:
+                no_address = "the pod has no address"
+                flight.record(
+                    member.rank, EpochRefusal(rank=member.rank, code=CallErrorCode.UNREACHABLE, message=no_address)
+                )
+                return
+            try:
+                result = await self._client(target, port, token).reconfigure(request)
+            except WorkerCallError as exc:
+                self._metrics.worker_call_errors.labels(WorkerCall.GROUP_RECONFIGURE).inc()
+                flight.record(member.rank, EpochRefusal(rank=member.rank, code=exc.code, message=exc.message))
+                return
+            flight.record(member.rank, result)
+
+        async def send() -> None:
+            await asyncio.gather(*(one(m) for m in action.members))
+            await report(flight)
+
+        memory.start_epoch(action.replica, flight)
+        flight.task = asyncio.get_running_loop().create_task(send(), name=f"epoch-{action.replica}-{action.epoch}")
+        return flight

@@ -24,7 +24,9 @@ def _constraints(node: dict[str, Any]) -> str:
     if "enum" in node:
         parts.append("one of " + ", ".join(f"`{json.dumps(v)}`" for v in node["enum"]))
     if "minimum" in node or "maximum" in node:
-        parts.append(f"{node.get('minimum', '')}..{node.get('maximum', '')}")
+        low = f"{node.get('minimum', '')}{' (excluded)' if node.get('exclusiveMinimum') else ''}"
+        high = f"{node.get('maximum', '')}{' (excluded)' if node.get('exclusiveMaximum') else ''}"
+        parts.append(f"{low}..{high}")
     if "minLength" in node or "maxLength" in node:
         parts.append(f"length {node.get('minLength', 0)}..{node.get('maxLength', '')}")
     if "maxItems" in node:

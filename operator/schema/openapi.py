@@ -28,6 +28,9 @@ _PLAIN_KEYWORDS = {
     "x-kubernetes-preserve-unknown-fields",
 }
 _DROPPED_KEYWORDS = {"title", "$defs"}
+# pydantic writes JSON Schema's numeric form (`"exclusiveMinimum": 0`); OpenAPI v3.0, which the API server speaks,
+# writes the bound in `minimum` and flags it exclusive.
+_EXCLUSIVE_BOUNDS = {"exclusiveMinimum": "minimum", "exclusiveMaximum": "maximum"}
 
 
 class SchemaConversionError(ValueError):
@@ -83,6 +86,11 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str,
             if value is None:
                 continue  # Optional fields are simply absent.
             out[key] = value
+        elif key in _EXCLUSIVE_BOUNDS:
+            if _EXCLUSIVE_BOUNDS[key] in node:
+                raise SchemaConversionError(f"{path}: both {key} and {_EXCLUSIVE_BOUNDS[key]}")
+            out[_EXCLUSIVE_BOUNDS[key]] = value
+            out[key] = True
         elif key in _PLAIN_KEYWORDS:
             out[key] = value
         else:

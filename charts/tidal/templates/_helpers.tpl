@@ -48,10 +48,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["tidal.dev"]
   resources: ["inferencemodels/finalizers"]
   verbs: ["update"]
-# One pod per rank: created and replaced (never patched); watched to react to crashes.
+# One pod per rank: created and replaced, watched to react to crashes; patched only for its `tidal.dev/serving`
+# label (whether the serving Service sends it requests), never its spec.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
 # The headless group Service and the serving Service, read by name and patched when their spec drifts.
 - apiGroups: [""]
   resources: ["services"]

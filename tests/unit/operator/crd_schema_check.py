@@ -46,10 +46,7 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
     if "enum" in schema and value not in schema["enum"]:
         supported = ", ".join(json.dumps(v) for v in schema["enum"])
         errors.append(f"{path}: Unsupported value: {json.dumps(value)}: supported values: {supported}")
-    if "minimum" in schema and value < schema["minimum"]:
-        errors.append(f"{path}: should be greater than or equal to {schema['minimum']}")
-    if "maximum" in schema and value > schema["maximum"]:
-        errors.append(f"{path}: should be less than or equal to {schema['maximum']}")
+    errors += _bounds(schema, value, path)
     if kind == "string":
         if len(value) < schema.get("minLength", 0):
             errors.append(f"{path}: should be at least {schema['minLength']} chars long")
@@ -66,6 +63,22 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
         errors += _validate_object(schema, value, path)
     if not errors:
         errors += _cel(schema, value, path)
+    return errors
+
+
+def _bounds(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """OpenAPI v3.0 bounds: `exclusiveMinimum: true` makes `minimum` itself out of range (same for the maximum)."""
+    errors = []
+    if "minimum" in schema:
+        if schema.get("exclusiveMinimum") and value <= schema["minimum"]:
+            errors.append(f"{path}: should be greater than {schema['minimum']}")
+        elif value < schema["minimum"]:
+            errors.append(f"{path}: should be greater than or equal to {schema['minimum']}")
+    if "maximum" in schema:
+        if schema.get("exclusiveMaximum") and value >= schema["maximum"]:
+            errors.append(f"{path}: should be less than {schema['maximum']}")
+        elif value > schema["maximum"]:
+            errors.append(f"{path}: should be less than or equal to {schema['maximum']}")
     return errors
 
 

@@ -46,6 +46,10 @@ def pod_for(model: InferenceModel, replica: int, rank: int = 0, **over: Any) -> 
         "phase": "Running",
         "ready": True,
         "spec_hash": built["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH],
+        # The builder labels an expertParallel 1 pod serving at creation (one of a group: not yet).
+        "serving_label": built["metadata"]["labels"].get(
+            c.LABEL_SERVING, "true" if model.spec.expert_parallel == 1 else "false"
+        ),
     }
     return ObservedPod(**{**fields, **over})
 

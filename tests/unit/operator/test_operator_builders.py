@@ -29,7 +29,7 @@ def test_pod_identity_labels_and_owner():
     assert meta["name"] == "tiny-r2-0" and meta["namespace"] == "ml"
     labels = meta["labels"]
     assert labels[c.LABEL_MODEL] == "tiny" and labels[c.LABEL_REPLICA] == "2" and labels[c.LABEL_RANK] == "0"
-    assert labels[c.LABEL_LEADER] == "true"
+    assert labels[c.LABEL_LEADER] == "true" and labels[c.LABEL_SERVING] == "true"
     assert labels["app.kubernetes.io/managed-by"] == "tidal-operator"
     (owner,) = meta["ownerReferences"]
     assert owner == {
@@ -149,14 +149,14 @@ def test_merge_values_lists_without_names_are_replaced():
     }
 
 
-def test_services_select_the_group_and_the_leaders():
+def test_services_select_the_group_and_the_serving_pods():
     model = make_model()
     group, serving = build_group_service(model), build_serving_service(model)
     assert group["metadata"]["name"] == "tiny-group" and group["spec"]["clusterIP"] == "None"
     assert group["spec"]["publishNotReadyAddresses"] is True
     assert group["spec"]["selector"] == {c.LABEL_MODEL: "tiny"}
     assert serving["metadata"]["name"] == "tiny"
-    assert serving["spec"]["selector"] == {c.LABEL_MODEL: "tiny", c.LABEL_LEADER: "true"}
+    assert serving["spec"]["selector"] == {c.LABEL_MODEL: "tiny", c.LABEL_SERVING: "true"}
     assert serving["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "serve", "protocol": "TCP"}]
     assert endpoint(model) == "http://tiny.ml.svc:8000"
 

@@ -75,9 +75,9 @@ def test_rbac_is_least_privilege():
         "leases",
     }
     assert granted["secrets"] == {"get", "create"}
-    # Exactly what the operator calls (kube/client.py) and kopf's watches: pods are never patched, Services and
-    # NetworkPolicies are read by name (never listed), Events only created (kopf's posting is off).
-    assert granted["pods"] == {"get", "list", "watch", "create", "delete"}
+    # Exactly what the operator calls (kube/client.py) and kopf's watches: pods are patched for their serving label
+    # only, Services and NetworkPolicies are read by name (never listed), Events only created (kopf's posting is off).
+    assert granted["pods"] == {"get", "list", "watch", "create", "delete", "patch"}
     assert granted["services"] == {"get", "create", "patch"}
     assert granted["networkpolicies"] == {"get", "create", "patch"}
     assert granted["events"] == {"create"}

@@ -41,7 +41,8 @@ FULL: dict[str, Any] = {
             "podTemplate": {"metadata": {"labels": {"team": "a"}, "annotations": {"x": "y"}}, "spec": {}},
         },
         "replicas": 2,
-        "expertParallel": 1,
+        "expertParallel": 4,
+        "experts": {"redundantExpertsPerRank": 2, "collectiveTimeoutSeconds": 2.5},
         "serving": {"port": 8000, "controlPort": 8001},
         "sleep": {"state": "Awake", "level": 1, "idleTimeoutSeconds": 600},
         "weights": {"version": "v2", "source": "checkpoints/v2"},
@@ -88,6 +89,19 @@ def test_every_cel_rule_compiles_and_defaults_validate():
             # The API server validates a default as written (CEL rules too), without defaulting inside it.
             assert validate(node, node["default"], path) == [], path
     assert rules >= 10
+
+
+def test_exclusive_bounds_become_openapi_v3_0_flags():
+    timeout = SCHEMA["properties"]["spec"]["properties"]["experts"]["properties"]["collectiveTimeoutSeconds"]
+    assert timeout["type"] == "number"
+    assert (timeout["minimum"], timeout["exclusiveMinimum"], timeout["maximum"]) == (0, True, 600)
+    assert to_structural({"type": "number", "exclusiveMaximum": 5}) == {
+        "type": "number",
+        "maximum": 5,
+        "exclusiveMaximum": True,
+    }
+    with pytest.raises(SchemaConversionError, match="both"):
+        to_structural({"type": "number", "minimum": 1, "exclusiveMinimum": 0})
 
 
 def test_converter_refuses_non_structural_input():
@@ -166,6 +180,9 @@ def _probes(node: dict[str, Any]) -> list[Any]:
     if kind == "integer":
         values += [node.get("minimum", 0) - 1, node.get("minimum", 0), node.get("maximum", 10**6), "1", True]
         values.append(node.get("maximum", 10**6) + 1)
+    elif kind == "number":
+        low, high = node.get("minimum", 0), node.get("maximum", 10**6)
+        values += [low - 1, low, low + 0.001, 1, 2.5, high, high + 0.5, "1", True]
     elif kind == "string":
         values += [*STRING_PROBES, "a" * node.get("maxLength", 300), "a" * (node.get("maxLength", 300) + 1), 7]
     elif kind == "boolean":

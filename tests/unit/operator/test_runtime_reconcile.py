@@ -55,6 +55,10 @@ class MemoryKube:
     async def delete_pod(self, namespace, name):
         self.writes.append(f"delete {name}")
 
+    async def patch_pod_labels(self, namespace, name, labels):
+        self.objects[("Pod", name)]["metadata"]["labels"].update(labels)
+        self.writes.append(f"label {name} {labels}")
+
     async def patch_status(self, namespace, name, status):
         self.writes.append("status")
         current = self.model.setdefault("status", {})

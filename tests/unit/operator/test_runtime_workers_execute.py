@@ -25,6 +25,7 @@ from tidal.operator.planner.actions import (
 )
 from tidal.operator.runtime.execute import (
     CHILD_ACTIONS,
+    GROUP_ACTIONS,
     POD_ACTIONS,
     STATUS_ACTIONS,
     WORKER_ACTIONS,
@@ -277,7 +278,7 @@ def test_executor_without_a_token_skips_the_worker_calls_and_says_so(caplog):
 def test_every_kind_of_action_has_exactly_one_phase():
     union = typing.get_args(Action)[0]
     kinds = set(typing.get_args(union))
-    phases = [CHILD_ACTIONS, POD_ACTIONS, STATUS_ACTIONS, WORKER_ACTIONS]
+    phases = [GROUP_ACTIONS, CHILD_ACTIONS, POD_ACTIONS, STATUS_ACTIONS, WORKER_ACTIONS]
     assert sum(len(p) for p in phases) == len(kinds)  # no kind in two phases
     assert set().union(*phases) == kinds  # and none left out
 

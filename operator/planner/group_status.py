@@ -1,0 +1,203 @@
+"""The groups' part of the status (pure): per replica its epoch, members and state, each rank's place in its group,
+the last recovery's milestones, the Degraded reason, and the Events of this pass's transitions.
+
+Transitions are found by comparing with the previous status (level-based: a restarted operator does not repeat them):
+a rank that served (or was broken with its group) and is now failed starts a recovery (RankFailed); the group serving
+in a new epoch is GroupReconfigured (RankRejoined for the ranks it gained), which marks the survivors serving and,
+with every rank, the group whole again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from tidal.operator.api.status import (
+    GroupRankState,
+    GroupState,
+    InferenceModelStatus,
+    RecoveryStatus,
+    ReplicaGroupStatus,
+)
+from tidal.operator.planner.actions import EmitEvent
+from tidal.operator.planner.facts import Facts, RankSlot
+from tidal.operator.planner.groups import GroupDecision, broken_in, pod_failure, refusal_note, serving_in
+
+SERVING_GROUP_STATES: frozenset[GroupState] = frozenset({"Whole", "Degraded"})
+_WAS_IN_GROUP: frozenset[GroupRankState] = frozenset({"Serving", "Broken"})
+
+
+@dataclass(frozen=True)
+class GroupsView:
+    groups: list[ReplicaGroupStatus]
+    rank_states: dict[str, GroupRankState]  # pod -> its place in the group
+    events: list[EmitEvent]
+
+    @property
+    def all_serving(self) -> bool:
+        return bool(self.groups) and all(g.state in SERVING_GROUP_STATES for g in self.groups)
+
+    def degraded(self) -> tuple[str, str] | None:
+        """The Degraded reason: a group short of ranks (or not serving after having served), or serving experts
+        reloaded from the checkpoint."""
+        short = [g for g in self.groups if g.state in ("Degraded", "Broken") or _recovering(g)]
+        if short:
+            parts = [f"replica {g.replica} is {g.state.lower()} (ranks {g.members} in epoch {g.epoch})" for g in short]
+            return "GroupShortOfRanks", "; ".join(parts)
+        reloaded = [g for g in self.groups if g.degraded_experts]
+        if reloaded:
+            parts = [f"replica {g.replica} serves experts {g.degraded_experts} reloaded" for g in reloaded]
+            return "ReloadedExperts", "; ".join(parts) + " from the checkpoint (no member held a copy)"
+        return None
+
+
+def _recovering(group: ReplicaGroupStatus) -> bool:
+    return group.last_recovery is not None and group.last_recovery.whole_at is None
+
+
+def rank_group_state(slot: RankSlot, decision: GroupDecision) -> GroupRankState:
+    if slot.rank in decision.failures or pod_failure(slot) is not None:
+        return "Failed"
+    if not slot.loaded:
+        # A member briefly silent keeps its place until it counts as failed.
+        return "Serving" if slot.state is None and slot.rank in decision.wanted else "Loading"
+    if serving_in(slot, decision.view):
+        return "Serving"
+    if slot.state is not None and broken_in(slot, decision.view):
+        return "Broken"
+    return "Joining"
+
+
+def _group_state(decision: GroupDecision, states: dict[int, GroupRankState]) -> GroupState:
+    """Whole or Degraded whenever every member of the current epoch serves, even with a next epoch being prepared
+    (the old one keeps serving meanwhile): the state says whether the group serves; the message says what moves."""
+    view = decision.view
+    if view is not None and all(states.get(r) == "Serving" for r in view.members):
+        return "Whole" if set(view.members) == set(states) else "Degraded"
+    if decision.pending is not None and not decision.pending.refused:
+        return "Reconfiguring"
+    if view is None:
+        return "Forming"
+    if any(states.get(r) in ("Broken", "Failed") for r in view.members):
+        return "Broken"
+    return "Reconfiguring"  # members still switching to the epoch
+
+
+def _served_at(decision: GroupDecision, clock: datetime) -> datetime:
+    """When the view's epoch was applied: the last member's answer, when this process sent it; else now."""
+    sent = decision.pending
+    if sent is not None and decision.view is not None and sent.epoch == decision.view.epoch and sent.applied_at:
+        return sent.applied_at
+    return clock
+
+
+def _recovery(
+    previous: RecoveryStatus | None,
+    newly_failed: list[int],
+    decision: GroupDecision,
+    state: GroupState,
+    size: int,
+    applied_at: datetime,
+    clock: datetime,
+) -> RecoveryStatus | None:
+    view = decision.view
+    rec = previous
+    if newly_failed and view is not None:
+        if rec is not None and rec.whole_at is None:
+            rec = rec.model_copy(update={"failed_ranks": sorted({*rec.failed_ranks, *newly_failed})})
+        else:
+            # The failure may be seen only once the survivors' epoch is out (an operator restarted meanwhile).
+            first = decision.failures.get(newly_failed[0])
+            reason = first.reason if first is not None else "it left the group"
+            rec = RecoveryStatus(
+                failed_ranks=newly_failed, reason=reason, failed_epoch=view.epoch, failure_seen_at=clock
+            )
+    if rec is None or rec.whole_at is not None or view is None or state not in SERVING_GROUP_STATES:
+        return rec
+    if view.epoch <= rec.failed_epoch:
+        return rec
+    update: dict[str, object] = {}
+    if rec.survivors_serving_at is None:
+        interruption = max(0.0, (applied_at - rec.failure_seen_at).total_seconds())
+        update.update(survivors_epoch=view.epoch, survivors_serving_at=applied_at, interruption_seconds=interruption)
+    if len(view.members) == size:
+        update["whole_at"] = applied_at
+    return rec.model_copy(update=update) if update else rec
+
+
+def _message(decision: GroupDecision) -> str:
+    if decision.send is not None:
+        return f"sending epoch {decision.send.epoch}: {decision.send.reason}"
+    pending = decision.pending
+    if pending is not None and pending.refused:
+        return refusal_note(pending)
+    return decision.note
+
+
+def group_view(
+    facts: Facts, decisions: list[GroupDecision], previous: InferenceModelStatus | None, clock: datetime
+) -> GroupsView:
+    previous_groups = {g.replica: g for g in previous.groups} if previous is not None else {}
+    previous_ranks = {r.pod: r.group_state for r in previous.ranks} if previous is not None else {}
+    groups: list[ReplicaGroupStatus] = []
+    rank_states: dict[str, GroupRankState] = {}
+    events: list[EmitEvent] = []
+    for decision in decisions:
+        replica, view = decision.replica, decision.view
+        slots = facts.replica_slots(replica)
+        states = {s.rank: rank_group_state(s, decision) for s in slots}
+        rank_states.update({s.name: states[s.rank] for s in slots})
+        state = _group_state(decision, states)
+        before = previous_groups.get(replica)
+        newly_failed = [
+            s.rank for s in slots if states[s.rank] == "Failed" and previous_ranks.get(s.name) in _WAS_IN_GROUP
+        ]
+        for rank in newly_failed:
+            why = decision.failures[rank].reason if rank in decision.failures else "it left the group"
+            message = f"replica {replica} rank {rank}: {why}"
+            events.append(EmitEvent(type="Warning", reason="RankFailed", message=message))
+        applied_at = _served_at(decision, clock)
+        recovery = _recovery(
+            before.last_recovery if before is not None else None,
+            newly_failed,
+            decision,
+            state,
+            facts.ranks_per_replica,
+            applied_at,
+            clock,
+        )
+        serving_members = [r for r in (view.members if view else ()) if states.get(r) == "Serving"]
+        degraded_experts: set[int] = set()
+        for slot in slots:
+            if slot.rank in serving_members and slot.state is not None:
+                degraded_experts.update(slot.state.group.degraded_experts)
+        group = ReplicaGroupStatus(
+            replica=replica,
+            state=state,
+            epoch=view.epoch if view else 0,
+            members=list(view.members) if view else [],
+            coordinator_rank=view.coordinator_rank if view else None,
+            degraded_experts=sorted(degraded_experts),
+            message=_message(decision),
+            last_recovery=recovery,
+        )
+        groups.append(group)
+        events += _serving_events(before, group)
+    return GroupsView(groups, rank_states, events)
+
+
+def _serving_events(before: ReplicaGroupStatus | None, group: ReplicaGroupStatus) -> list[EmitEvent]:
+    if group.state not in SERVING_GROUP_STATES:
+        return []
+    if before is not None and before.state in SERVING_GROUP_STATES and before.epoch == group.epoch:
+        return []
+    message = (
+        f"replica {group.replica} serves epoch {group.epoch} with ranks {group.members} "
+        f"(coordinator {group.coordinator_rank}; {group.state.lower()})"
+    )
+    events = [EmitEvent(type="Normal", reason="GroupReconfigured", message=message)]
+    if before is not None and before.epoch > 0:
+        for rank in sorted(set(group.members) - set(before.members)):
+            text = f"replica {group.replica} rank {rank} serves again in epoch {group.epoch}"
+            events.append(EmitEvent(type="Normal", reason="RankRejoined", message=text))
+    return events

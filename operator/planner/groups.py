@@ -1,0 +1,289 @@
+"""Expert-parallel groups, one per replica (pure): which ranks failed, which epoch to send, which pods serve.
+
+Level-based: each pass reads what the workers report (`/state`: group_epoch, group.members, group.health) and the
+last epoch this operator process sent (`SentEpoch`; nothing after a restart), and decides again from scratch.
+- The group's current epoch: the highest `group_epoch` a running rank reports, with that rank's members.
+- Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, that has not
+  answered `/state` for SILENT_AFTER_S, or that a member reports as the peer that broke the epoch (unless its own
+  worker reports an older epoch: a new process, not the culprit). A failed rank whose pod still runs is deleted, as a
+  frozen process never comes back by itself, so that a replacement is made.
+- Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
+  member of the current epoch that missed a `/state` or two is kept until it counts as silent.
+- The next epoch is one above every epoch seen (reported or sent), so a restarted operator never reuses a number;
+  its coordinator is the lowest wanted rank that served in the current epoch (it holds the map the new one is planned
+  from), else the lowest wanted rank. It is sent when the wanted members differ from those the group serves in or is
+  being moved to (a newer epoch supersedes one in flight); the first epoch waits for every rank to load.
+- Not sent: while an epoch with the same members is in flight or applied but not yet reported; after a refusal,
+  until REFUSAL_RETRY_S passed or the members change (a stale_epoch refusal is followed at once by a higher number);
+  while the model is asleep (a group sleeps and wakes whole; its epoch is taken up after).
+- A current epoch reported broken with no culprit (every rank alive, a collective missed its deadline) gets the same
+  members again once BROKEN_GRACE_S passed: sooner, the probe of a frozen peer may not have named it yet.
+- The serving label is "true" exactly while the rank's worker reports serving in the current epoch (always with
+  expertParallel 1, where the pod builder sets it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.contract.control_api import GroupHealth
+from tidal.contract.error_codes import ErrorCode
+from tidal.operator.planner.actions import (
+    Action,
+    DeletePod,
+    EpochMemberRef,
+    ReconfigureGroup,
+    SetServingLabel,
+)
+from tidal.operator.planner.facts import Facts, RankSlot
+from tidal.operator.planner.observed import SentEpoch
+
+# A member that has not answered /state for this long is failed (the worker answers it off its step loop).
+SILENT_AFTER_S = 2.0
+# A group broken with no peer named gets a new epoch this long after it broke (the probe of a frozen peer takes up to
+# its deadline; sending sooner would include the frozen peer, whose rendezvous would hang).
+BROKEN_GRACE_S = 3.0
+# After a refusal (e.g. experts_unavailable), the same members are asked again only this much later.
+REFUSAL_RETRY_S = 10.0
+# What each member is given to join the epoch and install its map (loading experts included).
+RECONFIGURE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """The epoch a replica's ranks report serving (or broken) in: the highest any running rank applied."""
+
+    epoch: int
+    members: tuple[int, ...]
+    coordinator_rank: int
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    reason: str
+    delete_pod: bool  # its pod still runs (frozen, or named by a peer): delete it so a replacement is made
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """One replica's group as this pass sees it, and what it does about it."""
+
+    replica: int
+    view: EpochView | None
+    pending: SentEpoch | None  # the last epoch sent, while newer than the view
+    failures: dict[int, RankFailure]
+    wanted: tuple[int, ...]
+    send: ReconfigureGroup | None
+    note: str  # why nothing is sent although the group is not whole ("" when there is nothing to say)
+
+
+def current_view(slots: list[RankSlot]) -> EpochView | None:
+    best: EpochView | None = None
+    for slot in slots:
+        state = slot.state
+        if not slot.usable or state is None or state.group_epoch == 0:
+            continue
+        if best is None or state.group_epoch > best.epoch:
+            best = EpochView(state.group_epoch, tuple(sorted(state.group.members)), state.coordinator_rank)
+    return best
+
+
+def serving_in(slot: RankSlot, view: EpochView | None) -> bool:
+    state = slot.state
+    return (
+        view is not None
+        and slot.usable
+        and state is not None
+        and state.group_epoch == view.epoch
+        and state.group.health == GroupHealth.SERVING
+    )
+
+
+def broken_in(slot: RankSlot, view: EpochView | None) -> bool:
+    state = slot.state
+    return (
+        view is not None
+        and state is not None
+        and state.group_epoch == view.epoch
+        and state.group.health == GroupHealth.BROKEN
+    )
+
+
+def pod_failure(slot: RankSlot) -> str | None:
+    """Why the rank's pod cannot serve at all (None: it runs, or is still starting)."""
+    pod = slot.pod
+    if pod is None:
+        return "its pod is gone"
+    if pod.terminating:
+        return "its pod is terminating"
+    if pod.finished:
+        return f"its pod {pod.phase.lower()}"
+    if pod.crash_looping:
+        return "its container keeps crashing"
+    return None
+
+
+def find_failures(slots: list[RankSlot], view: EpochView | None) -> dict[int, RankFailure]:
+    if view is None:
+        return {}
+    by_rank = {s.rank: s for s in slots}
+    failed: dict[int, RankFailure] = {}
+    for rank in view.members:
+        slot = by_rank.get(rank)
+        if slot is None:
+            continue  # the spec no longer asks for this rank (shrunk): it is left out, not failed
+        why = pod_failure(slot)
+        silent = slot.observation.silent_for_s
+        if why is not None:
+            failed[rank] = RankFailure(rank, why, delete_pod=False)
+        elif slot.usable and slot.state is None and silent is not None and silent >= SILENT_AFTER_S:
+            failed[rank] = RankFailure(rank, f"its worker has not answered /state for {silent:.1f}s", True)
+    for slot in slots:
+        state = slot.state
+        if state is None or slot.rank not in view.members or slot.rank in failed or not broken_in(slot, view):
+            continue
+        peer = state.group.broken_peer_rank
+        if peer is None or peer == slot.rank or peer not in view.members or peer in failed or peer not in by_rank:
+            continue
+        peer_slot = by_rank[peer]
+        if peer_slot.state is not None and peer_slot.state.group_epoch != view.epoch:
+            continue  # the peer's process is a new one (restarted): it left the epoch already
+        why = f"rank {slot.rank} reports epoch {view.epoch} broken by it ({state.group.broken_reason or 'no reason'})"
+        failed[peer] = RankFailure(peer, why, delete_pod=peer_slot.usable)
+    return failed
+
+
+def wanted_members(slots: list[RankSlot], view: EpochView | None, failures: dict[int, RankFailure]) -> tuple[int, ...]:
+    out = []
+    for slot in slots:
+        if slot.rank in failures or not slot.usable or slot.pod is None or slot.pod.group_address is None:
+            continue
+        if slot.state is not None:
+            if slot.state.model_loaded:
+                out.append(slot.rank)
+        elif view is not None and slot.rank in view.members:
+            out.append(slot.rank)  # missed a /state or two: kept until silent long enough to count as failed
+    return tuple(sorted(out))
+
+
+def _broken_without_culprit(slots: list[RankSlot], view: EpochView) -> bool:
+    reports = [s.state for s in slots if s.state is not None and s.rank in view.members and broken_in(s, view)]
+    if not reports or any(r.group.broken_peer_rank is not None for r in reports):
+        return False
+    return max(r.group.broken_for_s or 0.0 for r in reports) >= BROKEN_GRACE_S
+
+
+def _retry_due(sent: SentEpoch) -> bool:
+    if any(r.code == ErrorCode.STALE_EPOCH for r in sent.refusals):
+        return True  # another epoch holds the number (a previous operator process sent it): take a higher one
+    return sent.answered_age_s is None or sent.answered_age_s >= REFUSAL_RETRY_S
+
+
+def refusal_note(sent: SentEpoch) -> str:
+    first = sent.refusals[0]
+    more = f" (and {len(sent.refusals) - 1} more)" if len(sent.refusals) > 1 else ""
+    return f"epoch {sent.epoch} was refused by rank {first.rank}: {first.code}: {first.message}{more}"
+
+
+def _why(view: EpochView | None, wanted: tuple[int, ...]) -> str:
+    if view is None:
+        return "every rank is loaded: forming the group"
+    left, joined = sorted(set(view.members) - set(wanted)), sorted(set(wanted) - set(view.members))
+    parts = ([f"without ranks {left}"] if left else []) + ([f"with ranks {joined} joining"] if joined else [])
+    return ", ".join(parts) or "the same members again"
+
+
+def _epoch_to_send(
+    slots: list[RankSlot], view: EpochView | None, sent: SentEpoch | None, wanted: tuple[int, ...], size: int
+) -> tuple[str | None, str]:
+    """(the reason to send an epoch with `wanted`, or None; a note when none is sent)."""
+    pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
+    if pending is not None and not pending.refused:
+        if tuple(pending.members) == wanted:
+            state = "in flight" if pending.in_flight else "applied; waiting for the ranks to report it"
+            return None, f"epoch {pending.epoch} {state}"
+        return _why(view, wanted) + f" (superseding epoch {pending.epoch})", ""
+    if view is not None and view.members == wanted:
+        if _broken_without_culprit(slots, view):
+            return f"epoch {view.epoch} broke with no culprit: the same members again", ""
+        return None, ""
+    if pending is not None and tuple(pending.members) == wanted and not _retry_due(pending):
+        return None, refusal_note(pending)
+    if view is None and len(wanted) < size:
+        return None, f"waiting for every rank to load ({len(wanted)}/{size})"
+    return _why(view, wanted), ""
+
+
+def decide_group(
+    facts: Facts, replica: int, sent: SentEpoch | None, asleep: bool, reconfigure_timeout_s: float
+) -> GroupDecision:
+    slots = facts.replica_slots(replica)
+    view = current_view(slots)
+    pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
+    failures = find_failures(slots, view)
+    wanted = wanted_members(slots, view, failures)
+    if not wanted:
+        return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded")
+    reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)
+    if reason is None:
+        return GroupDecision(replica, view, pending, failures, wanted, None, note)
+    if asleep or any(s.asleep for s in slots if s.rank in wanted):
+        return GroupDecision(replica, view, pending, failures, wanted, None, "asleep: the epoch waits for the wake")
+    by_rank = {s.rank: s for s in slots}
+    seen = [s.state.group_epoch for s in slots if s.state is not None]
+    epoch = max([*seen, view.epoch if view else 0, sent.epoch if sent else 0]) + 1
+    stayed = [r for r in wanted if view is not None and r in view.members and _reports(by_rank[r], view.epoch)]
+    members = [
+        EpochMemberRef(rank=r, pod=by_rank[r].name, address=address)
+        for r in wanted
+        if (pod := by_rank[r].pod) is not None and (address := pod.group_address) is not None
+    ]
+    send = ReconfigureGroup(
+        replica=replica,
+        epoch=epoch,
+        members=members,
+        coordinator_rank=min(stayed or wanted),
+        timeout_s=reconfigure_timeout_s,
+        reason=reason,
+    )
+    return GroupDecision(replica, view, pending, failures, wanted, send, "")
+
+
+def _reports(slot: RankSlot, epoch: int) -> bool:
+    return slot.state is not None and slot.state.group_epoch == epoch
+
+
+def decide_groups(
+    facts: Facts, sent: dict[int, SentEpoch], asleep: bool, reconfigure_timeout_s: float = RECONFIGURE_TIMEOUT_S
+) -> list[GroupDecision]:
+    if facts.ranks_per_replica <= 1:
+        return []
+    return [decide_group(facts, r, sent.get(r), asleep, reconfigure_timeout_s) for r in range(facts.replicas)]
+
+
+def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
+    """Epochs to send, failed pods to delete, serving labels to flip."""
+    actions: list[Action] = [d.send for d in decisions if d.send is not None]
+    for decision in decisions:
+        names = {s.rank: s.name for s in facts.replica_slots(decision.replica)}
+        for failure in decision.failures.values():
+            if failure.delete_pod:
+                actions.append(DeletePod(name=names[failure.rank], reason=f"rank failed: {failure.reason}"))
+    views = {d.replica: d for d in decisions}
+    deleted = {a.name for a in actions if isinstance(a, DeletePod)}
+    for slot in facts.slots:
+        pod = slot.pod
+        if pod is None or pod.terminating or slot.name in deleted:
+            continue
+        if facts.ranks_per_replica <= 1:
+            # A lone rank always serves; the builder labels it so at creation, and a pod made by an operator from
+            # before the label (none) or one left "false" by a group that shrank to one rank gets it here, since the
+            # serving Service selects the label.
+            serving = True
+        else:
+            decision = views[slot.replica]
+            serving = serving_in(slot, decision.view) and slot.rank not in decision.failures
+        if serving != (pod.serving_label == "true") and (serving or pod.serving_label is not None):
+            actions.append(SetServingLabel(pod=slot.name, serving=serving))
+    return actions

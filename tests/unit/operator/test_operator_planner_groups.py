@@ -1,0 +1,301 @@
+"""Planner: expert-parallel groups. Formation, a failed rank (pod gone, named by a peer, silent) and the survivors'
+epoch, the replacement's return, epochs in flight and refused, a restarted operator, serving labels, status, events."""
+
+from datetime import timedelta
+
+from operator_fixtures import OPERATOR, T0, TOKEN, all_children, make_model, pod_for, run, with_status, worker
+
+from tidal.operator.api.conditions import find_condition
+from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, ReconfigureGroup, SetServingLabel
+from tidal.operator.planner.facts import PlanInput
+from tidal.operator.planner.groups import BROKEN_GRACE_S, REFUSAL_RETRY_S, SILENT_AFTER_S
+from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
+from tidal.operator.planner.plan import plan
+
+N = 4
+
+
+def ep_model(replicas: int = 1):
+    model = make_model({"replicas": replicas})
+    # The CRD still refuses expertParallel above 1 in this branch (the spec side lifts it): set it past validation.
+    model.spec = model.spec.model_copy(update={"expert_parallel": N})
+    return model
+
+
+def rank_worker(rank: int, epoch: int = 0, members=(), health: str = "waiting", **group) -> RankObservation:
+    return worker(
+        rank=rank,
+        world_size=N,
+        group_epoch=epoch,
+        coordinator_rank=min(members) if members else 0,
+        group_formed=epoch > 0 and len(members) == N,
+        group={"health": health, "members": list(members), **group},
+    )
+
+
+def group(model, epoch: int, members, health: str = "serving", loaded=None, serving_label: str | None = None):
+    """Pods and states of replica 0: `members` serve (or are `health`) in `epoch`; `loaded` others wait at 0."""
+    pods, ranks = [], {}
+    for rank in range(N):
+        in_epoch = rank in members
+        label = serving_label or ("true" if in_epoch and health == "serving" else "false")
+        pod = pod_for(model, 0, rank, pod_ip=f"10.0.0.{rank + 1}", group_port=7100, serving_label=label)
+        pods.append(pod)
+        if in_epoch:
+            ranks[pod.name] = rank_worker(rank, epoch, members, health)
+        elif loaded is None or rank in loaded:
+            ranks[pod.name] = rank_worker(rank)
+    return pods, ranks
+
+
+def ep_with_status(model, result):
+    """The model read back with its status (the spec side is set past validation, as in ep_model)."""
+    back = with_status(ep_model_spec_as_one(model), result)
+    back.spec = back.spec.model_copy(update={"expert_parallel": N})
+    return back
+
+
+def ep_model_spec_as_one(model):
+    one = model.model_copy()
+    one.spec = model.spec.model_copy(update={"expert_parallel": 1})
+    return one
+
+
+def plan_with(model, pods, ranks, sent=None, seconds: float = 0.0):
+    return plan(
+        PlanInput(
+            model=model, pods=pods, ranks=ranks, children=all_children(model), operator=OPERATOR,
+            now=T0 + timedelta(seconds=int(seconds)), fresh_token=TOKEN, groups=sent or {},
+            observed_at=T0 + timedelta(seconds=seconds),
+        )
+    )  # fmt: skip
+
+
+def epochs(result) -> list[ReconfigureGroup]:
+    return [a for a in result.actions if isinstance(a, ReconfigureGroup)]
+
+
+def only_epoch(result) -> ReconfigureGroup:
+    (epoch,) = epochs(result)
+    return epoch
+
+
+def events(result, reason: str) -> list[EmitEvent]:
+    return [a for a in result.actions if isinstance(a, EmitEvent) and a.reason == reason]
+
+
+def sent(epoch: int, members, answered=False, age=0.1, refusals=(), answered_age=None) -> dict[int, SentEpoch]:
+    return {
+        0: SentEpoch(
+            epoch=epoch, members=list(members), coordinator_rank=min(members), sent_at=T0, age_s=age,
+            answered=answered, answered_age_s=answered_age, refusals=list(refusals),
+        )
+    }  # fmt: skip
+
+
+def test_the_first_epoch_waits_for_every_rank_then_forms_the_group():
+    model = ep_model()
+    pods, ranks = group(model, 0, (), loaded={0, 1, 2})
+    waiting = plan_with(model, pods, ranks)
+    assert epochs(waiting) == []
+    assert waiting.status.groups[0].state == "Forming" and "3/4" in waiting.status.groups[0].message
+    pods, ranks = group(model, 0, ())
+    formed = only_epoch(plan_with(model, pods, ranks))
+    assert formed.epoch == 1 and formed.coordinator_rank == 0
+    assert [(m.rank, m.pod, m.address) for m in formed.members] == [
+        (r, f"tiny-r0-{r}", f"10.0.0.{r + 1}:7100") for r in range(N)
+    ]
+    assert formed.describe().startswith("reconfigure replica 0: epoch 1, ranks [0, 1, 2, 3], coordinator 0")
+
+
+def test_a_deleted_pod_sends_the_survivors_epoch_at_once():
+    model = ep_model()
+    pods, ranks = group(model, 3, range(N))
+    del ranks[pods[2].name]
+    pods = [p for p in pods if p.rank != 2]
+    result = plan_with(model, pods, ranks)
+    epoch = only_epoch(result)
+    assert epoch.epoch == 4 and [m.rank for m in epoch.members] == [0, 1, 3] and epoch.coordinator_rank == 0
+    assert result.actions[0] == epoch  # first, so the executor starts it before anything else
+    assert [a.manifest["metadata"]["name"] for a in result.actions if isinstance(a, CreatePod)] == ["tiny-r0-2"]
+
+
+def test_the_coordinator_failing_hands_the_next_epoch_to_the_lowest_survivor():
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    pods[0] = pods[0].model_copy(update={"terminating": True})
+    del ranks[pods[0].name]
+    epoch = only_epoch(plan_with(model, pods, ranks))
+    assert [m.rank for m in epoch.members] == [1, 2, 3] and epoch.coordinator_rank == 1
+
+
+def test_a_peer_named_by_a_broken_member_is_left_out_and_its_pod_deleted():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    ranks[pods[1].name] = rank_worker(1, 2, range(N), "broken", broken_peer_rank=3, broken_reason="timeout")
+    result = plan_with(model, pods, ranks)
+    assert [m.rank for m in only_epoch(result).members] == [0, 1, 2]
+    deletes = [a for a in result.actions if isinstance(a, DeletePod)]
+    assert [d.name for d in deletes] == ["tiny-r0-3"] and "rank 1 reports epoch 2 broken" in deletes[0].reason
+    # A new process under the named rank (it restarted: epoch 0) is not the culprit any more.
+    ranks[pods[3].name] = rank_worker(3)
+    again = plan_with(model, pods, ranks)
+    assert not any(isinstance(a, DeletePod) for a in again.actions)
+
+
+def test_a_silent_rank_fails_only_past_the_threshold():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    ranks[pods[3].name] = RankObservation(silent_for_s=SILENT_AFTER_S / 2)
+    brief = plan_with(model, pods, ranks)
+    assert epochs(brief) == [] and brief.status.ranks[3].group_state == "Serving"
+    ranks[pods[3].name] = RankObservation(silent_for_s=SILENT_AFTER_S + 0.1)
+    result = plan_with(model, pods, ranks)
+    assert [m.rank for m in only_epoch(result).members] == [0, 1, 2]
+    assert "tiny-r0-3" in [a.name for a in result.actions if isinstance(a, DeletePod)]
+    assert result.status.ranks[3].group_state == "Failed"
+
+
+def test_the_loaded_replacement_gets_the_whole_groups_epoch():
+    model = ep_model()
+    pods, ranks = group(model, 4, (0, 1, 3))  # rank 2's replacement reports loaded at epoch 0
+    epoch = only_epoch(plan_with(model, pods, ranks))
+    assert epoch.epoch == 5 and [m.rank for m in epoch.members] == [0, 1, 2, 3] and epoch.coordinator_rank == 0
+    pods, ranks = group(model, 4, (0, 1, 3), loaded={0, 1, 3})  # still loading: nothing to send
+    assert epochs(plan_with(model, pods, ranks)) == []
+
+
+def test_no_resend_while_in_flight_and_a_newer_failure_supersedes():
+    model = ep_model()
+    pods, ranks = group(model, 3, range(N))
+    pods = [p for p in pods if p.rank != 2]
+    del ranks["tiny-r0-2"]
+    flying = plan_with(model, pods, ranks, sent=sent(4, (0, 1, 3)))
+    assert epochs(flying) == [] and flying.status.groups[0].state == "Reconfiguring"
+    assert "epoch 4 in flight" in flying.status.groups[0].message
+    applied = plan_with(model, pods, ranks, sent=sent(4, (0, 1, 3), answered=True, answered_age=0.0))
+    assert epochs(applied) == []  # the workers' /state was read before the answers came
+    pods = [p for p in pods if p.rank != 1]
+    del ranks["tiny-r0-1"]
+    newer = only_epoch(plan_with(model, pods, ranks, sent=sent(4, (0, 1, 3))))
+    assert newer.epoch == 5 and [m.rank for m in newer.members] == [0, 3]
+
+
+def test_a_refusal_is_surfaced_and_backed_off_until_the_delay_or_a_change():
+    model = ep_model()
+    pods, ranks = group(model, 3, range(N))
+    pods = [p for p in pods if p.rank != 2]
+    del ranks["tiny-r0-2"]
+    refusal = EpochRefusal(rank=0, code="experts_unavailable", message="2 slots missing")
+    fresh = sent(4, (0, 1, 3), answered=True, refusals=[refusal], answered_age=1.0)
+    held = plan_with(model, pods, ranks, sent=fresh)
+    assert epochs(held) == []
+    assert "refused by rank 0: experts_unavailable: 2 slots missing" in held.status.groups[0].message
+    later = sent(4, (0, 1, 3), answered=True, refusals=[refusal], answered_age=REFUSAL_RETRY_S + 1)
+    assert only_epoch(plan_with(model, pods, ranks, sent=later)).epoch == 5
+    stale = EpochRefusal(rank=1, code="stale_epoch", message="epoch 4 is held by another membership")
+    taken = sent(4, (0, 1, 3), answered=True, refusals=[stale], answered_age=0.0)
+    assert only_epoch(plan_with(model, pods, ranks, sent=taken)).epoch == 5  # a higher number, at once
+    pods = [p for p in pods if p.rank != 3]
+    del ranks["tiny-r0-3"]
+    assert [m.rank for m in only_epoch(plan_with(model, pods, ranks, sent=fresh)).members] == [0, 1]
+
+
+def test_a_restarted_operator_resumes_from_the_workers_epochs():
+    model = ep_model()
+    pods, ranks = group(model, 7, (1, 2, 3))  # rank 0's replacement loaded; memory is empty
+    epoch = only_epoch(plan_with(model, pods, ranks))
+    assert epoch.epoch == 8 and epoch.coordinator_rank == 1
+
+
+def test_a_group_broken_with_no_culprit_gets_its_members_again_after_the_grace():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    for rank in range(N):
+        ranks[pods[rank].name] = rank_worker(rank, 2, range(N), "broken", broken_for_s=BROKEN_GRACE_S / 2)
+    assert epochs(plan_with(model, pods, ranks)) == []
+    for rank in range(N):
+        ranks[pods[rank].name] = rank_worker(rank, 2, range(N), "broken", broken_for_s=BROKEN_GRACE_S + 0.5)
+    epoch = only_epoch(plan_with(model, pods, ranks))
+    assert epoch.epoch == 3 and [m.rank for m in epoch.members] == [0, 1, 2, 3]
+
+
+def test_serving_labels_follow_the_current_epoch():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N), serving_label="false")
+    labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
+    assert [(a.pod, a.serving) for a in labels] == [(f"tiny-r0-{r}", True) for r in range(N)]
+    pods, ranks = group(model, 2, range(N), serving_label="true")
+    ranks[pods[1].name] = rank_worker(1, 2, range(N), "broken", broken_peer_rank=3)
+    labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
+    assert sorted((a.pod, a.serving) for a in labels) == [("tiny-r0-1", False)]  # rank 3's pod is deleted
+    pods, ranks = group(model, 0, (), serving_label="false")  # loaded, no epoch yet: nothing to flip
+    assert not any(isinstance(a, SetServingLabel) for a in plan_with(model, pods, ranks).actions)
+
+
+def test_a_recovery_through_status_and_events():
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    whole = plan_with(model, pods, ranks)
+    assert whole.status.groups[0].state == "Whole" and whole.status.groups[0].members == [0, 1, 2, 3]
+    assert [r.group_state for r in whole.status.ranks] == ["Serving"] * N
+    assert events(whole, "GroupReconfigured")
+    model = ep_with_status(model, whole)
+
+    lost = [p for p in pods if p.rank != 2]
+    lost_ranks = {k: v for k, v in ranks.items() if k != "tiny-r0-2"}
+    failed = plan_with(model, lost, lost_ranks, seconds=10.25)
+    assert [e.message for e in events(failed, "RankFailed")] == ["replica 0 rank 2: its pod is gone"]
+    rec = failed.status.groups[0].last_recovery
+    assert rec.failed_ranks == [2] and rec.failed_epoch == 1 and rec.failure_seen_at == T0 + timedelta(seconds=10.25)
+    assert failed.status.ranks[2].group_state == "Failed"
+    assert find_condition(failed.status.conditions, "Degraded").status == "True"
+    model = ep_with_status(model, failed)
+
+    survivors_pods, survivors = group(model, 2, (0, 1, 3), loaded={0, 1, 3})
+    survivors_pods = [p for p in survivors_pods if p.rank != 2]
+    degraded = plan_with(model, survivors_pods, survivors, seconds=11.0)
+    group0 = degraded.status.groups[0]
+    assert group0.state == "Degraded" and group0.epoch == 2 and group0.members == [0, 1, 3]
+    assert group0.last_recovery.survivors_epoch == 2 and group0.last_recovery.interruption_seconds == 0.75
+    assert find_condition(degraded.status.conditions, "Ready").status == "True"
+    assert find_condition(degraded.status.conditions, "Degraded").reason == "GroupShortOfRanks"
+    assert degraded.status.phase == "Degraded"
+    assert not events(degraded, "RankFailed") and events(degraded, "GroupReconfigured")
+    model = ep_with_status(model, degraded)
+
+    back_pods, back = group(model, 3, range(N))
+    rejoined = plan_with(model, back_pods, back, seconds=30.0)
+    group0 = rejoined.status.groups[0]
+    assert group0.state == "Whole" and group0.last_recovery.whole_at == T0 + timedelta(seconds=30)
+    assert [e.message for e in events(rejoined, "RankRejoined")] == ["replica 0 rank 2 serves again in epoch 3"]
+    assert find_condition(rejoined.status.conditions, "Degraded").status == "False"
+    quiet = plan_with(ep_with_status(model, rejoined), back_pods, back, seconds=31.0)
+    assert quiet.actions == []  # nothing new: no action, no status write, no event repeated
+
+
+def test_reloaded_experts_keep_the_model_degraded():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    ranks[pods[0].name] = rank_worker(0, 2, range(N), "serving", degraded_experts=[5])
+    result = plan_with(model, pods, ranks)
+    assert result.status.groups[0].degraded_experts == [5]
+    assert find_condition(result.status.conditions, "Degraded").reason == "ReloadedExperts"
+
+
+def test_a_lone_rank_model_has_no_groups():
+    model = make_model()
+    pods = [pod_for(model, 0)]
+    result = run(model, pods, {pods[0].name: worker()})
+    assert result.status.groups == [] and result.status.ranks[0].group_state is None
+    assert not any(isinstance(a, ReconfigureGroup | SetServingLabel) for a in result.actions)
+
+
+def test_a_lone_rank_pod_without_the_serving_label_gets_it():
+    # A pod made by an operator from before the label: the serving Service selects the label, so it is added.
+    model = make_model()
+    unlabelled = pod_for(model, 0, serving_label=None)
+    result = run(model, [unlabelled], {unlabelled.name: worker()})
+    assert [a for a in result.actions if isinstance(a, SetServingLabel)] == [
+        SetServingLabel(pod=unlabelled.name, serving=True)
+    ]
