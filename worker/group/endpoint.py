@@ -23,14 +23,19 @@ class GroupEndpoint:
         to the store: TCPStore binds every interface by itself, so two ranks whose pods share a node (each with its
         own IP, as the local control plane's node agent gives them) could not both use the group port."""
         self.host = host
-        self._socket: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
-        self._socket.listen(128)
-        self.port: int = self._socket.getsockname()[1]
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self.port: int = listener.getsockname()[1]
+        # The store owns the socket from here on (it closes it when it goes), so Python lets go of it.
         self._store: TCPStore | None = TCPStore(
             host, self.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30),
-            master_listen_fd=self._socket.fileno(),
+            master_listen_fd=listener.detach(),
         )  # fmt: skip
         log.info("group endpoint listening on %s:%d", host, self.port)
 
@@ -39,7 +44,4 @@ class GroupEndpoint:
         return f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        self._store = None  # the server stops when the last reference goes
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        self._store = None  # the server stops, and its socket closes, when the last reference goes
