@@ -96,7 +96,8 @@ def serving_in(slot: RankSlot, view: EpochView | None) -> bool:
         and slot.usable
         and state is not None
         and state.group_epoch == view.epoch
-        and state.group.health == GroupHealth.SERVING
+        # solo: a dense model with expertParallel > 1 records the membership and serves on its own
+        and state.group.health in (GroupHealth.SERVING, GroupHealth.SOLO)
     )
 
 

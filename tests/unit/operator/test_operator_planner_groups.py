@@ -299,3 +299,13 @@ def test_a_lone_rank_pod_without_the_serving_label_gets_it():
     assert [a for a in result.actions if isinstance(a, SetServingLabel)] == [
         SetServingLabel(pod=unlabelled.name, serving=True)
     ]
+
+
+def test_a_dense_model_in_groups_serves_once_its_ranks_applied_the_epoch():
+    # Without experts a worker records the membership and serves on its own (group health "solo").
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N), health="solo", serving_label="false")
+    result = plan_with(model, pods, ranks)
+    assert sorted(a.pod for a in result.actions if isinstance(a, SetServingLabel) and a.serving) == [
+        p.name for p in pods
+    ]
