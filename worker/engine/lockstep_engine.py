@@ -24,6 +24,7 @@ from tidal.worker.engine.group_link import GroupLink
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.lockstep import StepDecision, StepHeader, decide, version_tag
 from tidal.worker.group.errors import GroupBrokenError
+from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,15 @@ class LockstepAsyncEngine(AsyncEngine):
             self._idle.notify_all()
 
     # ----- the loop thread -----
+    def _mark_broken(self, error: GroupBrokenError) -> None:
+        """Stop stepping with the group; the model forgets its comm too, so nothing runs its MoE layers on a group
+        that is gone (they refuse until the next epoch is installed)."""
+        self.link.mark_broken(error)
+        model = self._engine.runner.model
+        if isinstance(model, MoeDecoderForCausalLM) and model.expert_parallel is not None:
+            model.drop_expert_comm()
+        self._last = None
+
     def _wait_for_turn(self) -> None:
         """Under `_wake`: return when there is something to do this turn."""
         link = self.link
@@ -143,8 +153,7 @@ class LockstepAsyncEngine(AsyncEngine):
         try:
             headers = [StepHeader.decode(values) for values in group.all_gather_ints(header.encode())]
         except GroupBrokenError as err:
-            link.mark_broken(err)
-            self._last = None
+            self._mark_broken(err)
             return
         next_members = pending.group.members if pending is not None else ()
         decision = decide(headers, group.members, ready, next_members)
@@ -165,8 +174,7 @@ class LockstepAsyncEngine(AsyncEngine):
                 deliveries += [(out.request_id, out) for out in engine.group_step()]
                 link.count_step()
             except GroupBrokenError as err:
-                link.mark_broken(err)
-                self._last = None
+                self._mark_broken(err)
             except Exception as err:  # a failed step must not leave clients waiting forever
                 log.exception("group step failed; failing the requests in flight")
                 deliveries += [(out.request_id, err) for out in engine.abort_all()]
