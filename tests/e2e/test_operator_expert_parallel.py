@@ -55,7 +55,8 @@ def _whole(after_epoch: int):
     return check
 
 
-def test_a_group_forms_serves_on_every_rank_and_recovers_from_a_deleted_rank(devcluster, namespace, models):
+@pytest.mark.parametrize("lost", [1, 0])  # 0: the first epoch's coordinator, so the survivors need another
+def test_a_group_forms_serves_on_every_rank_and_recovers_from_a_deleted_rank(devcluster, namespace, models, lost):
     spec = {
         "model": {"path": MOE},
         "expertParallel": 3,
@@ -73,14 +74,15 @@ def test_a_group_forms_serves_on_every_rank_and_recovers_from_a_deleted_rank(dev
         state = worker_state(devcluster, namespace, "moe", name)
         assert state["group"]["health"] == "serving" and state["group"]["members"] == [0, 1, 2]
 
-    old_uid = pods["moe-r0-1"].metadata.uid
-    devcluster.core.delete_namespaced_pod("moe-r0-1", namespace)
+    victim = f"moe-r0-{lost}"
+    old_uid = pods[victim].metadata.uid
+    devcluster.core.delete_namespaced_pod(victim, namespace)
     # The survivors serve while the replacement loads; then the group is whole again at a later epoch.
     assert complete(devcluster, namespace, "moe-r0-2", PROMPT, 16) == reference
     obj = wait_model(devcluster, namespace, "moe", _whole(first_epoch + 1), timeout_s=300, what="whole again")
-    assert model_pods(devcluster, namespace, "moe")["moe-r0-1"].metadata.uid != old_uid
+    assert model_pods(devcluster, namespace, "moe")[victim].metadata.uid != old_uid
     recovery = _group(obj)["lastRecovery"]
-    assert recovery["failedRanks"] == [1] and recovery["survivorsEpoch"] > first_epoch
+    assert recovery["failedRanks"] == [lost] and recovery["survivorsEpoch"] > first_epoch
     assert recovery["wholeAt"] is not None and recovery["interruptionSeconds"] is not None
     for name in ("moe-r0-0", "moe-r0-1", "moe-r0-2"):
         assert complete(devcluster, namespace, name, PROMPT, 16) == reference
