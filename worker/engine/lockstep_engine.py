@@ -56,10 +56,6 @@ class LockstepAsyncEngine(AsyncEngine):
             return "expert parallelism: waiting for the group's first epoch (POST /group/reconfigure)"
         return f"expert parallelism: the group broke in epoch {broken.epoch} ({broken.reason}); waiting for the next"
 
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
     # ----- holding -----
     def hold(self, timeout_s: float, interrupt_reason: str | None = None) -> bool:
         self._hold_interrupts = interrupt_reason is not None
