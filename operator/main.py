@@ -37,6 +37,9 @@ def register(registry: kopf.OperatorRegistry, app: OperatorApp) -> None:
         settings.posting.enabled = False
         settings.peering.standalone = True
         settings.watching.server_timeout = 300
+        # kopf holds each object's events this long to batch them; our queue coalesces passes anyway, and a failed
+        # rank's pod event should reach the pass that sends its survivors their epoch without a wait (0.1 s default).
+        settings.batching.batch_window = 0.01
         # A stopping leader renews its Lease until its process is gone, so a successor waits for the shutdown and
         # then the Lease's expiry. kopf would allow a shutdown 600 s (the pod's grace period cuts it at 30): end a
         # hung one after a third of the Lease instead. Nothing is lost: the successor's level-based pass redoes it.

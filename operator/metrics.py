@@ -32,6 +32,12 @@ class OperatorMetrics:
             "From the first weight update of a version to every rank serving it with one checksum.",
             buckets=_SLOW_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.recovery_send_seconds = Histogram(
+            "tidal_operator_survivors_epoch_send_seconds",
+            "From the event or timer that let a pass observe a failed expert-parallel rank to that pass sending the "
+            "survivors their epoch.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5), registry=registry,
+        )  # fmt: skip
         self.worker_call_errors = Counter(
             "tidal_operator_worker_call_errors", "Failed control-API calls by call.", ["call"], registry=registry
         )

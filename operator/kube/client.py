@@ -100,9 +100,12 @@ class KubeApi:
             patch, meta["name"], meta["namespace"], body, _content_type=MERGE_PATCH, _preload_content=False
         )
 
-    async def delete_pod(self, namespace: str, name: str) -> None:
+    async def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
         try:
-            await self._call(self.core.delete_namespaced_pod, name, namespace, _preload_content=False)
+            await self._call(
+                self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_period_seconds,
+                _preload_content=False,
+            )  # fmt: skip
         except ApiException as exc:
             if exc.status != 404:
                 raise

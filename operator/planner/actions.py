@@ -25,9 +25,13 @@ class DeletePod(_Action):
     kind: Literal["DeletePod"] = "DeletePod"
     name: str
     reason: str
+    # None: the pod's own terminationGracePeriodSeconds. A failed rank's pod gets a short one: its process has
+    # nothing left to drain (a frozen one cannot even take SIGTERM), and its replacement waits for the name.
+    grace_period_seconds: int | None = Field(None, ge=0)
 
     def describe(self) -> str:
-        return f"delete pod {self.name} ({self.reason})"
+        grace = f", grace {self.grace_period_seconds}s" if self.grace_period_seconds is not None else ""
+        return f"delete pod {self.name} ({self.reason}{grace})"
 
 
 class _ChildAction(_Action):
@@ -110,6 +114,9 @@ class ReconfigureGroup(_Action):
     coordinator_rank: int = Field(ge=0)
     timeout_s: float = Field(gt=0, description="each member's limit for the rendezvous and installing the map")
     reason: str
+    # The survivors' epoch after a failure (members of the serving epoch were dropped): its latency from the
+    # failure being observed is measured and logged.
+    recovery: bool = False
 
     def describe(self) -> str:
         ranks = [m.rank for m in self.members]

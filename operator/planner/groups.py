@@ -3,10 +3,12 @@
 Level-based: each pass reads what the workers report (`/state`: group_epoch, group.members, group.health) and the
 last epoch this operator process sent (`SentEpoch`; nothing after a restart), and decides again from scratch.
 - The group's current epoch: the highest `group_epoch` a running rank reports, with that rank's members.
-- Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, that has not
-  answered `/state` for SILENT_AFTER_S, or that a member reports as the peer that broke the epoch (unless its own
-  worker reports an older epoch: a new process, not the culprit). A failed rank whose pod still runs is deleted, as a
-  frozen process never comes back by itself, so that a replacement is made.
+- Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, whose worker is a
+  new process (reports epoch 0: its container restarted), that has not answered `/state` for SILENT_AFTER_S, or
+  that a member reports as the peer that broke the epoch (unless its own worker reports an older epoch: a new
+  process, not the culprit). A failed rank whose failed process still runs (silent, or named by a peer) has its pod
+  deleted with a short grace period, as a frozen process never comes back by itself, so that a replacement is made;
+  a restarted one reloads in place.
 - Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
   member of the current epoch that missed a `/state` or two is kept until it counts as silent.
 - The next epoch is one above every epoch seen (reported or sent), so a restarted operator never reuses a number;
@@ -47,6 +49,8 @@ BROKEN_GRACE_S = 3.0
 REFUSAL_RETRY_S = 10.0
 # What each member is given to join the epoch and install its map (loading experts included).
 RECONFIGURE_TIMEOUT_S = 60.0
+# A failed rank's pod is deleted with this grace period (see DeletePod.grace_period_seconds).
+FAILED_RANK_GRACE_S = 1
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,10 @@ def find_failures(slots: list[RankSlot], view: EpochView | None) -> dict[int, Ra
         silent = slot.observation.silent_for_s
         if why is not None:
             failed[rank] = RankFailure(rank, why, delete_pod=False)
+        elif slot.state is not None and slot.state.group_epoch == 0:
+            # Every member of an applied epoch joined it, so a member at epoch 0 is a new process: its container
+            # restarted (a crash) and it reloads in place.
+            failed[rank] = RankFailure(rank, "its worker restarted (a new process, out of the group)", False)
         elif slot.usable and slot.state is None and silent is not None and silent >= SILENT_AFTER_S:
             failed[rank] = RankFailure(rank, f"its worker has not answered /state for {silent:.1f}s", True)
     for slot in slots:
@@ -247,6 +255,7 @@ def decide_group(
         coordinator_rank=min(stayed or wanted),
         timeout_s=reconfigure_timeout_s,
         reason=reason,
+        recovery=bool(failures),
     )
     return GroupDecision(replica, view, pending, failures, wanted, send, "")
 
@@ -270,7 +279,9 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
         names = {s.rank: s.name for s in facts.replica_slots(decision.replica)}
         for failure in decision.failures.values():
             if failure.delete_pod:
-                actions.append(DeletePod(name=names[failure.rank], reason=f"rank failed: {failure.reason}"))
+                reason = f"rank failed: {failure.reason}"
+                grace = FAILED_RANK_GRACE_S
+                actions.append(DeletePod(name=names[failure.rank], reason=reason, grace_period_seconds=grace))
     views = {d.replica: d for d in decisions}
     deleted = {a.name for a in actions if isinstance(a, DeletePod)}
     for slot in facts.slots:

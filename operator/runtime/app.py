@@ -47,10 +47,10 @@ class OperatorApp:
             self.health.beat("leader")
             await asyncio.sleep(HEARTBEAT_S)
 
-    async def _reconcile(self, key: Key) -> float | None:
+    async def _reconcile(self, key: Key, asked_at: float) -> float | None:
         if self.reconciler is None:
             return self.config.resync_seconds
-        return await self.reconciler(key)
+        return await self.reconciler(key, asked_at)
 
     def forget(self, key: Key) -> None:
         self.queue.forget(key)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,8 @@ class Executed:
     failures: list[CallFailure] = field(default_factory=list)
     updates: list[UpdateWeights] = field(default_factory=list)
     epochs: list[ReconfigureGroup] = field(default_factory=list)  # started, not waited for
+    # Per survivors' epoch sent: seconds from the pass being asked for (the failure observed) to the send.
+    recovery_send_s: list[float] = field(default_factory=list)
 
     @property
     def only_unavailable_workers(self) -> bool:
@@ -121,6 +124,8 @@ class Context:
     memory: ModelMemory
     # Queues the model for a pass now (after a group's epoch got every answer); None: wait for the next one.
     wake: Callable[[], None] | None = None
+    # time.monotonic() when this pass was asked for: the event or timer that let it observe what it acts on.
+    asked_at: float | None = None
 
 
 def _log(ctx: Context, action: Action, outcome: str, level: int = logging.INFO) -> None:
@@ -135,7 +140,7 @@ async def _write(kube: KubeApi, ctx: Context, action: KubeAction) -> str:
         await kube.patch(action.manifest)
         return "patched"
     if isinstance(action, DeletePod):
-        await kube.delete_pod(ctx.namespace, action.name)
+        await kube.delete_pod(ctx.namespace, action.name, action.grace_period_seconds)
         return "deleted"
     if isinstance(action, SetServingLabel):
         await kube.patch_pod_labels(ctx.namespace, action.pod, {c.LABEL_SERVING: "true" if action.serving else "false"})
@@ -186,15 +191,18 @@ def _epoch_outcome(flight: EpochFlight) -> str:
     return f"refused: {refused}"
 
 
-def start_epochs(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]) -> list[ReconfigureGroup]:
-    """Send each group its epoch, in the background (see the module's docstring); returns the epochs started."""
+def start_epochs(
+    kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]
+) -> tuple[list[ReconfigureGroup], list[float]]:
+    """Send each group its epoch, in the background (see the module's docstring); returns the epochs started and,
+    for the survivors' epochs among them, the seconds from the failure being observed to the send."""
     epochs = [a for a in actions if isinstance(a, ReconfigureGroup)]
     if not epochs:
-        return []
+        return [], []
     if ctx.token is None:
         for action in epochs:
             _log(ctx, action, "skipped: no control token yet")
-        return []
+        return [], []
 
     def reporter(action: ReconfigureGroup) -> Callable[[EpochFlight], Awaitable[None]]:
         async def report(flight: EpochFlight) -> None:
@@ -212,10 +220,19 @@ def start_epochs(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[
 
         return report
 
+    latencies = []
     for action in epochs:
         fleet.start_epoch(ctx.memory, action, ctx.targets, ctx.control_port, ctx.token, reporter(action))
-        _log(ctx, action, "sent")
-    return epochs
+        if action.recovery and ctx.asked_at is not None:
+            latency = time.monotonic() - ctx.asked_at
+            latencies.append(latency)
+            # Wall-clock times, so that a benchmark on the same machine can put them beside its fault's.
+            seen = time.time() - latency
+            _log(ctx, action, f"sent to the survivors {latency:.3f}s after the failure was observed (observed at "
+                              f"{seen:.6f}, sent at {seen + latency:.6f} unix time)")  # fmt: skip
+        else:
+            _log(ctx, action, "sent")
+    return epochs, latencies
 
 
 def _failure_line(failure: CallFailure) -> str:
@@ -256,7 +273,7 @@ async def call_workers(
 
 async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list[Action]) -> Executed:
     """Run the phases in order; a Kubernetes write that fails ends the pass (the next one plans again)."""
-    epochs = start_epochs(kube, fleet, ctx, actions)
+    epochs, recovery_send_s = start_epochs(kube, fleet, ctx, actions)
     children = await apply_children(kube, ctx, actions)
     pods = await apply_pods(kube, ctx, actions)
     await write_status(kube, ctx, actions)
@@ -268,4 +285,5 @@ async def execute(kube: KubeApi, fleet: WorkerFleet, ctx: Context, actions: list
         failures=[f for _, f in calls if f is not None],
         updates=[a for a, _ in calls if isinstance(a, UpdateWeights)],
         epochs=epochs,
+        recovery_send_s=recovery_send_s,
     )

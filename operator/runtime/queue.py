@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("tidal.operator.queue")
 
 Key = tuple[str, str]  # (namespace, name)
-ReconcileFn = Callable[[Key], Awaitable[float | None]]  # returns seconds until the next pass; None: never
+# (key, when the pass was first asked for, time.monotonic) -> seconds until the next pass; None: never
+ReconcileFn = Callable[[Key, float], Awaitable[float | None]]
 
 
 @dataclass
 class _Entry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waiting: bool = False
+    # When the waiting pass was first asked for (a pod's event, a timer): what "observed" means for the failures it
+    # finds, so a pass that waited behind another one still counts from the event.
+    asked_at: float | None = None
     timer: asyncio.TimerHandle | None = None
     due: float = 0.0
     forgotten: bool = False  # forget() came during a pass: that pass schedules nothing
@@ -40,10 +45,12 @@ class ReconcileQueue:
         if entry.waiting:
             return
         entry.waiting = True
+        entry.asked_at = time.monotonic()
         async with entry.lock:
             entry.waiting = False
             entry.forgotten = False  # a pass that starts now reads the world after the forget
-            delay = await self._reconcile(key)
+            asked_at, entry.asked_at = entry.asked_at, None
+            delay = await self._reconcile(key, asked_at if asked_at is not None else time.monotonic())
             if not entry.forgotten:
                 self.schedule(key, delay)
             elif not entry.waiting and self._entries.get(key) is entry:

@@ -70,12 +70,13 @@ class Reconciler:
         self._requeue = requeue
         self.memories = ModelMemories()
 
-    async def __call__(self, key: Key) -> float | None:
+    async def __call__(self, key: Key, asked_at: float | None = None) -> float | None:
+        """One pass; `asked_at` (time.monotonic) is when it was asked for, by default now."""
         started = time.monotonic()
         # Taken once: if the model is forgotten during the pass, the pass writes into a detached object, not the map.
         memory = self.memories.of(key)
         try:
-            result, delay = await self._pass(key, memory)
+            result, delay = await self._pass(key, memory, started if asked_at is None else asked_at)
             memory.error_streak = 0
         except Exception:
             log.exception("%s/%s: reconcile failed", *key)
@@ -89,7 +90,7 @@ class Reconciler:
         self.memories.forget(key)
         self._metrics.set_phase(key, None)
 
-    async def _pass(self, key: Key, memory: ModelMemory) -> tuple[str, float | None]:
+    async def _pass(self, key: Key, memory: ModelMemory, asked_at: float) -> tuple[str, float | None]:
         body = await self._kube.get_model(*key)
         if body is None:
             self.forget(key)
@@ -122,8 +123,10 @@ class Reconciler:
         )
         requeue = self._requeue
         wake = (lambda: requeue(key, 0.0)) if requeue is not None else None
-        ctx = Context(body, *key, port, obs.targets, obs.token, memory, wake)
+        ctx = Context(body, *key, port, obs.targets, obs.token, memory, wake, asked_at)
         done = await execute(self._kube, self._fleet, ctx, result.actions)
+        for seconds in done.recovery_send_s:
+            self._metrics.recovery_send_seconds.observe(seconds)
         self._metrics.set_phase(key, result.status.phase)
         self._track_roll(memory, result.status, done)
         if done.only_unavailable_workers:

@@ -8,7 +8,7 @@ from operator_fixtures import OPERATOR, T0, TOKEN, all_children, make_model, pod
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, ReconfigureGroup, SetServingLabel
 from tidal.operator.planner.facts import PlanInput
-from tidal.operator.planner.groups import BROKEN_GRACE_S, REFUSAL_RETRY_S, SILENT_AFTER_S
+from tidal.operator.planner.groups import BROKEN_GRACE_S, FAILED_RANK_GRACE_S, REFUSAL_RETRY_S, SILENT_AFTER_S
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
 from tidal.operator.planner.plan import plan
 
@@ -137,10 +137,35 @@ def test_a_peer_named_by_a_broken_member_is_left_out_and_its_pod_deleted():
     assert [m.rank for m in only_epoch(result).members] == [0, 1, 2]
     deletes = [a for a in result.actions if isinstance(a, DeletePod)]
     assert [d.name for d in deletes] == ["tiny-r0-3"] and "rank 1 reports epoch 2 broken" in deletes[0].reason
+    assert deletes[0].grace_period_seconds == FAILED_RANK_GRACE_S  # a frozen process has nothing to drain
+    assert only_epoch(result).recovery
     # A new process under the named rank (it restarted: epoch 0) is not the culprit any more.
     ranks[pods[3].name] = rank_worker(3)
     again = plan_with(model, pods, ranks)
     assert not any(isinstance(a, DeletePod) for a in again.actions)
+
+
+def test_a_restarted_rank_fails_and_reloads_in_place_while_the_survivors_go_on():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    model = ep_with_status(model, plan_with(model, pods, ranks))  # every rank recorded serving
+    ranks[pods[1].name] = rank_worker(1)  # the container restarted after a crash: a new process at epoch 0
+    result = plan_with(model, pods, ranks)
+    epoch = only_epoch(result)
+    assert [m.rank for m in epoch.members] == [0, 2, 3] and epoch.recovery
+    assert not any(isinstance(a, DeletePod) for a in result.actions)  # same pod: it reloads, nothing to replace
+    assert result.status.ranks[1].group_state == "Failed"
+    assert [e.message for e in events(result, "RankFailed")] == [
+        "replica 0 rank 1: its worker restarted (a new process, out of the group)"
+    ]
+
+
+def test_only_an_epoch_after_a_failure_counts_as_a_recovery():
+    model = ep_model()
+    pods, ranks = group(model, 0, ())
+    assert not only_epoch(plan_with(model, pods, ranks)).recovery  # forming
+    pods, ranks = group(model, 3, (0, 1, 2))  # rank 3 loaded again: the whole group's epoch
+    assert not only_epoch(plan_with(model, pods, ranks)).recovery
 
 
 def test_a_silent_rank_fails_only_past_the_threshold():

@@ -4,6 +4,7 @@ in-memory Lease API with real compare-and-swap on resourceVersion)."""
 import asyncio
 import copy
 import json
+import time
 from types import SimpleNamespace
 
 from kubernetes.client.exceptions import ApiException
@@ -17,7 +18,7 @@ def test_requests_during_a_pass_coalesce_into_one_more_pass():
         runs: list[int] = []
         gate = asyncio.Event()
 
-        async def reconcile(key):
+        async def reconcile(key, asked_at):
             runs.append(len(runs))
             if len(runs) == 1:
                 await gate.wait()
@@ -35,11 +36,38 @@ def test_requests_during_a_pass_coalesce_into_one_more_pass():
     assert asyncio.run(main()) == [0, 1]  # the first pass, then one pass for all five requests
 
 
+def test_a_pass_that_waited_behind_another_counts_from_its_first_request():
+    async def main() -> tuple[list[float], float]:
+        asked: list[float] = []
+        gate = asyncio.Event()
+
+        async def reconcile(key, asked_at):
+            asked.append(asked_at)
+            if len(asked) == 1:
+                await gate.wait()
+            return None
+
+        queue = ReconcileQueue(reconcile)
+        first = asyncio.create_task(queue.request(("ns", "m")))
+        await asyncio.sleep(0)
+        event_time = time.monotonic()
+        second = asyncio.create_task(queue.request(("ns", "m")))  # the event that a failure happened
+        await asyncio.sleep(0.05)
+        later = asyncio.create_task(queue.request(("ns", "m")))  # coalesced: the first request's time stands
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(first, second, later)
+        return asked, event_time
+
+    asked, event_time = asyncio.run(main())
+    assert len(asked) == 2 and event_time <= asked[1] < event_time + 0.04
+
+
 def test_requeue_timer_brings_the_model_back_and_forget_stops_it():
     async def main() -> tuple[int, int]:
         calls = {"a": 0, "b": 0}
 
-        async def reconcile(key):
+        async def reconcile(key, asked_at):
             calls[key[1]] += 1
             return 0.01
 
@@ -59,7 +87,7 @@ def test_an_earlier_timer_wins():
     async def main() -> int:
         calls = []
 
-        async def reconcile(key):
+        async def reconcile(key, asked_at):
             calls.append(key)
             return None
 
@@ -81,7 +109,7 @@ def test_forget_during_a_pass_does_not_let_a_second_pass_run_beside_it():
         running, most = [0], [0]
         gate = asyncio.Event()
 
-        async def reconcile(key):
+        async def reconcile(key, asked_at):
             running[0] += 1
             most[0] = max(most[0], running[0])
             await gate.wait()
@@ -110,7 +138,7 @@ def test_a_pass_cut_short_by_forget_leaves_no_timer_behind():
         calls = [0]
         gate = asyncio.Event()
 
-        async def reconcile(key):
+        async def reconcile(key, asked_at):
             calls[0] += 1
             await gate.wait()
             return 0.01  # the pass acted before it learnt of the deletion
