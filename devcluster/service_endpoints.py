@@ -1,15 +1,18 @@
 """Client-side load balancing over a Service's ready endpoints: the devcluster's stand-in for kube-proxy.
 
-The devcluster has no Service VIPs (no kube-proxy, no CNI), so a client that wants "the model's Service" reads what
-kube-proxy would: the Service's EndpointSlices, kept current by the real controller-manager from the pods' readiness
-and the Service's selector. `ServiceEndpoints` watches them; `BalancingTransport` is an httpx transport that sends
+The devcluster has no Service VIPs (no kube-proxy, no CNI), so a client that wants "the model's Service" picks its
+endpoints itself, as kube-proxy would. It cannot read them from EndpointSlices: devcluster pods have loopback
+addresses (127.0.x.y, see nodeagent/allocators.py), which the API server refuses in an EndpointSlice, so the
+controller-manager's slices for them stay empty. `ServiceEndpoints` therefore applies the EndpointSlice controller's
+rule itself, from the real objects: the pods the Service's selector matches that are Ready, not terminating and have
+an IP, at the container port the Service's target port names. `BalancingTransport` is an httpx transport that sends
 each connection attempt to the next ready endpoint, round robin, whatever host the URL names. Clients (the official
 `openai` client included) are used unchanged, their own retries included: a retry is a new attempt and may land on
 another endpoint, as it would through a ClusterIP.
 
 Every attempt is recorded (which pod, when, how it ended), so a test can count the attempts that failed on a rank
 and the requests that succeeded only after a retry. An attempt is tied to the request that made it through a
-thread-local scope (`RequestScope`), since the sync openai client runs a request's attempts in the caller's thread.
+thread-local scope (`scoped_request`), since the sync openai client runs a request's attempts in the caller's thread.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from kubernetes import client, watch
 
 log = logging.getLogger("tidal.devcluster.service_endpoints")
 
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 WATCH_TIMEOUT_S = 30
 
 
@@ -38,13 +40,33 @@ class Endpoint:
     port: int
 
 
+def ready_endpoint(pod: Any, target_port: int | str) -> Endpoint | None:
+    """The pod's endpoint for `target_port` (a number, or a container port's name) if the EndpointSlice controller
+    would list it as ready: Ready condition True, not terminating, an IP, and the named port present."""
+    if pod.metadata.deletion_timestamp is not None or not pod.status.pod_ip:
+        return None
+    if not any(cond.type == "Ready" and cond.status == "True" for cond in pod.status.conditions or []):
+        return None
+    if isinstance(target_port, int):
+        return Endpoint(pod.metadata.name, pod.status.pod_ip, target_port)
+    for container in pod.spec.containers:
+        for port in container.ports or []:
+            if port.name == target_port:
+                return Endpoint(pod.metadata.name, pod.status.pod_ip, port.container_port)
+    return None
+
+
 class ServiceEndpoints:
-    """The ready endpoints of one Service port, from a watch on its EndpointSlices (a background thread)."""
+    """The ready endpoints of one Service port, kept current by a watch on the pods its selector matches."""
 
     def __init__(self, api_client: client.ApiClient, namespace: str, service: str, port_name: str = "http") -> None:
-        self._discovery = client.DiscoveryV1Api(api_client)
-        self._namespace, self._service, self._port_name = namespace, service, port_name
-        self._slices: dict[str, list[Endpoint]] = {}
+        self._core = client.CoreV1Api(api_client)
+        self._namespace, self._service = namespace, service
+        svc = self._core.read_namespaced_service(service, namespace)
+        self._selector = ",".join(f"{k}={v}" for k, v in sorted((svc.spec.selector or {}).items()))
+        port = next(p for p in svc.spec.ports if p.name == port_name)
+        self._target_port: int | str = port.target_port if port.target_port is not None else port.port
+        self._pods: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._stopped = threading.Event()
@@ -53,60 +75,58 @@ class ServiceEndpoints:
 
     def ready(self) -> list[Endpoint]:
         with self._lock:
-            return sorted({e for eps in self._slices.values() for e in eps}, key=lambda e: e.pod)
+            return sorted(self._pods.values(), key=lambda e: e.pod)
 
     def wait_for(self, pods: set[str], timeout_s: float) -> list[Endpoint]:
         """Block until the ready endpoints are exactly `pods`; TimeoutError with what they were."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            while {e.pod for eps in self._slices.values() for e in eps} != pods:
+            while set(self._pods) != pods:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    now = sorted({e.pod for eps in self._slices.values() for e in eps})
-                    raise TimeoutError(f"service {self._service}: endpoints {now}, waited for {sorted(pods)}")
+                    raise TimeoutError(
+                        f"service {self._service}: endpoints {sorted(self._pods)}, waited for {sorted(pods)}"
+                    )
                 self._changed.wait(left)
         return self.ready()
 
     def stop(self) -> None:
         self._stopped.set()
 
+    def _set(self, pod: Any) -> None:
+        endpoint = ready_endpoint(pod, self._target_port)
+        if endpoint is None:
+            self._pods.pop(pod.metadata.name, None)
+        else:
+            self._pods[pod.metadata.name] = endpoint
+
     def _run(self) -> None:
-        selector = f"{SERVICE_NAME_LABEL}={self._service}"
         while not self._stopped.is_set():
             try:
-                listed = self._discovery.list_namespaced_endpoint_slice(self._namespace, label_selector=selector)
+                listed = self._core.list_namespaced_pod(self._namespace, label_selector=self._selector)
                 with self._changed:
-                    self._slices = {s.metadata.name: self._ready_of(s) for s in listed.items}
+                    self._pods = {}
+                    for pod in listed.items:
+                        self._set(pod)
                     self._changed.notify_all()
                 stream = watch.Watch().stream(
-                    self._discovery.list_namespaced_endpoint_slice, self._namespace, label_selector=selector,
+                    self._core.list_namespaced_pod, self._namespace, label_selector=self._selector,
                     resource_version=listed.metadata.resource_version, timeout_seconds=WATCH_TIMEOUT_S,
                 )  # fmt: skip
                 for event in stream:
                     if self._stopped.is_set():
                         return
-                    obj = event["object"]
+                    pod = event["object"]
                     with self._changed:
                         if event["type"] == "DELETED":
-                            self._slices.pop(obj.metadata.name, None)
+                            self._pods.pop(pod.metadata.name, None)
                         else:
-                            self._slices[obj.metadata.name] = self._ready_of(obj)
+                            self._set(pod)
                         self._changed.notify_all()
-            except Exception:  # the API server restarted, or the watch expired: list again
+            except Exception:  # the watch expired or the API server went away: list again
                 if not self._stopped.is_set():
                     log.debug("endpoint watch of %s restarting", self._service, exc_info=True)
                     time.sleep(0.2)
-
-    def _ready_of(self, endpoint_slice: Any) -> list[Endpoint]:
-        port = next((p.port for p in endpoint_slice.ports or [] if p.name == self._port_name), None)
-        if port is None:
-            return []
-        out = []
-        for ep in endpoint_slice.endpoints or []:
-            ready = ep.conditions is not None and ep.conditions.ready
-            if ready and ep.target_ref is not None:
-                out.extend(Endpoint(ep.target_ref.name, address, port) for address in ep.addresses)
-        return out
 
 
 @dataclass
