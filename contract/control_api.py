@@ -65,6 +65,16 @@ class GroupStatus(_Response):
 
     health: GroupHealth
     members: list[int] = Field(default_factory=list, description="ranks of the current epoch (empty before any)")
+    group_size: int | None = Field(
+        None, ge=1,
+        description="the current epoch's group size (the start world_size before any epoch); null from a worker older "
+        "than the field",
+    )  # fmt: skip
+    slots_per_rank: int | None = Field(
+        None, ge=1,
+        description="this rank's expert slots, fixed for its life: a rank that joins the group is started with the "
+        "same count (--expert-slots-per-rank); null without expert parallelism",
+    )  # fmt: skip
     broken_peer_rank: int | None = Field(None, description="the peer found gone or frozen, when one was found")
     broken_reason: str | None = Field(None, description="why the group broke, as the failed collective saw it")
     broken_for_s: float | None = Field(None, ge=0, description="seconds since the group broke; null unless broken")
@@ -96,11 +106,12 @@ class WorkerState(_Response):
     weights_version: str | None = Field(description="version of the weights being served; null before the first load")
     model_loaded: bool
     rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
+    world_size: int = Field(ge=1, description="the group size this worker was started for (now: group.group_size)")
     group_epoch: int = Field(ge=0, description="membership epoch last applied by /group/reconfigure (0: never)")
     coordinator_rank: int = Field(ge=0, description="coordinator of the membership last applied (0 before any)")
     group_formed: bool = Field(
-        description="a lone rank always; else whether every rank of world_size is a member of the last epoch"
+        description="a lone worker (world_size 1) always; else whether the last epoch's members are every rank of "
+        "its group_size"
     )
     group: GroupStatus = Field(
         default_factory=lambda: GroupStatus(health=GroupHealth.SOLO),
@@ -232,21 +243,35 @@ class GroupReconfigureRequest(_Model):
     Every member is sent the same request. Each builds the epoch's process group through a fresh rendezvous at the
     coordinator's group endpoint, installs the epoch's expert map (loading any expert it must now hold), and only
     then steps. Without `expert_map` the coordinator plans it from the map it served last (so pick as coordinator a
-    rank that was in the previous epoch) and hands it to the others through the rendezvous."""
+    rank that was in the previous epoch) and hands it to the others through the rendezvous.
+
+    The group's size is the epoch's (`group_size`), so a running group is resized by epochs: a shrink leaves the
+    ranks at or past the new size out, a grow adds ranks started for the new size with the running members' expert
+    slots per rank (`GroupStatus.slots_per_rank`), and every member must have the same slot count."""
 
     epoch: int = Field(ge=1)
     members: list[GroupMember] = Field(min_length=1)
     coordinator_rank: int = Field(ge=0, description="the member whose group endpoint hosts this epoch's rendezvous")
+    group_size: int | None = Field(
+        None, ge=1,
+        description="ranks of the group in this epoch (every member rank is below it); null: the worker's start "
+        "world_size",
+    )  # fmt: skip
     expert_map: ExpertMapJson | None = Field(None, description="the epoch's map; default: the coordinator plans it")
     timeout_s: float = Field(60.0, gt=0, le=3600, description="limit for the rendezvous and installing the map")
 
     @model_validator(mode="after")
-    def _coordinator_is_member(self) -> GroupReconfigureRequest:
+    def _members_fit(self) -> GroupReconfigureRequest:
         ranks = [m.rank for m in self.members]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"duplicate ranks in members: {sorted(ranks)}")
         if self.coordinator_rank not in ranks:
             raise ValueError(f"coordinator_rank {self.coordinator_rank} is not one of the members {sorted(ranks)}")
+        if self.group_size is not None and (outside := sorted(r for r in ranks if r >= self.group_size)):
+            raise ValueError(
+                f"member ranks {outside} are outside a group of group_size {self.group_size} (ranks 0.."
+                f"{self.group_size - 1})"
+            )
         return self
 
 

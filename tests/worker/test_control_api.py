@@ -62,6 +62,12 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
             (_membership(3, [0, 2]), 400, "invalid_request", "rank 1, which is not among"),
             (_membership(3, [1, 4], leader=1), 400, "invalid_request", "outside this worker's group of world_size 3"),
             (_membership(3, [1, 2], leader=0), 400, "invalid_request", "coordinator_rank 0 is not one of the members"),
+            (
+                {**_membership(3, [1, 2], leader=1), "group_size": 2},
+                400,
+                "invalid_request",
+                "outside a group of group_size 2",
+            ),
             ({**_membership(3, [1]), "epoch": 0}, 400, "invalid_request", "epoch"),
         ):
             refused = worker.post("/group/reconfigure", body)
@@ -74,8 +80,9 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
         assert worker.post("/group/reconfigure", _membership(3, [0, 1, 2], leader=0)).status_code == 200
         assert worker.post("/wake_up").status_code == 200
         assert (state().group_epoch, state().group_formed) == (3, True) and worker.text("Hello") == expected
+        assert (state().group.group_size, state().group.slots_per_rank) == (3, None)  # a dense model has no slots
         metrics = worker.api.get("/metrics").text  # type: ignore[union-attr]
-        assert "tidal_group_epoch 3.0" in metrics
+        assert "tidal_group_epoch 3.0" in metrics and "tidal_group_size 3.0" in metrics
         assert 'tidal_lifecycle_operations_total{operation="reconfigure",outcome="ok"} 4.0' in metrics
         assert 'tidal_lifecycle_operations_total{operation="reconfigure",outcome="error"} 4.0' in metrics
 

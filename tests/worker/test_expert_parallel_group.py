@@ -40,7 +40,9 @@ def _launch(model: Path, world_size: int = 4, redundant: int = 1, **options: obj
 
 
 def _full_layout(world_size: int, redundant: int) -> dict[str, object]:
-    return plan_placement(GroupShape(NUM_EXPERTS, world_size, redundant), range(world_size)).expert_map.to_json()
+    return plan_placement(
+        GroupShape.even_share(NUM_EXPERTS, world_size, redundant), range(world_size)
+    ).expert_map.to_json()
 
 
 async def _every_rank_serves(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tidal.worker.experts.expert_map import ExpertMap, GroupShape
+from tidal.worker.experts.full_layout import full_layout
 from tidal.worker.experts.placement import plan_placement
 from tidal.worker.experts.routing import pick_copy
 from tidal.worker.layers.expert_dispatch import pack_rows, unpack_rows
@@ -86,7 +87,7 @@ def test_each_rank_gets_the_single_process_output_for_its_own_tokens(world_size)
 
 @pytest.mark.parametrize(("world_size", "redundant", "absent"), [(4, 1, ()), (4, 1, (2,)), (2, 0, ()), (3, 2, ())])
 def test_routing_tensors_pick_the_copy_the_routing_rule_picks(world_size, redundant, absent):
-    shape = GroupShape(EXPERTS, world_size, redundant)
+    shape = GroupShape.even_share(EXPERTS, world_size, redundant)
     full = plan_placement(shape, range(world_size)).expert_map
     present = [r for r in range(world_size) if r not in absent]
     expert_map = plan_placement(shape, present, previous=full).expert_map
@@ -139,3 +140,13 @@ def test_a_layer_without_an_epoch_refuses_to_run():
 def test_more_slots_than_experts_is_refused():
     with pytest.raises(ValueError, match="lower redundant_experts_per_rank"):
         ExpertParallelState(ExpertParallelSettings(0, 2, 5), EXPERTS)
+
+
+def test_a_slot_count_given_outright_wins_and_must_hold_every_expert_over_the_start_group():
+    # A rank joining a group of 3 that grew to 4 keeps the running count, ceil(8 / 3) + 1 = 4, not ceil(8 / 4) + 1.
+    state = ExpertParallelState(ExpertParallelSettings(3, 4, 1, slots_per_rank=4), EXPERTS)
+    assert state.slots_per_rank == 4 and state.shape == GroupShape(EXPERTS, 4, 4)
+    assert state.shape_for(3) == GroupShape(EXPERTS, 3, 4)
+    assert state.expert_map == full_layout(GroupShape(EXPERTS, 4, 4))
+    with pytest.raises(ValueError, match=r"4 x 1 = 4 expert slots for 8 experts"):
+        ExpertParallelState(ExpertParallelSettings(0, 4, 0, slots_per_rank=1), EXPERTS)

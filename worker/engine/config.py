@@ -53,6 +53,14 @@ class EngineConfig(BaseModel):
         default=0, ge=0,
         description="Expert parallelism: expert slots per rank beyond an even share, for copies of experts.",
     )  # fmt: skip
+    expert_slots_per_rank: int | None = Field(
+        default=None, ge=1,
+        description=(
+            "Expert parallelism: expert slots of this rank, fixed for its life; default ceil(experts / world_size) + "
+            "redundant_experts_per_rank. A rank joining a running group that was resized needs the count its "
+            "members report (/state group.slots_per_rank)."
+        ),
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -81,7 +81,9 @@ class LLMEngine:
         """`memory`: where the weights and the KV cache are allocated (default: plain torch storage; the lifecycle
         passes CUDA virtual memory so that they can be released and restored at the same addresses)."""
         device = resolve_device(config.device)
-        group = ExpertParallelSettings(config.rank, config.world_size, config.redundant_experts_per_rank)
+        group = ExpertParallelSettings(
+            config.rank, config.world_size, config.redundant_experts_per_rank, config.expert_slots_per_rank
+        )
         return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory, group))
 
     @classmethod

@@ -1,11 +1,11 @@
 """An epoch's expert location map and its shape, with the JSON form it travels in and the checks that guard it.
 
 A group of `group_size` ranks serves `num_experts` logical experts per MoE layer (the same for every MoE layer of a
-model, so one map serves them all). Each rank has `slots_per_rank` physical slots, ceil(E / N) for an even share plus
-R redundant ones, and each slot holds one logical expert or nothing. A map names, for every rank present in the
-epoch, what each of its slots holds; ranks absent from the epoch have no slots. Every valid map gives each logical
-expert at least one copy and never two copies of one expert to one rank (a second copy on the same rank would add no
-capacity and no fault tolerance).
+model, so one map serves them all). Each rank has `slots_per_rank` physical slots (at start ceil(E / N) for an even
+share plus R redundant ones; the count stays when the group is resized), and each slot holds one logical expert or
+nothing. A map names, for every rank present in the epoch, what each of its slots holds; ranks absent from the
+epoch have no slots. Every valid map gives each logical expert at least one copy and never two copies of one expert
+to one rank (a second copy on the same rank would add no capacity and no fault tolerance).
 
 JSON form (for `/group/reconfigure` and `/state`), compact and positional:
     {"num_experts": 8, "group_size": 4, "slots_per_rank": 3,
@@ -16,6 +16,7 @@ raises `ExpertMapError` listing every problem it found, so a bad map from outsid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -36,13 +37,25 @@ class PhysicalSlot(NamedTuple):
     slot: int
 
 
+class NotEnoughSlotsError(ExpertMapError):
+    """The ranks present have too few slots for one copy of every expert."""
+
+    def __init__(self, problems: list[str], missing_slots: int) -> None:
+        super().__init__(problems)
+        self.missing_slots = missing_slots
+
+
 @dataclass(frozen=True)
 class GroupShape:
-    """The configuration a placement is planned for: E experts over N ranks with R redundant slots per rank."""
+    """What a placement is planned for: E experts over a group of N ranks with S slots each.
+
+    S is fixed for a worker's life (its device buffers are stacked once), N is a property of each epoch: a group is
+    resized by epochs with the same S (`resized`). `even_share` is the shape a group is started with: an even share
+    ceil(E / N) plus R redundant slots per rank."""
 
     num_experts: int
     group_size: int
-    redundant_slots_per_rank: int
+    slots_per_rank: int
 
     def __post_init__(self) -> None:
         problems = []
@@ -50,14 +63,39 @@ class GroupShape:
             problems.append(f"num_experts must be at least 1, got {self.num_experts}")
         if self.group_size < 1:
             problems.append(f"group_size must be at least 1, got {self.group_size}")
-        if self.redundant_slots_per_rank < 0:
-            problems.append(f"redundant_slots_per_rank must be at least 0, got {self.redundant_slots_per_rank}")
+        if self.slots_per_rank < 1:
+            problems.append(f"slots_per_rank must be at least 1, got {self.slots_per_rank}")
         if problems:
             raise ExpertMapError(problems)
 
-    @property
-    def slots_per_rank(self) -> int:
-        return -(-self.num_experts // self.group_size) + self.redundant_slots_per_rank
+    @classmethod
+    def even_share(cls, num_experts: int, group_size: int, redundant_slots_per_rank: int = 0) -> GroupShape:
+        """ceil(E / N) + R slots per rank."""
+        if redundant_slots_per_rank < 0:
+            raise ExpertMapError([f"redundant_slots_per_rank must be at least 0, got {redundant_slots_per_rank}"])
+        if group_size < 1:
+            raise ExpertMapError([f"group_size must be at least 1, got {group_size}"])
+        return cls(num_experts, group_size, -(-num_experts // group_size) + redundant_slots_per_rank)
+
+    def resized(self, group_size: int) -> GroupShape:
+        """The same experts and slots per rank over `group_size` ranks."""
+        return GroupShape(self.num_experts, group_size, self.slots_per_rank)
+
+    def check_room(self, ranks: Sequence[int]) -> None:
+        """NotEnoughSlotsError unless `ranks` have a slot for one copy of every expert (P x S >= E)."""
+        present = sorted(ranks)
+        slots = len(present) * self.slots_per_rank
+        if slots >= self.num_experts:
+            return
+        missing = self.num_experts - slots
+        raise NotEnoughSlotsError(
+            [
+                f"ranks {present} have {len(present)} x {self.slots_per_rank} = {slots} expert slots for "
+                f"{self.num_experts} experts: {missing} slot{'s' if missing > 1 else ''} missing, so some expert "
+                f"would have no copy"
+            ],
+            missing,
+        )
 
 
 @dataclass(frozen=True)

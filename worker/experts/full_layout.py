@@ -4,7 +4,10 @@ Rules:
 - First copies ("home" copies) are balanced: each rank holds floor(E / N) or ceil(E / N) of them, the lower ranks
   the larger share. They are built by growing the group one rank at a time from a single rank holding every expert:
   the rank added takes the highest-numbered surplus experts of the ranks before it. So the homes of N + 1 ranks are
-  those of N ranks with only the new rank's share moved, and resizing a group by one rank moves no other first copy.
+  those of N ranks with only the new rank's share moved, and resizing a group by one rank moves no other first copy
+  (each rank's homes of N + 1 ranks are a prefix of its homes of N, in the same slots). They depend on E and N
+  only, not on S, so with a fixed S the layout exists for every N with N * S >= E (ceil(E / N) <= S then) and a
+  rank that stays through a resize keeps its first copies; with N * S < E it is refused (`NotEnoughSlotsError`).
 - The remaining N * S - E slots hold redundant copies, at most one copy of an expert per rank. Without load they go
   round-robin over the ranks' home lists (the first home expert of every rank, then the second of every rank, ...),
   so that every rank's experts are backed up alike and a lost rank leaves as few experts without a copy as possible.
@@ -62,6 +65,7 @@ def round_robin_order(homes: tuple[tuple[int, ...], ...]) -> list[int]:
 
 def full_layout(shape: GroupShape, load: Sequence[float] | None = None) -> ExpertMap:
     """The map of the whole group of `shape` (every rank present), by the module's rules."""
+    shape.check_room(range(shape.group_size))
     loads = check_load(load, shape.num_experts)
     homes = home_experts(shape.num_experts, shape.group_size)
     home_of = {expert: rank for rank, held in enumerate(homes) for expert in held}

@@ -19,6 +19,9 @@ Rules:
   has other copies left and carries the least load per copy once it is gone (without load: the one with the most
   copies; ties: not a first copy of the full layout, then the lowest slot). Nothing else moves: redundancy is
   rebuilt by the next whole-group epoch, not on the recovery path.
+- Resize: the group size is the shape's, the slots per rank stay (fixed for a worker's life). A previous map of
+  another group size is repaired like one of the same size (its ranks past the new size are simply absent), and a
+  whole group of the new size gets its full layout, whose first copies are nested across group sizes.
 - Deterministic: the same inputs give the same plan.
 The plan also says, per rank, what to load, move and drop (`changes`), and which experts no present rank held
 before (`missing_experts`: the degraded experts the epoch reloads from the checkpoint).
@@ -32,14 +35,6 @@ from dataclasses import dataclass
 from tidal.worker.experts.changes import RankChanges, rank_changes
 from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError, GroupShape, Slots
 from tidal.worker.experts.full_layout import check_load, full_layout, home_experts
-
-
-class NotEnoughSlotsError(ExpertMapError):
-    """The present ranks have too few slots for one copy of every expert."""
-
-    def __init__(self, problems: list[str], missing_slots: int) -> None:
-        super().__init__(problems)
-        self.missing_slots = missing_slots
 
 
 @dataclass(frozen=True)
@@ -89,17 +84,7 @@ def _checked_ranks(shape: GroupShape, present_ranks: Sequence[int]) -> list[int]
         problems.append(f"ranks {outside} are outside the group of {shape.group_size}")
     if problems:
         raise ExpertMapError(problems)
-    slots = len(present) * shape.slots_per_rank
-    if slots < shape.num_experts:
-        missing = shape.num_experts - slots
-        raise NotEnoughSlotsError(
-            [
-                f"ranks {present} have {len(present)} x {shape.slots_per_rank} = {slots} expert slots for "
-                f"{shape.num_experts} experts: {missing} slot{'s' if missing > 1 else ''} missing, so some "
-                f"expert would have no copy"
-            ],
-            missing,
-        )
+    shape.check_room(present)
     return present
 
 

@@ -109,9 +109,10 @@ def apply_epoch(state: ExpertParallelState, layers: Sequence[tuple[str, SparseMo
 
 
 def check_epoch(state: ExpertParallelState, expert_map: ExpertMap, changes: RankChanges, comm: ExpertComm) -> None:
-    """ValueError unless the map is for this group with exactly the comm's members, this rank is one of them at its
-    place, and `changes` are what takes this rank's slots to the map's."""
-    expert_map.check_fits(state.shape, list(comm.members))
+    """ValueError unless the map is for this model's experts and slots (over the map's group size, the epoch's) with
+    exactly the comm's members, this rank is one of them at its place, and `changes` are what takes this rank's
+    slots to the map's."""
+    expert_map.check_fits(state.shape_for(expert_map.group_size), list(comm.members))
     members = list(comm.members)
     if comm.size != len(members) or not 0 <= comm.group_rank < len(members) or members[comm.group_rank] != state.rank:
         raise ValueError(

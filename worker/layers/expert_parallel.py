@@ -1,10 +1,12 @@
 """Expert parallelism's shared state: what this rank's expert slots hold, and the epoch it serves them in.
 
-A model built for a group of more than one rank gives each MoE layer S = GroupShape(...).slots_per_rank expert
-slots instead of E experts; every layer's slot s holds the same logical expert (one map serves all MoE layers), so
-one `ExpertParallelState` per model says what the slots hold. It also keeps the current epoch: its `ExpertComm`
-(the process group of the epoch's members) and the routing tensors built from the epoch's map once, when the epoch
-is installed, so that a step picks every token's copy on the device without a Python loop.
+A model built for a group of more than one rank gives each MoE layer S expert slots instead of E experts (S =
+ceil(E / world_size) + R, or the count the settings give); every layer's slot s holds the same logical expert (one
+map serves all MoE layers), so one `ExpertParallelState` per model says what the slots hold. S is fixed for the
+model's life (the stacks are allocated once); the group size is the current epoch's, so the group can be resized by
+epochs around the ranks that stay. The state also keeps the current epoch: its `ExpertComm` (the process group of
+the epoch's members) and the routing tensors built from the epoch's map once, when the epoch is installed, so that
+a step picks every token's copy on the device without a Python loop.
 
 Routing (the rule of tidal.worker.experts.routing): a copy on this rank when there is one, else the copies take turns
 by the token's row index in the step. Both cases are one table: row e lists the copies rank `me` may use for logical
@@ -27,22 +29,32 @@ from tidal.worker.experts.placement import plan_placement
 
 @dataclass(frozen=True)
 class ExpertParallelSettings:
-    """Where this process sits in its expert-parallel group (from EngineConfig): global rank, group size, and the
-    redundant expert slots each rank has beyond an even share."""
+    """Where this process sits in its expert-parallel group (from EngineConfig): global rank, the group size it starts
+    for, and its expert slots: the redundant ones beyond an even share, or a count given outright (a rank joining a
+    running group takes its members' count, which a resize since their start no longer derives)."""
 
     rank: int
     world_size: int
     redundant_slots_per_rank: int = 0
+    slots_per_rank: int | None = None  # None: ceil(E / world_size) + redundant_slots_per_rank
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a group of world_size {self.world_size}")
         if self.redundant_slots_per_rank < 0:
             raise ValueError(f"redundant_slots_per_rank must be at least 0, got {self.redundant_slots_per_rank}")
+        if self.slots_per_rank is not None and self.slots_per_rank < 1:
+            raise ValueError(f"expert slots per rank must be at least 1, got {self.slots_per_rank}")
 
     @property
     def is_parallel(self) -> bool:
         return self.world_size > 1
+
+    def start_shape(self, num_experts: int) -> GroupShape:
+        """The shape of the group this process starts in."""
+        if self.slots_per_rank is None:
+            return GroupShape.even_share(num_experts, self.world_size, self.redundant_slots_per_rank)
+        return GroupShape(num_experts, self.world_size, self.slots_per_rank)
 
 
 class ExpertComm(Protocol):
@@ -118,13 +130,15 @@ class ExpertParallelState:
 
     def __init__(self, settings: ExpertParallelSettings, num_experts: int) -> None:
         self.settings = settings
-        self.shape = GroupShape(num_experts, settings.world_size, settings.redundant_slots_per_rank)
+        self.shape = settings.start_shape(num_experts)  # the start group's; an epoch's is `shape_for(its size)`
         if self.shape.slots_per_rank > num_experts:
             raise ValueError(
                 f"{self.shape.slots_per_rank} expert slots per rank for {num_experts} experts: a rank never holds two "
-                f"copies of one expert, so lower redundant_experts_per_rank ({settings.redundant_slots_per_rank})"
+                f"copies of one expert, so lower redundant_experts_per_rank ({settings.redundant_slots_per_rank}) "
+                f"or expert_slots_per_rank"
             )
-        # At start every rank holds its slots of the full layout; the first epoch normally keeps them.
+        # At start every rank holds its slots of the full layout; the first epoch normally keeps them. A slot count
+        # too small for the start group (N x S < E) is refused here (NotEnoughSlotsError, a ValueError).
         self.expert_map = plan_placement(self.shape, range(settings.world_size)).expert_map
         self.comm: ExpertComm | None = None
         self.routing: EpochRouting | None = None
@@ -136,6 +150,10 @@ class ExpertParallelState:
     @property
     def slots_per_rank(self) -> int:
         return self.shape.slots_per_rank
+
+    def shape_for(self, group_size: int) -> GroupShape:
+        """This model's experts and slots over an epoch's `group_size` ranks."""
+        return self.shape.resized(group_size)
 
     @property
     def slots(self) -> Slots:

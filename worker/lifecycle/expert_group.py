@@ -2,9 +2,11 @@
 
 `POST /group/reconfigure` lands here once the membership checks passed. Preparing an epoch (blocking, on a worker
 thread, while the old epoch, if healthy, keeps serving):
-1. join the epoch's process group: a fresh rendezvous at the coordinator's group endpoint;
-2. the epoch's expert map: the one the request carries, or the coordinator plans it from the map it served last
-   (`tidal.worker.experts.plan_placement`) and publishes it in the epoch's store, where the other members read it;
+1. join the epoch's process group: a fresh rendezvous at the coordinator's group endpoint, where the members also
+   check that they all have the same number of expert slots (`epoch_slots`);
+2. the epoch's expert map for the epoch's group size (a resize is an epoch of another size): the one the request
+   carries, or the coordinator plans it from the map it served last (`tidal.worker.experts.plan_placement`) and
+   publishes it in the epoch's store, where the other members read it;
 3. stage what this rank must hold and does not: read those experts from the served version's checkpoint into host
    memory. Nothing served changes until here, so any failure refuses the epoch and keeps the old state.
 Then the engine's loop switches at a step boundary all staying ranks agree on (`engine.lockstep`), installs the
@@ -27,12 +29,13 @@ from tidal.contract.control_api import GroupHealth, GroupReconfigureRequest, Gro
 from tidal.worker.engine.group_link import GroupLink, PendingEpoch
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.lockstep_engine import LockstepAsyncEngine
-from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError
-from tidal.worker.experts.placement import NotEnoughSlotsError, plan_placement
+from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError, GroupShape, NotEnoughSlotsError
+from tidal.worker.experts.placement import plan_placement
 from tidal.worker.group.endpoint import GroupEndpoint
 from tidal.worker.group.epoch_group import EpochGroup, GroupBackend, join_epoch
 from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
+from tidal.worker.lifecycle.epoch_slots import agree_on_slots
 from tidal.worker.lifecycle.errors import (
     BadRequestError,
     ExpertsUnavailableError,
@@ -86,10 +89,10 @@ class ExpertGroup:
         self._on_installed = on_installed
         self.last: EpochOutcome | None = None
 
-    async def join(self, request: GroupReconfigureRequest) -> EpochOutcome:
-        """Prepare the epoch, hand it to the engine and wait until the loop switched to it."""
+    async def join(self, request: GroupReconfigureRequest, group_size: int) -> EpochOutcome:
+        """Prepare the epoch (of `group_size` ranks), hand it to the engine and wait until the loop switched to it."""
         start = time.monotonic()
-        pending, outcome = await asyncio.to_thread(self._prepare, request, start)
+        pending, outcome = await asyncio.to_thread(self._prepare, request, group_size, start)
         try:
             self.link.offer(pending)
         except GroupBrokenError as err:  # a newer epoch was asked for and prepared meanwhile
@@ -111,7 +114,9 @@ class ExpertGroup:
         )  # fmt: skip
         return outcome
 
-    def _prepare(self, request: GroupReconfigureRequest, start: float) -> tuple[PendingEpoch, EpochOutcome]:
+    def _prepare(
+        self, request: GroupReconfigureRequest, group_size: int, start: float
+    ) -> tuple[PendingEpoch, EpochOutcome]:
         members = [EpochMember(m.rank, m.address) for m in sorted(request.members, key=lambda m: m.rank)]
         try:
             group = join_epoch(
@@ -121,7 +126,13 @@ class ExpertGroup:
         except GroupBrokenError as err:
             raise GroupUnreachableError(f"could not join epoch {request.epoch}: {err}") from err
         try:
-            expert_map, degraded = self._epoch_map(request, group)
+            ranks = [m.rank for m in members]
+            try:
+                agree_on_slots(group, request.epoch, ranks, self.rank, self.experts.slots_per_rank,
+                               request.coordinator_rank, request.timeout_s)  # fmt: skip
+            except GroupBrokenError as err:
+                raise GroupUnreachableError(f"epoch {request.epoch}: a member's slot count is missing: {err}") from err
+            expert_map, degraded = self._epoch_map(request, self.experts.shape_for(group_size), group)
             mine = self.experts.changes_to(expert_map)
             reload_start = time.monotonic()
             checkpoint = self._checkpoint_dir()
@@ -152,10 +163,11 @@ class ExpertGroup:
         outcome = EpochOutcome(expert_map, mine.loaded_experts, degraded, reload_s, time.monotonic() - start)
         return PendingEpoch(group, install), outcome
 
-    def _epoch_map(self, request: GroupReconfigureRequest, group: EpochGroup) -> tuple[ExpertMap, tuple[int, ...]]:
-        """The epoch's map and its degraded experts (held by no member before it)."""
+    def _epoch_map(
+        self, request: GroupReconfigureRequest, shape: GroupShape, group: EpochGroup
+    ) -> tuple[ExpertMap, tuple[int, ...]]:
+        """The epoch's map for `shape` (the epoch's group size) and its degraded experts (held by no member before)."""
         members = sorted(m.rank for m in request.members)
-        shape = self.experts.shape
         if request.expert_map is not None:
             try:
                 expert_map = ExpertMap.from_json(request.expert_map)
@@ -181,10 +193,16 @@ class ExpertGroup:
         body = json.loads(raw)
         if "error" in body:
             raise ExpertsUnavailableError(f"epoch {request.epoch} refused by its coordinator: {body['error']}")
-        return ExpertMap.from_json(body["map"]), tuple(body["degraded"])
+        try:
+            expert_map = ExpertMap.from_json(body["map"])
+            expert_map.check_fits(shape, members)
+        except ExpertMapError as err:  # the coordinator was sent another group_size, or runs other code
+            raise BadRequestError(f"the coordinator's map of epoch {request.epoch} does not fit: {err}") from err
+        return expert_map, tuple(body["degraded"])
 
     # ----- /state -----
-    def status(self) -> GroupStatus:
+    def status(self, group_size: int) -> GroupStatus:
+        """`group_size`: the current epoch's (the membership's)."""
         link = self.link
         group, broken = link.group, link.broken
         if group is not None:
@@ -197,6 +215,8 @@ class ExpertGroup:
         return GroupStatus(
             health=health,
             members=list(group.members) if group is not None else [],
+            group_size=group_size,
+            slots_per_rank=self.experts.slots_per_rank,
             broken_peer_rank=broken.peer_rank if broken is not None else None,
             broken_reason=broken.reason if broken is not None else None,
             broken_for_s=max(0.0, time.monotonic() - broken.since) if broken is not None else None,

@@ -75,6 +75,8 @@ class LifecycleManager:
         self.metrics = metrics
         self.uploads = Uploads(config.upload_dir)
         self.group = GroupMembership(rank, world_size)
+        if metrics is not None:
+            metrics.set_group_size(world_size)
         self.engine: AsyncEngine | None = None
         self.expert_group: ExpertGroup | None = None  # with expert parallelism, once loaded
         self._newest_epoch = 0  # the newest epoch asked for, joined or not
@@ -186,7 +188,7 @@ class LifecycleManager:
             outcome = None
             if self.expert_group is not None:
                 self._newest_epoch = max(self._newest_epoch, request.epoch)
-                outcome = await self.expert_group.join(request)
+                outcome = await self.expert_group.join(request, self.group.group_size_of(request))
                 if request.epoch < self._newest_epoch:
                     raise StaleEpochError(f"epoch {request.epoch} was overtaken by epoch {self._newest_epoch}")
             elif self.group.world_size > 1 and not self.is_loaded:
@@ -198,9 +200,10 @@ class LifecycleManager:
             raise
         if self.metrics is not None:
             self.metrics.record_reconfigure(self.group.epoch)
+            self.metrics.set_group_size(self.group.group_size)
         ranks = sorted(m.rank for m in request.members)
-        log.info("group epoch %d: members %s, coordinator %d, formed=%s", request.epoch, ranks,
-                 request.coordinator_rank, self.group.is_formed)  # fmt: skip
+        log.info("group epoch %d: members %s of a group of %d, coordinator %d, formed=%s", request.epoch, ranks,
+                 self.group.group_size, request.coordinator_rank, self.group.is_formed)  # fmt: skip
         if outcome is None:
             return GroupReconfigureResult(applied=True, state=self.state())
         self._checksum = None  # the experts held, and so the tensors hashed, may have changed
@@ -216,10 +219,12 @@ class LifecycleManager:
 
     def group_status(self) -> GroupStatus:
         if self.expert_group is not None:
-            return self.expert_group.status()
+            return self.expert_group.status(self.group.group_size)
         current = self.group.current
         health = GroupHealth.SOLO
-        return GroupStatus(health=health, members=current.ranks if current is not None else [])
+        return GroupStatus(
+            health=health, members=current.ranks if current is not None else [], group_size=self.group.group_size
+        )
 
     # ----- requests while asleep (the engine's admission gate) -----
     async def admit(self) -> None:

@@ -7,6 +7,11 @@ same membership is a retry and changes nothing; anything older, or the same epoc
 from a stale caller and is refused. The membership is kept in memory only: a restarted worker starts at epoch 0,
 and the operator sends it the next epoch once it is loaded.
 
+The group's size belongs to each epoch (`group_size`; the worker's start world_size until one says otherwise), so a
+running group grows and shrinks by epochs: every member is below the epoch's size, and the group is formed when the
+members are all its ranks. A worker started alone (world_size 1) was built without expert parallelism and stays a
+group of one.
+
 It lives with the lifecycle because the lifecycle manager holds it (applies it, reports it in `/state`) and its
 refusals are lifecycle errors; nothing here touches HTTP, the engine or the weights.
 """
@@ -24,21 +29,22 @@ class Membership:
     epoch: int
     members: frozenset[tuple[int, str]]  # (rank, address)
     coordinator_rank: int
+    group_size: int
 
     @property
     def ranks(self) -> list[int]:
         return sorted(rank for rank, _ in self.members)
 
     @classmethod
-    def of(cls, request: GroupReconfigureRequest) -> Membership:
+    def of(cls, request: GroupReconfigureRequest, group_size: int) -> Membership:
         members = frozenset((m.rank, m.address) for m in request.members)
-        return cls(request.epoch, members, request.coordinator_rank)
+        return cls(request.epoch, members, request.coordinator_rank, group_size)
 
 
 class GroupMembership:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
-        self.world_size = world_size
+        self.world_size = world_size  # the size the worker was started for
         self.current: Membership | None = None
 
     @property
@@ -50,12 +56,22 @@ class GroupMembership:
         return self.current.coordinator_rank if self.current is not None else 0
 
     @property
+    def group_size(self) -> int:
+        """The current epoch's group size; the start world_size before any epoch."""
+        return self.current.group_size if self.current is not None else self.world_size
+
+    def group_size_of(self, request: GroupReconfigureRequest) -> int:
+        """The group size `request` asks for (its own, or by default the start world_size)."""
+        return request.group_size if request.group_size is not None else self.world_size
+
+    @property
     def is_formed(self) -> bool:
-        """A lone rank is a group by itself; otherwise every rank of the world must be a member (a group of the
-        survivors of a failure is applied, but not formed: it serves degraded until the lost rank is back)."""
-        if self.world_size == 1:
-            return True
-        return self.current is not None and self.current.ranks == list(range(self.world_size))
+        """A lone worker is a group by itself; otherwise every rank of the epoch's group size must be a member (a
+        group of the survivors of a failure is applied, but not formed: it serves degraded until the lost rank is
+        back)."""
+        if self.current is None:
+            return self.world_size == 1
+        return self.current.ranks == list(range(self.current.group_size))
 
     def apply(self, request: GroupReconfigureRequest) -> bool:
         """Make `request` the membership. -> False when it is the one applied already (a retry).
@@ -67,17 +83,21 @@ class GroupMembership:
 
     def commit(self, request: GroupReconfigureRequest) -> None:
         """Make `request` the membership (after `check` said it is new and the epoch was joined)."""
-        self.current = Membership.of(request)
+        self.current = Membership.of(request, self.group_size_of(request))
 
     def check(self, request: GroupReconfigureRequest) -> bool:
         """Whether `request` is a new membership to apply (False: the one applied already, a retry); refuses what
         `apply` refuses, and changes nothing."""
-        proposed = Membership.of(request)
-        outside = [rank for rank in proposed.ranks if rank >= self.world_size]
-        if outside:
+        proposed = Membership.of(request, self.group_size_of(request))
+        if self.world_size == 1 and proposed.group_size > 1:
             raise BadRequestError(
-                f"member ranks {outside} are outside this worker's group of world_size {self.world_size}"
+                f"this worker was started alone (world_size 1), without expert parallelism: it cannot be a member of "
+                f"a group of {proposed.group_size}; start it for the group's size"
             )
+        outside = [rank for rank in proposed.ranks if rank >= proposed.group_size]
+        if outside:
+            where = "the epoch's group_size" if request.group_size is not None else "this worker's group of world_size"
+            raise BadRequestError(f"member ranks {outside} are outside {where} {proposed.group_size}")
         if self.rank not in proposed.ranks:
             raise BadRequestError(
                 f"this worker is rank {self.rank}, which is not among the members {proposed.ranks} of epoch "
@@ -88,8 +108,9 @@ class GroupMembership:
             if proposed == current:
                 return False
             raise StaleEpochError(
-                f"epoch {proposed.epoch} was already applied with members {current.ranks} and coordinator "
-                f"{current.coordinator_rank}; a new membership needs a new epoch (> {current.epoch})"
+                f"epoch {proposed.epoch} was already applied with members {current.ranks}, coordinator "
+                f"{current.coordinator_rank} and group_size {current.group_size}; a new membership needs a new epoch "
+                f"(> {current.epoch})"
             )
         if current is not None and proposed.epoch < current.epoch:
             raise StaleEpochError(

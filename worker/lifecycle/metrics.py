@@ -36,6 +36,10 @@ class LifecycleMetrics:
             f"{PREFIX}_group_epoch", "Group membership epoch last applied by /group/reconfigure (0: never)",
             registry=registry,
         )  # fmt: skip
+        self.group_size = Gauge(
+            f"{PREFIX}_group_size", "Ranks of the group in the epoch last applied (the start world_size before any)",
+            registry=registry,
+        )  # fmt: skip
         self.group_health = Enum(
             f"{PREFIX}_group_health", "This rank in its expert-parallel group (solo: no expert parallelism)",
             states=[h.value for h in GroupHealth], registry=registry,
@@ -65,6 +69,9 @@ class LifecycleMetrics:
         self.operations.labels(operation="reconfigure", outcome="ok" if epoch is not None else "error").inc()
         if epoch is not None:
             self.group_epoch.set(epoch)
+
+    def set_group_size(self, group_size: int) -> None:
+        self.group_size.set(group_size)
 
     def set_group_health(self, health: GroupHealth) -> None:
         self.group_health.state(health.value)

@@ -158,8 +158,8 @@ class GroupConductor:
 
     # ----- forming and watching -----
     async def form(self, ranks: list[int] | None = None) -> EpochAttempt:
-        """Send the next epoch with `ranks` (default: all) and wait for every answer; GroupConductorError when a
-        member refuses it."""
+        """Send the next epoch with `ranks` (default: all of the group's current size) and wait for every answer;
+        GroupConductorError when a member refuses it."""
         members = sorted(self.processes.ranks if ranks is None else ranks)
         attempt = await self.send_epoch(members)
         problems = [f"rank {r}: {why}" for r, why in sorted(attempt.refusals.items())]
@@ -344,8 +344,9 @@ class GroupConductor:
                     f"{process.log_report()}"
                 )
 
-    async def send_epoch(self, members: list[int]) -> EpochAttempt:
-        """Send the next epoch with `members` to each of them and wait for every answer (applied or refused)."""
+    async def send_epoch(self, members: list[int], group_size: int | None = None) -> EpochAttempt:
+        """Send the next epoch with `members` to each of them and wait for every answer (applied or refused).
+        `group_size`: the epoch's (default: the processes' current size, which a resize sets)."""
         seen = max((s.group_epoch for s in self.states.values()), default=0)
         self._epoch = max(self._epoch, seen) + 1
         previous = self.applied
@@ -355,6 +356,7 @@ class GroupConductor:
             epoch=self._epoch,
             members=[GroupMember(rank=r, address=self.processes[r].group_address) for r in members],
             coordinator_rank=coordinator,
+            group_size=self.processes.group_size if group_size is None else group_size,
             timeout_s=self.reconfigure_timeout_s,
         )
         attempt = EpochAttempt(self._epoch, members, coordinator, sent_at=time.monotonic())

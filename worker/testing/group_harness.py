@@ -7,6 +7,9 @@
         records = await load.wait()
         await group.conductor.wait_whole(after=fault_at)          # survivors' epoch, replacement, whole again
         report = recovery_report("kill", fault_at, [2], group.conductor, records, reference)
+        s = (await group.state(0)).group.slots_per_rank             # fixed for a worker's life
+        await group.grow(4, replace(launch, world_size=4, expert_slots_per_rank=s))  # resized by epochs
+        await group.shrink(3)
 
 The parts: `worker_processes` (the rank processes and their faults), `group_conductor` (the operator's part),
 `streaming_load` (timed streams), `recovery_metrics` (what the fault cost). The reference outputs come from one
@@ -16,6 +19,7 @@ correctness.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +30,7 @@ import httpx
 
 from tidal.contract.control_api import TOKEN_HEADER, WorkerState
 from tidal.worker.experts.expert_map import ExpertMap
-from tidal.worker.testing.group_conductor import GroupConductor
+from tidal.worker.testing.group_conductor import EpochAttempt, GroupConductor
 from tidal.worker.testing.in_process import ControlledWorker
 from tidal.worker.testing.streaming_load import StreamingLoad, round_robin
 from tidal.worker.testing.worker_processes import WorkerLaunch, WorkerProcesses
@@ -79,6 +83,29 @@ class GroupHarness:
         """Streams of `prompts` spread round-robin over `ranks` (default: every rank); call `.start()`."""
         requests = round_robin(prompts, list(ranks) if ranks is not None else self.processes.ranks, max_tokens)
         return StreamingLoad(self.processes.serving_url, requests, self.launch.model_name)
+
+    async def grow(self, group_size: int, launch: WorkerLaunch) -> EpochAttempt:
+        """Start the ranks from the group's current size up to `group_size` with `launch` (started for the new size
+        with the running members' expert slots per rank), wait until they have loaded, and form the group of the new
+        size with every rank; the ranks already there keep running. GroupConductorError when a member refuses."""
+        if launch.world_size != group_size:
+            raise ValueError(f"ranks joining a group of {group_size} are started with that world_size")
+        joining = list(range(self.processes.group_size, group_size))
+        for rank in joining:
+            self.processes.start(rank, launch)
+        await asyncio.gather(*(self.processes.wait_loaded(rank, self.load_timeout_s) for rank in joining))
+        self.processes.group_size = group_size
+        return await self.conductor.form()
+
+    async def shrink(self, group_size: int) -> EpochAttempt:
+        """Form the group of ranks 0..group_size-1; the ranks past it are left out of the epoch and then stopped, as
+        the operator deletes their pods. GroupConductorError when a member refuses."""
+        leaving = list(range(group_size, self.processes.group_size))
+        self.processes.group_size = group_size
+        attempt = await self.conductor.form()
+        for rank in leaving:
+            await asyncio.to_thread(self.processes.stop, rank)
+        return attempt
 
     async def state(self, rank: int, timeout_s: float = 10.0) -> WorkerState:
         """The rank's current process's `/state`."""

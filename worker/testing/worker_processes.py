@@ -5,8 +5,10 @@ work directory. The ports are picked below the kernel's ephemeral range, so that
 0 nor an outgoing connection (the load generator opens many) can take one between the pick and the worker's bind.
 Faults are real signals: SIGKILL (a crash), SIGSTOP (a frozen process: its sockets still accept, nothing answers).
 A rank can be started again after its process is gone: the replacement is a new process on new ports, as a new pod
-would be. Every process started is ended by `close()` (the context manager's exit), and on Linux also dies with
-the process that started it.
+would be. The group's size (`group_size`, the launch's world_size at first) is what a resize changes: ranks started
+past it for a grown group take a launch of their own (the new world_size, the running members' slot count). Every
+process started is ended by `close()` (the context manager's exit), and on Linux also dies with the process that
+started it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class WorkerLaunch:
     dtype: str = "float32"
     num_kv_blocks: int | None = 256
     redundant_experts_per_rank: int = 0
+    expert_slots_per_rank: int | None = None  # None: the worker derives it from world_size and the redundant slots
     group_timeout_s: float | None = None
     host: str = "127.0.0.1"
     token: str = TEST_TOKEN
@@ -129,10 +132,13 @@ class WorkerStartError(RuntimeError):
 
 
 class WorkerProcesses:
-    """The processes of ranks 0..world_size-1 (one current process per rank); a context manager that ends them all."""
+    """The processes of ranks 0..group_size-1 (one current process per rank; processes of ranks a shrink left out
+    are kept until closed); a context manager that ends them all."""
 
     def __init__(self, launch: WorkerLaunch, workdir: Path | None = None) -> None:
         self.launch = launch
+        self.group_size = launch.world_size  # the group's current size: set by a resize
+        self._launches: dict[int, WorkerLaunch] = {}  # ranks started with a launch of their own
         self._own_workdir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="tidal-group-")) if workdir is None else workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +162,11 @@ class WorkerProcesses:
     # ----- queries -----
     @property
     def ranks(self) -> list[int]:
-        return list(range(self.launch.world_size))
+        return list(range(self.group_size))
+
+    def launch_of(self, rank: int) -> WorkerLaunch:
+        """What `rank` is started with: its own launch, when it was given one, else the group's."""
+        return self._launches.get(rank, self.launch)
 
     def __getitem__(self, rank: int) -> WorkerProcess:
         return self._current[rank]
@@ -172,11 +182,15 @@ class WorkerProcesses:
         return "\n".join(process.log_report(lines) for process in self.history)
 
     # ----- starting -----
-    def start(self, rank: int) -> WorkerProcess:
+    def start(self, rank: int, launch: WorkerLaunch | None = None) -> WorkerProcess:
         """Start a process for `rank` (returns at once; `wait_loaded` waits for the model). A replacement needs the
-        rank's previous process gone (`kill` or `stop` it first)."""
-        if not 0 <= rank < self.launch.world_size:
-            raise ValueError(f"rank {rank} is outside the group of world_size {self.launch.world_size}")
+        rank's previous process gone (`kill` or `stop` it first). `launch`: the rank's own from now on (a rank that
+        grows the group), kept for its replacements."""
+        if launch is not None:
+            self._launches[rank] = launch
+        world_size = self.launch_of(rank).world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the group of world_size {world_size}")
         previous = self._current.get(rank)
         if previous is not None and previous.is_running:
             raise RuntimeError(f"{previous.describe()} is still running; kill or stop it before replacing it")
@@ -201,7 +215,7 @@ class WorkerProcesses:
         return [self.start(rank) for rank in self.ranks]
 
     def _flags(self, rank: int, ports: WorkerPorts) -> list[str]:
-        launch = self.launch
+        launch = self.launch_of(rank)
         flags = {
             "--model": str(launch.model_path),
             "--device": launch.device,
@@ -219,6 +233,8 @@ class WorkerProcesses:
             flags["--num-kv-blocks"] = str(launch.num_kv_blocks)
         if launch.group_timeout_s is not None:
             flags["--group-timeout-s"] = str(launch.group_timeout_s)
+        if launch.expert_slots_per_rank is not None:
+            flags["--expert-slots-per-rank"] = str(launch.expert_slots_per_rank)
         return [*(part for pair in flags.items() for part in pair), *launch.extra_flags]
 
     def _environment(self, rank: int) -> dict[str, str]:
@@ -228,7 +244,7 @@ class WorkerProcesses:
         env = {name: value for name, value in os.environ.items() if name not in worker_names}
         env["TIDAL_CONTROL_TOKEN"] = self.launch.token
         env["PYTHONUNBUFFERED"] = "1"  # the log shows what happened up to a SIGKILL
-        devices = self.launch.visible_devices
+        devices = self.launch_of(rank).visible_devices
         if devices:
             env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
         return env

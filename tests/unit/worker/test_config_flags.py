@@ -105,3 +105,10 @@ def test_without_a_prefix_there_are_only_flags():
     with pytest.raises(ValidationError) as exc:
         options.build({})
     assert options.describe(exc.value) == ["--name: Field required"]
+
+
+def test_the_expert_slot_count_of_a_rank_joining_a_resized_group_is_a_flag_and_a_variable():
+    option = WORKER_OPTIONS.options["expert_slots_per_rank"]
+    assert option.path == ("engine", "expert_slots_per_rank")
+    assert (option.flags, option.env_names) == (("--expert-slots-per-rank",), ("TIDAL_EXPERT_SLOTS_PER_RANK",))
+    assert WORKER_OPTIONS.nest({"expert_slots_per_rank": 4})["engine"] == {"expert_slots_per_rank": 4}

@@ -17,7 +17,10 @@ GOOD = {"num_experts": 4, "group_size": 3, "slots_per_rank": 2, "slots": [[0, 1]
 
 
 def test_a_map_travels_as_json_and_comes_back_equal():
-    for expert_map in (full_layout(GroupShape(8, 4, 1)), plan_placement(GroupShape(8, 4, 2), [1, 3]).expert_map):
+    for expert_map in (
+        full_layout(GroupShape.even_share(8, 4, 1)),
+        plan_placement(GroupShape.even_share(8, 4, 2), [1, 3]).expert_map,
+    ):
         wire = json.loads(json.dumps(expert_map.to_json()))
         assert ExpertMap.from_json(wire) == expert_map
     assert ExpertMap.from_json(GOOD).to_json() == GOOD
@@ -62,9 +65,9 @@ def test_every_problem_is_listed_at_once():
 
 def test_a_received_map_must_fit_the_group_and_the_epochs_members():
     expert_map = ExpertMap.from_json(GOOD)
-    expert_map.check_fits(GroupShape(4, 3, 0), [2, 0])
+    expert_map.check_fits(GroupShape.even_share(4, 3, 0), [2, 0])
     with pytest.raises(ExpertMapError) as refused:
-        expert_map.check_fits(GroupShape(4, 3, 1), [0, 1, 2])
+        expert_map.check_fits(GroupShape.even_share(4, 3, 1), [0, 1, 2])
     assert refused.value.problems == [
         "the map has slots_per_rank 2, this group has 3",
         "the map's ranks [0, 2] are not the epoch's members [0, 1, 2]",

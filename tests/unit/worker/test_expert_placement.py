@@ -8,9 +8,9 @@ from itertools import combinations
 
 import pytest
 
-from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError, GroupShape
+from tidal.worker.experts.expert_map import ExpertMap, ExpertMapError, GroupShape, NotEnoughSlotsError
 from tidal.worker.experts.full_layout import full_layout, home_experts
-from tidal.worker.experts.placement import NotEnoughSlotsError, plan_placement
+from tidal.worker.experts.placement import plan_placement
 
 
 def _held(expert_map: ExpertMap, rank: int) -> set[int]:
@@ -22,7 +22,7 @@ def _holders(expert_map: ExpertMap, expert: int) -> set[int]:
 
 
 def test_the_full_layout_of_eight_experts_on_four_ranks_with_one_redundant_slot():
-    shape = GroupShape(num_experts=8, group_size=4, redundant_slots_per_rank=1)
+    shape = GroupShape.even_share(num_experts=8, group_size=4, redundant_slots_per_rank=1)
     assert shape.slots_per_rank == 3
     layout = full_layout(shape)
     # first copies two per rank (nested homes), then one backup each of every rank's first home expert, placed on
@@ -46,7 +46,7 @@ def test_first_copies_are_balanced_and_nested_across_group_sizes():
 
 
 def test_a_lost_rank_costs_nothing_when_every_expert_has_a_backup():
-    shape = GroupShape(8, 4, 2)  # 16 slots: every expert has two copies, on different ranks
+    shape = GroupShape.even_share(8, 4, 2)  # 16 slots: every expert has two copies, on different ranks
     layout = full_layout(shape)
     assert all(len(layout.copies(e)) == 2 for e in range(8))
     for lost in range(4):
@@ -58,7 +58,7 @@ def test_a_lost_rank_costs_nothing_when_every_expert_has_a_backup():
 
 
 def test_when_both_holders_of_an_expert_die_the_plan_says_which_survivors_load_it():
-    shape = GroupShape(8, 4, 2)
+    shape = GroupShape.even_share(8, 4, 2)
     layout = full_layout(shape)
     lost = {2, 3}
     gone = [e for e in range(8) if _holders(layout, e) <= lost]
@@ -75,7 +75,7 @@ def test_when_both_holders_of_an_expert_die_the_plan_says_which_survivors_load_i
 
 
 def test_too_few_slots_is_refused_with_the_number_missing():
-    shape = GroupShape(8, 4, 0)  # two slots a rank
+    shape = GroupShape.even_share(8, 4, 0)  # two slots a rank
     with pytest.raises(
         NotEnoughSlotsError,
         match=r"ranks \[0, 2, 3\] have 3 x 2 = 6 expert slots for 8 experts: "
@@ -83,11 +83,11 @@ def test_too_few_slots_is_refused_with_the_number_missing():
     ) as refused:
         plan_placement(shape, [0, 2, 3], previous=full_layout(shape))
     assert refused.value.missing_slots == 2
-    assert plan_placement(GroupShape(8, 4, 1), [0, 2, 3]).expert_map.present_ranks == (0, 2, 3)
+    assert plan_placement(GroupShape.even_share(8, 4, 1), [0, 2, 3]).expert_map.present_ranks == (0, 2, 3)
 
 
 def test_a_rejoin_returns_the_full_layout_and_the_replacement_loads_its_share():
-    shape = GroupShape(8, 4, 1)
+    shape = GroupShape.even_share(8, 4, 1)
     layout = full_layout(shape)
     degraded = plan_placement(shape, [0, 2, 3], previous=layout)
     assert degraded.missing_experts == (5,)  # rank 1 held the only copy of 5
@@ -104,8 +104,8 @@ def test_growing_a_group_by_one_moves_no_first_copy_and_no_more_than_the_new_ran
     for num_experts in (4, 8, 16, 60):
         for group_size in range(1, 7):
             for redundant in range(3):
-                before = full_layout(GroupShape(num_experts, group_size, redundant))
-                grown = GroupShape(num_experts, group_size + 1, redundant)
+                before = full_layout(GroupShape.even_share(num_experts, group_size, redundant))
+                grown = GroupShape.even_share(num_experts, group_size + 1, redundant)
                 plan = plan_placement(grown, range(group_size + 1), previous=before)
                 assert plan.expert_map == full_layout(grown)
                 homes = home_experts(num_experts, group_size + 1)
@@ -120,8 +120,8 @@ def test_shrinking_a_group_by_one_loads_only_inherited_first_copies_and_redundan
     for num_experts in (4, 8, 16, 60):
         for group_size in range(2, 8):
             for redundant in range(3):
-                before = full_layout(GroupShape(num_experts, group_size, redundant))
-                shrunk = GroupShape(num_experts, group_size - 1, redundant)
+                before = full_layout(GroupShape.even_share(num_experts, group_size, redundant))
+                shrunk = GroupShape.even_share(num_experts, group_size - 1, redundant)
                 plan = plan_placement(shrunk, range(group_size - 1), previous=before)
                 old_homes = home_experts(num_experts, group_size)
                 new_homes = home_experts(num_experts, group_size - 1)
@@ -134,7 +134,7 @@ def test_shrinking_a_group_by_one_loads_only_inherited_first_copies_and_redundan
 
 
 def test_redundant_slots_go_to_the_most_loaded_experts_by_load_per_copy():
-    shape = GroupShape(8, 4, 1)  # 4 spare slots
+    shape = GroupShape.even_share(8, 4, 1)  # 4 spare slots
     load = [1.0, 1.0, 1.0, 1.0, 1.0, 100.0, 40.0, 1.0]
     layout = full_layout(shape, load)
     # load per copy, copy by copy: 5 (100) -> 5 (50 > 40) -> 6 (40 > 33.3) -> 5 (33.3 > 25 and 20)
@@ -158,7 +158,7 @@ def test_load_aware_layouts_relieve_the_busiest_rank_under_skewed_load():
     rng = random.Random(13)
     aware = blind = 0.0
     for _ in range(50):
-        shape = GroupShape(rng.choice([8, 16, 32, 64]), rng.choice([2, 4, 8]), rng.choice([1, 2]))
+        shape = GroupShape.even_share(rng.choice([8, 16, 32, 64]), rng.choice([2, 4, 8]), rng.choice([1, 2]))
         load = [rng.paretovariate(1.2) for _ in range(shape.num_experts)]  # a few hot experts, a long tail
         aware += _peak_rank_load(full_layout(shape, load), load)
         blind += _peak_rank_load(full_layout(shape), load)
@@ -166,7 +166,7 @@ def test_load_aware_layouts_relieve_the_busiest_rank_under_skewed_load():
 
 
 def test_plans_are_deterministic():
-    shape = GroupShape(16, 5, 2)
+    shape = GroupShape.even_share(16, 5, 2)
     load = [float((7 * e) % 5) for e in range(16)]
     first = plan_placement(shape, [0, 1, 3], previous=full_layout(shape, load), load=load)
     again = plan_placement(shape, [3, 1, 0], previous=full_layout(shape, load), load=list(load))
@@ -179,20 +179,20 @@ def test_plans_are_deterministic():
 )
 def test_bad_member_lists_are_refused(present: list[int], match: str):
     with pytest.raises(ExpertMapError, match=match):
-        plan_placement(GroupShape(8, 4, 1), present)
+        plan_placement(GroupShape.even_share(8, 4, 1), present)
 
 
 def test_bad_shapes_loads_and_previous_maps_are_refused():
     with pytest.raises(ExpertMapError, match="num_experts must be at least 1"):
-        GroupShape(0, 4, 1)
+        GroupShape.even_share(0, 4, 1)
     with pytest.raises(ExpertMapError, match="redundant_slots_per_rank must be at least 0"):
-        GroupShape(8, 4, -1)
+        GroupShape.even_share(8, 4, -1)
     with pytest.raises(ExpertMapError, match="load has 3 values, one per expert"):
-        plan_placement(GroupShape(8, 4, 1), [0, 1, 2], load=[1.0, 2.0, 3.0])
+        plan_placement(GroupShape.even_share(8, 4, 1), [0, 1, 2], load=[1.0, 2.0, 3.0])
     with pytest.raises(ExpertMapError, match=r"load of experts \[1\] is not a finite number"):
-        plan_placement(GroupShape(2, 2, 1), [0, 1], load=[1.0, float("nan")])
+        plan_placement(GroupShape.even_share(2, 2, 1), [0, 1], load=[1.0, float("nan")])
     with pytest.raises(ExpertMapError, match="the previous map has 8 experts, this group has 6"):
-        plan_placement(GroupShape(6, 4, 1), [0, 1, 2], previous=full_layout(GroupShape(8, 4, 1)))
+        plan_placement(GroupShape.even_share(6, 4, 1), [0, 1, 2], previous=full_layout(GroupShape.even_share(8, 4, 1)))
 
 
 def _check_degraded(shape: GroupShape, previous: ExpertMap, present: list[int]) -> ExpertMap | None:
@@ -226,7 +226,7 @@ def test_every_small_group_survives_every_failure_and_a_second_one_after_it():
     for num_experts in range(1, 11):
         for group_size in range(1, 5):
             for redundant in range(3):
-                shape = GroupShape(num_experts, group_size, redundant)
+                shape = GroupShape.even_share(num_experts, group_size, redundant)
                 layout = full_layout(shape)
                 for size in range(1, group_size):
                     for present in combinations(range(group_size), size):
@@ -242,7 +242,7 @@ def test_every_small_group_survives_every_failure_and_a_second_one_after_it():
 
 
 def test_a_newcomer_in_a_degraded_epoch_gets_its_full_layout_share():
-    shape = GroupShape(8, 4, 1)
+    shape = GroupShape.even_share(8, 4, 1)
     layout = full_layout(shape)
     without_1 = plan_placement(shape, [0, 2, 3], previous=layout).expert_map
     # rank 1 comes back while rank 2 is lost: rank 1 gets its share, survivors repair only what is still missing
