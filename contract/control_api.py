@@ -64,7 +64,9 @@ class GroupStatus(_Response):
     """`WorkerState.group`: the expert-parallel side of a rank."""
 
     health: GroupHealth
-    members: list[int] = Field(default_factory=list, description="ranks of the current epoch (empty before any)")
+    members: list[int] = Field(
+        default_factory=list, description="ranks of the current epoch, whatever its health (empty before any)"
+    )
     group_size: int | None = Field(
         None, ge=1,
         description="the current epoch's group size (the start world_size before any epoch); null from a worker older "

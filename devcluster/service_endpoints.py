@@ -62,7 +62,7 @@ class ServiceEndpoints:
     def __init__(self, api_client: client.ApiClient, namespace: str, service: str, port_name: str = "http") -> None:
         self._core = client.CoreV1Api(api_client)
         self._namespace, self._service = namespace, service
-        svc = self._core.read_namespaced_service(service, namespace)
+        svc: Any = self._core.read_namespaced_service(service, namespace)
         self._selector = ",".join(f"{k}={v}" for k, v in sorted((svc.spec.selector or {}).items()))
         port = next(p for p in svc.spec.ports if p.name == port_name)
         self._target_port: int | str = port.target_port if port.target_port is not None else port.port
@@ -103,7 +103,7 @@ class ServiceEndpoints:
     def _run(self) -> None:
         while not self._stopped.is_set():
             try:
-                listed = self._core.list_namespaced_pod(self._namespace, label_selector=self._selector)
+                listed: Any = self._core.list_namespaced_pod(self._namespace, label_selector=self._selector)
                 with self._changed:
                     self._pods = {}
                     for pod in listed.items:
@@ -156,8 +156,9 @@ _scope = threading.local()
 
 class scoped_request:
     def __enter__(self) -> RequestScope:
-        _scope.current = RequestScope()
-        return _scope.current
+        scope = RequestScope()
+        _scope.current = scope
+        return scope
 
     def __exit__(self, *_: object) -> None:
         _scope.current = None

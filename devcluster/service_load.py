@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import httpx
 import openai
@@ -131,9 +132,11 @@ class ServiceLoad:
         max_retries: int = 8,
     ) -> None:
         self._http = httpx.Client(transport=transport, timeout=timeout_s)
+        # openai types http_client as its own httpx fork's Client and takes an httpx.Client as well (it checks both).
         self._client = openai.OpenAI(
-            base_url=BASE_URL, api_key="unused", http_client=self._http, max_retries=max_retries, timeout=timeout_s
-        )
+            base_url=BASE_URL, api_key="unused", http_client=cast(Any, self._http), max_retries=max_retries,
+            timeout=timeout_s,
+        )  # fmt: skip
         self._model, self._prompt, self._max_tokens = model, prompt, max_tokens
         self.reference = reference
         self._stream = stream

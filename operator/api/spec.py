@@ -174,7 +174,9 @@ class InferenceModelSpec(ApiModel):
     expert_parallel: int = Field(1, ge=1, le=64)
     """Ranks (pods) per replica that share the experts of a mixture-of-experts model; 1 runs each replica as one
     pod. Above 1, every rank is a full serving endpoint and the Service sends requests to each rank that serves in
-    its group's current epoch."""
+    its group's current epoch. Changing it between values above 1 resizes each group by epochs: the ranks that stay
+    keep running and serving (the new group must still hold every expert in the slots its ranks have); changing it
+    to or from 1 replaces the pods."""
     experts: ExpertsSpec = nested(ExpertsSpec)
     """Expert parallelism: redundant expert copies and the group's deadline."""
     serving: ServingSpec = nested(ServingSpec)

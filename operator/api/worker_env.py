@@ -21,6 +21,9 @@ GROUP_HOST = "TIDAL_GROUP_HOST"  # the pod IP: the group endpoint listens there
 GROUP_PORT = "TIDAL_GROUP_PORT"
 GROUP_TIMEOUT_S = "TIDAL_GROUP_TIMEOUT_S"
 REDUNDANT_EXPERTS_PER_RANK = "TIDAL_REDUNDANT_EXPERTS_PER_RANK"
+# Set on a rank created for a group that already runs: the expert slots its running members report, so that a rank
+# created after a resize (world size N', members started for N) stacks the same number of slots as they do.
+EXPERT_SLOTS_PER_RANK = "TIDAL_EXPERT_SLOTS_PER_RANK"
 
 RESERVED_ENV_NAMES: tuple[str, ...] = (
     MODEL,
@@ -42,7 +45,12 @@ RESERVED_ENV_NAMES: tuple[str, ...] = (
     GROUP_PORT,
     GROUP_TIMEOUT_S,
     REDUNDANT_EXPERTS_PER_RANK,
+    EXPERT_SLOTS_PER_RANK,
 )
 
 # Weights change in place (POST /weights/update), so these two do not make a pod outdated when they change.
 IN_PLACE_ENV_NAMES: frozenset[str] = frozenset({WEIGHTS_PATH, WEIGHTS_VERSION})
+# Nor, for a rank of an expert-parallel group, does the group's shape: a group is resized by epochs (each names its
+# group size), so a rank keeps the world size it started with, and the slot count comes from the running members.
+# (A pod of expertParallel 1 keeps them in its hash, so its hash is what it was before groups could be resized.)
+GROUP_SHAPE_ENV_NAMES: frozenset[str] = frozenset({WORLD_SIZE, EXPERT_SLOTS_PER_RANK})

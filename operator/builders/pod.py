@@ -48,17 +48,22 @@ def serving_at_creation(spec: InferenceModelSpec) -> bool:
     return not spec.is_expert_parallel
 
 
-def _group_env(spec: InferenceModelSpec) -> list[dict[str, Any]]:
+def _group_env(spec: InferenceModelSpec, slots_per_rank: int | None) -> list[dict[str, Any]]:
     experts = spec.experts
-    return [
+    out = [
         {"name": env.GROUP_HOST, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         _value(env.GROUP_PORT, GROUP_PORT),
         _value(env.GROUP_TIMEOUT_S, str(float(experts.collective_timeout_seconds))),
         _value(env.REDUNDANT_EXPERTS_PER_RANK, experts.redundant_experts_per_rank),
     ]
+    if slots_per_rank is not None:
+        out.append(_value(env.EXPERT_SLOTS_PER_RANK, slots_per_rank))
+    return out
 
 
-def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str, Any]]:
+def worker_env(
+    model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None = None
+) -> list[dict[str, Any]]:
     spec = model.spec
     name = model.metadata.name
     weights_path, weights_version = desired_weights(spec)
@@ -86,7 +91,7 @@ def worker_env(model: InferenceModel, replica: int, rank: int) -> list[dict[str,
     # Only groups get the group's settings: a pod of expertParallel 1 stays exactly as it was before groups existed
     # (same spec hash, so upgrading the operator replaces no pod), and its worker would ignore them anyway.
     if spec.is_expert_parallel:
-        out += _group_env(spec)
+        out += _group_env(spec, slots_per_rank)
     return out + [{"name": e.name, "value": e.value} for e in spec.worker.env]
 
 
@@ -131,14 +136,14 @@ def _ports(spec: InferenceModelSpec) -> list[dict[str, Any]]:
     return ports
 
 
-def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
+def _container(model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None) -> dict[str, Any]:
     spec = model.spec
     return {
         "name": WORKER_CONTAINER,
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy,
         "command": ["tidal-worker", "--model", model_dir(spec), "--port", str(spec.serving.port)],
-        "env": worker_env(model, replica, rank),
+        "env": worker_env(model, replica, rank, slots_per_rank),
         "ports": _ports(spec),
         "resources": _resources(spec),
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": mount_path(spec.model.volume), "readOnly": True}],
@@ -152,19 +157,24 @@ def _container(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]
 
 
 def _identity(pod: dict[str, Any]) -> dict[str, Any]:
-    """What makes a pod outdated when it changes: everything except in-place weights and the labels the operator
-    moves on live pods (the serving label flips with the group's epochs; flipping it must never replace a pod)."""
+    """What makes a pod outdated when it changes: everything except in-place weights, a group rank's shape (resized
+    by epochs) and the labels the operator moves on live pods (the serving label flips with the group's epochs;
+    flipping it must never replace a pod)."""
     spec = pod["spec"]
     containers = []
     for c in spec["containers"]:
-        kept = [e for e in c.get("env", []) if e["name"] not in env.IN_PLACE_ENV_NAMES]
+        names_ = {e["name"] for e in c.get("env", [])}
+        unhashed = env.IN_PLACE_ENV_NAMES | (env.GROUP_SHAPE_ENV_NAMES if env.GROUP_HOST in names_ else frozenset())
+        kept = [e for e in c.get("env", []) if e["name"] not in unhashed]
         containers.append({**c, "env": kept})
     labels = {k: v for k, v in pod["metadata"]["labels"].items() if k not in MUTABLE_LABELS}
     annotations = pod["metadata"].get("annotations", {})
     return {"spec": {**spec, "containers": containers}, "labels": labels, "annotations": annotations}
 
 
-def build_pod(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
+def build_pod(model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None = None) -> dict[str, Any]:
+    """The rank's pod. `slots_per_rank`: the expert slots the replica's running members hold (expert parallelism,
+    when any runs), which a rank created later must match; it does not enter the spec hash."""
     name = model.metadata.name
     pod_name = names.pod_name(name, replica, rank)
     labels = names.pod_labels(name, replica, rank, leader=rank == 0, serving=serving_at_creation(model.spec))
@@ -180,7 +190,7 @@ def build_pod(model: InferenceModel, replica: int, rank: int) -> dict[str, Any]:
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 30,
-            "containers": [_container(model, replica, rank)],
+            "containers": [_container(model, replica, rank, slots_per_rank)],
             "volumes": [_volume(model.spec.model.volume)],
         },
     }

@@ -112,6 +112,7 @@ class ReconfigureGroup(_Action):
     epoch: int = Field(ge=1)
     members: list[EpochMemberRef] = Field(min_length=1)
     coordinator_rank: int = Field(ge=0)
+    group_size: int = Field(ge=1, description="the epoch's group size: spec.expertParallel (resized by epochs)")
     timeout_s: float = Field(gt=0, description="each member's limit for the rendezvous and installing the map")
     reason: str
     # The survivors' epoch after a failure (members of the serving epoch were dropped): its latency from the
@@ -121,8 +122,8 @@ class ReconfigureGroup(_Action):
     def describe(self) -> str:
         ranks = [m.rank for m in self.members]
         return (
-            f"reconfigure replica {self.replica}: epoch {self.epoch}, ranks {ranks}, coordinator "
-            f"{self.coordinator_rank} ({self.reason})"
+            f"reconfigure replica {self.replica}: epoch {self.epoch}, ranks {ranks} of {self.group_size}, "
+            f"coordinator {self.coordinator_rank} ({self.reason})"
         )
 
 

@@ -81,6 +81,14 @@ class Facts:
     def replica_available(self, replica: int) -> bool:
         return all(slot.ready for slot in self.replica_slots(replica))
 
+    def running_slots_per_rank(self, replica: int) -> int | None:
+        """The expert slots per rank the replica's running ranks report (they agree: a group's members must), for
+        a rank created beside them; None when none runs (a new group sizes its slots from its world size)."""
+        for slot in self.replica_slots(replica):
+            if slot.usable and slot.state is not None and slot.state.group.slots_per_rank is not None:
+                return slot.state.group.slots_per_rank
+        return None
+
     def unavailable_replicas(self) -> list[int]:
         return [r for r in range(self.replicas) if not self.replica_available(r)]
 

@@ -20,8 +20,8 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
   while the model is asleep (a group sleeps and wakes whole; its epoch is taken up after).
 - A current epoch reported broken with no culprit (every rank alive, a collective missed its deadline) gets the same
   members again once BROKEN_GRACE_S passed: sooner, the probe of a frozen peer may not have named it yet.
-- The serving label is "true" exactly while the rank's worker reports serving in the current epoch (always with
-  expertParallel 1, where the pod builder sets it).
+- The serving label is "true" while the rank's worker reports serving in the current epoch, or that epoch broken
+  (waiting for the next) without being failed itself; always with expertParallel 1, where the pod builder sets it.
 """
 
 from __future__ import annotations
@@ -253,6 +253,7 @@ def decide_group(
         epoch=epoch,
         members=members,
         coordinator_rank=min(stayed or wanted),
+        group_size=facts.ranks_per_replica,
         timeout_s=reconfigure_timeout_s,
         reason=reason,
         recovery=bool(failures),
@@ -294,8 +295,12 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
             # serving Service selects the label.
             serving = True
         else:
+            # A member whose epoch broke keeps the label until it fails or the next epoch leaves it out: its requests
+            # wait for the survivors' epoch (well under a second), where taking it out of the Service would refuse
+            # new ones on every survivor at once. A broken group that stays so fails its readiness probe instead.
             decision = views[slot.replica]
-            serving = serving_in(slot, decision.view) and slot.rank not in decision.failures
+            in_group = serving_in(slot, decision.view) or broken_in(slot, decision.view)
+            serving = in_group and slot.rank not in decision.failures
         if serving != (pod.serving_label == "true") and (serving or pod.serving_label is not None):
             actions.append(SetServingLabel(pod=slot.name, serving=serving))
     return actions

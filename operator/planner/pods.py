@@ -23,7 +23,8 @@ def plan_pods(facts: Facts) -> PodPlan:
     for slot in facts.slots:
         pod = slot.pod
         if pod is None:
-            actions.append(CreatePod(manifest=build_pod(model, slot.replica, slot.rank), reason="missing"))
+            slots = facts.running_slots_per_rank(slot.replica)
+            actions.append(CreatePod(manifest=build_pod(model, slot.replica, slot.rank, slots), reason="missing"))
             continue
         if pod.terminating:
             continue  # the name is taken until the kubelet (or node agent) lets go; created again next pass

@@ -199,6 +199,7 @@ class WorkerFleet:
             epoch=action.epoch,
             members=[GroupMember(rank=m.rank, address=m.address) for m in action.members],
             coordinator_rank=action.coordinator_rank,
+            group_size=action.group_size,
             timeout_s=action.timeout_s,
         )
         flight = EpochFlight(

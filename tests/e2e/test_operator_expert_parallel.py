@@ -84,10 +84,10 @@ def _group_status(obj: dict[str, Any]) -> dict[str, Any]:
     return groups[0]
 
 
-def _whole(after_epoch: int) -> Callable[[dict[str, Any]], bool]:
+def _whole(after_epoch: int, size: int = RANKS) -> Callable[[dict[str, Any]], bool]:
     def check(obj: dict[str, Any]) -> bool:
         group = _group_status(obj)
-        members_ok = group.get("members") == list(range(RANKS))
+        members_ok = group.get("members") == list(range(size))
         return members_ok and group.get("epoch", 0) > after_epoch and group.get("state") == "Whole"
 
     return check
@@ -247,6 +247,41 @@ def test_an_operator_killed_mid_recovery_resumes_it(devcluster, moe):
     _recover_under_load(devcluster, moe, 1, crash_rank_then_the_operator)
     # The recovery was finished by the operator's next process (the crash restarted its container in place).
     wait_until(lambda: _operator_restarts(devcluster) > restarts, timeout_s=30, what="the operator restarted")
+
+
+def _identities(dc: DevCluster, group: Group) -> dict[str, tuple[str, int]]:
+    pods = model_pods(dc, group.namespace, NAME)
+    return {
+        name: (pod.metadata.uid, sum(s.restart_count for s in pod.status.container_statuses or []))
+        for name, pod in pods.items()
+    }
+
+
+def test_resizing_3_to_4_to_3_under_load_restarts_no_rank_that_stays(devcluster, moe):
+    before = _identities(devcluster, moe)
+    epoch = _group_status(get_model(devcluster, moe.namespace, NAME))["epoch"]
+    load = ServiceLoad(
+        BalancingTransport(moe.endpoints), NAME, PROMPT, MAX_TOKENS, moe.reference, streams=STREAMS
+    ).start()
+    load.wait_for_requests(2 * STREAMS, timeout_s=120)
+    patch_spec(devcluster, moe.namespace, NAME, {"expertParallel": RANKS + 1})
+    grown = wait_model(devcluster, moe.namespace, NAME, _whole(epoch, RANKS + 1), WHOLE_TIMEOUT_S, "grown to 4")
+    moe.endpoints.wait_for(moe.pods | {moe.pod(RANKS)}, timeout_s=60)
+    load.wait_for_requests(2 * STREAMS, timeout_s=120)
+    assert complete(devcluster, moe.namespace, moe.pod(RANKS), PROMPT, MAX_TOKENS) == moe.reference
+    patch_spec(devcluster, moe.namespace, NAME, {"expertParallel": RANKS})
+    shrunk = _group_status(grown)["epoch"]
+    wait_model(devcluster, moe.namespace, NAME, _whole(shrunk, RANKS), WHOLE_TIMEOUT_S, "back to 3")
+    moe.endpoints.wait_for(moe.pods, timeout_s=60)
+    load.wait_for_requests(2 * STREAMS, timeout_s=120)
+    report = load.stop(victims={moe.pod(RANKS)})  # the rank that leaves may cut its requests; they are retried
+    told = f"{report.summary()}\n{_operator_story(devcluster, moe)}"
+    assert not report.survivor_losses and len(report.completed) == len(report.records), told
+    wait_until(lambda: moe.pod(RANKS) not in model_pods(devcluster, moe.namespace, NAME), 60, "rank 3's pod gone")
+    after = _identities(devcluster, moe)
+    assert after == before, told  # ranks 0-2: the same pods, never restarted
+    for rank in range(RANKS):
+        assert worker_state(devcluster, moe.namespace, NAME, moe.pod(rank))["group"]["group_size"] == RANKS
 
 
 def test_the_group_sleeps_and_wakes_whole(devcluster, moe):

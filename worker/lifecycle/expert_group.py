@@ -201,8 +201,9 @@ class ExpertGroup:
         return expert_map, tuple(body["degraded"])
 
     # ----- /state -----
-    def status(self, group_size: int) -> GroupStatus:
-        """`group_size`: the current epoch's (the membership's)."""
+    def status(self, group_size: int, members: list[int]) -> GroupStatus:
+        """`group_size`, `members`: the current epoch's (the membership's). The members are reported whatever the
+        health: a broken epoch's members are what the operator needs to tell the survivors from the failed."""
         link = self.link
         group, broken = link.group, link.broken
         if group is not None:
@@ -214,7 +215,7 @@ class ExpertGroup:
         last = self.last
         return GroupStatus(
             health=health,
-            members=list(group.members) if group is not None else [],
+            members=members,
             group_size=group_size,
             slots_per_rank=self.experts.slots_per_rank,
             broken_peer_rank=broken.peer_rank if broken is not None else None,

@@ -218,9 +218,9 @@ class LifecycleManager:
         return self.expert_group.experts.expert_map.to_json() if self.expert_group is not None else None
 
     def group_status(self) -> GroupStatus:
-        if self.expert_group is not None:
-            return self.expert_group.status(self.group.group_size)
         current = self.group.current
+        if self.expert_group is not None:
+            return self.expert_group.status(self.group.group_size, current.ranks if current is not None else [])
         health = GroupHealth.SOLO
         return GroupStatus(
             health=health, members=current.ranks if current is not None else [], group_size=self.group.group_size

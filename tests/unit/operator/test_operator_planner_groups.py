@@ -105,7 +105,7 @@ def test_the_first_epoch_waits_for_every_rank_then_forms_the_group():
     assert [(m.rank, m.pod, m.address) for m in formed.members] == [
         (r, f"tiny-r0-{r}", f"10.0.0.{r + 1}:7100") for r in range(N)
     ]
-    assert formed.describe().startswith("reconfigure replica 0: epoch 1, ranks [0, 1, 2, 3], coordinator 0")
+    assert formed.describe().startswith("reconfigure replica 0: epoch 1, ranks [0, 1, 2, 3] of 4, coordinator 0")
 
 
 def test_a_deleted_pod_sends_the_survivors_epoch_at_once():
@@ -253,7 +253,12 @@ def test_serving_labels_follow_the_current_epoch():
     pods, ranks = group(model, 2, range(N), serving_label="true")
     ranks[pods[1].name] = rank_worker(1, 2, range(N), "broken", broken_peer_rank=3)
     labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
-    assert sorted((a.pod, a.serving) for a in labels) == [("tiny-r0-1", False)]  # rank 3's pod is deleted
+    # Rank 1's epoch broke: it keeps its label (its requests wait for the survivors' epoch, not refused); rank 3,
+    # which it names, fails and its pod is deleted (no label to flip).
+    assert labels == []
+    ranks[pods[3].name] = rank_worker(3)  # rank 3 restarted: failed, so out of the Service until it rejoins
+    labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
+    assert [(a.pod, a.serving) for a in labels] == [("tiny-r0-3", False)]
     pods, ranks = group(model, 0, (), serving_label="false")  # loaded, no epoch yet: nothing to flip
     assert not any(isinstance(a, SetServingLabel) for a in plan_with(model, pods, ranks).actions)
 
@@ -334,3 +339,45 @@ def test_a_dense_model_in_groups_serves_once_its_ranks_applied_the_epoch():
     assert sorted(a.pod for a in result.actions if isinstance(a, SetServingLabel) and a.serving) == [
         p.name for p in pods
     ]
+
+
+def _resized(model, size: int):
+    out = model.model_copy()
+    out.spec = model.spec.model_copy(update={"expert_parallel": size})
+    return out
+
+
+def _env_of(manifest) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in manifest["spec"]["containers"][0]["env"]}
+
+
+def test_growing_adds_a_rank_with_the_groups_slots_and_keeps_the_others():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    for rank in range(N):
+        ranks[pods[rank].name] = rank_worker(rank, 2, range(N), slots_per_rank=3)
+    bigger = _resized(model, N + 1)
+    result = plan_with(bigger, pods, ranks)
+    (created,) = [a for a in result.actions if isinstance(a, CreatePod)]
+    env = _env_of(created.manifest)
+    assert created.manifest["metadata"]["name"] == "tiny-r0-4"
+    assert env["TIDAL_WORLD_SIZE"] == "5" and env["TIDAL_EXPERT_SLOTS_PER_RANK"] == "3"
+    assert not any(isinstance(a, DeletePod) for a in result.actions)  # the world size is not in the spec hash
+    assert epochs(result) == []  # the new rank is not loaded yet: the group serves on as it is
+    new = pod_for(bigger, 0, N, pod_ip="10.0.0.5", group_port=7100, serving_label="false")
+    ranks[new.name] = rank_worker(N, slots_per_rank=3)
+    epoch = only_epoch(plan_with(bigger, [*pods, new], ranks))
+    assert [m.rank for m in epoch.members] == list(range(N + 1)) and epoch.group_size == N + 1
+    assert not epoch.recovery
+
+
+def test_shrinking_sends_the_smaller_epoch_and_removes_the_last_rank_without_a_failure():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    smaller = _resized(model, N - 1)
+    result = plan_with(smaller, pods, ranks)
+    epoch = only_epoch(result)
+    assert [m.rank for m in epoch.members] == list(range(N - 1)) and epoch.group_size == N - 1
+    assert not epoch.recovery
+    assert [a.name for a in result.actions if isinstance(a, DeletePod)] == [f"tiny-r0-{N - 1}"]
+    assert events(result, "RankFailed") == []

@@ -41,7 +41,9 @@ class FakeKube:
 
 def _action(epoch: int = 5) -> ReconfigureGroup:
     members = [EpochMemberRef(rank=r, pod=f"m-r0-{r}", address=f"10.0.0.{r + 1}:7100") for r in range(3)]
-    return ReconfigureGroup(replica=0, epoch=epoch, members=members, coordinator_rank=0, timeout_s=30.0, reason="t")
+    return ReconfigureGroup(
+        replica=0, epoch=epoch, members=members, coordinator_rank=0, group_size=3, timeout_s=30.0, reason="t"
+    )
 
 
 def _run_epoch(handler, action: ReconfigureGroup):
