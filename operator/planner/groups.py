@@ -4,7 +4,8 @@ Level-based: each pass reads what the workers report (`/state`: group_epoch, gro
 last epoch this operator process sent (`SentEpoch`; nothing after a restart), and decides again from scratch.
 - The group's current epoch: the highest `group_epoch` a running rank reports, with that rank's members.
 - Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, whose worker is a
-  new process (reports epoch 0: its container restarted), that has not answered `/state` for SILENT_AFTER_S, or
+  new process (reports epoch 0, or its container restarted within RESTARTED_WITHIN_S and it does not answer yet),
+  that has not answered `/state` for SILENT_AFTER_S, or
   that a member reports as the peer that broke the epoch (unless its own worker reports an older epoch: a new
   process, not the culprit). A failed rank whose failed process still runs (silent, or named by a peer) has its pod
   deleted with a short grace period, as a frozen process never comes back by itself, so that a replacement is made;
@@ -27,6 +28,7 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from tidal.contract.control_api import GroupHealth
 from tidal.contract.error_codes import ErrorCode
@@ -51,6 +53,9 @@ REFUSAL_RETRY_S = 10.0
 RECONFIGURE_TIMEOUT_S = 60.0
 # A failed rank's pod is deleted with this grace period (see DeletePod.grace_period_seconds).
 FAILED_RANK_GRACE_S = 1
+# A member whose container started this recently and whose worker is not in the epoch is a restarted process still
+# starting up (its control API answers only once torch is imported): failed, but its pod is left to reload.
+RESTARTED_WITHIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,15 @@ def pod_failure(slot: RankSlot) -> str | None:
     return None
 
 
-def find_failures(slots: list[RankSlot], view: EpochView | None) -> dict[int, RankFailure]:
+def restarted_recently(slot: RankSlot, now: datetime) -> bool:
+    """The rank's container restarted (a crash) less than RESTARTED_WITHIN_S ago."""
+    pod = slot.pod
+    if pod is None or pod.restart_count == 0 or pod.started_at is None:
+        return False
+    return (now - pod.started_at).total_seconds() < RESTARTED_WITHIN_S
+
+
+def find_failures(slots: list[RankSlot], view: EpochView | None, now: datetime) -> dict[int, RankFailure]:
     if view is None:
         return {}
     by_rank = {s.rank: s for s in slots}
@@ -140,8 +153,11 @@ def find_failures(slots: list[RankSlot], view: EpochView | None) -> dict[int, Ra
             continue  # the spec no longer asks for this rank (shrunk): it is left out, not failed
         why = pod_failure(slot)
         silent = slot.observation.silent_for_s
+        new_process = slot.state is None or slot.state.group_epoch == 0
         if why is not None:
             failed[rank] = RankFailure(rank, why, delete_pod=False)
+        elif new_process and restarted_recently(slot, now):
+            failed[rank] = RankFailure(rank, "its container restarted (a new process, out of the group)", False)
         elif slot.state is not None and slot.state.group_epoch == 0:
             # Every member of an applied epoch joined it, so a member at epoch 0 is a new process: its container
             # restarted (a crash) and it reloads in place.
@@ -225,12 +241,12 @@ def _epoch_to_send(
 
 
 def decide_group(
-    facts: Facts, replica: int, sent: SentEpoch | None, asleep: bool, reconfigure_timeout_s: float
+    facts: Facts, replica: int, sent: SentEpoch | None, asleep: bool, reconfigure_timeout_s: float, now: datetime
 ) -> GroupDecision:
     slots = facts.replica_slots(replica)
     view = current_view(slots)
     pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
-    failures = find_failures(slots, view)
+    failures = find_failures(slots, view, now)
     wanted = wanted_members(slots, view, failures)
     if not wanted:
         return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded")
@@ -266,11 +282,15 @@ def _reports(slot: RankSlot, epoch: int) -> bool:
 
 
 def decide_groups(
-    facts: Facts, sent: dict[int, SentEpoch], asleep: bool, reconfigure_timeout_s: float = RECONFIGURE_TIMEOUT_S
+    facts: Facts,
+    sent: dict[int, SentEpoch],
+    asleep: bool,
+    now: datetime,
+    reconfigure_timeout_s: float = RECONFIGURE_TIMEOUT_S,
 ) -> list[GroupDecision]:
     if facts.ranks_per_replica <= 1:
         return []
-    return [decide_group(facts, r, sent.get(r), asleep, reconfigure_timeout_s) for r in range(facts.replicas)]
+    return [decide_group(facts, r, sent.get(r), asleep, reconfigure_timeout_s, now) for r in range(facts.replicas)]
 
 
 def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:

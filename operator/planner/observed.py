@@ -35,6 +35,8 @@ class ObservedPod(BaseModel):
     group_port: int | None = Field(None, ge=1, le=65535)
     # The pod's `tidal.dev/serving` label as it is now (None: not set).
     serving_label: str | None = None
+    # When the worker container's current process started (None: not running).
+    started_at: datetime | None = None
 
     @property
     def group_address(self) -> str | None:
@@ -133,6 +135,7 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in conditions)
     worker: dict[str, Any] = next((s for s in status.get("containerStatuses") or [] if s.get("name") == "worker"), {})
     waiting = (worker.get("state") or {}).get("waiting") or {}
+    running = (worker.get("state") or {}).get("running") or {}
     terminated = (worker.get("lastState") or {}).get("terminated") or {}
     containers = (pod.get("spec") or {}).get("containers") or []
     ports = next((c_.get("ports") or [] for c_ in containers if c_.get("name") == "worker"), [])
@@ -151,4 +154,5 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         pod_ip=status.get("podIP"),
         group_port=group_port,
         serving_label=labels.get(c.LABEL_SERVING),
+        started_at=running.get("startedAt"),
     )

@@ -78,7 +78,7 @@ def plan(inp: PlanInput) -> Plan:
     sleep = decide_sleep(facts, inp.now)
     sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
-    decisions = decide_groups(facts, inp.groups, sleep.asleep)
+    decisions = decide_groups(facts, inp.groups, sleep.asleep, inp.clock)
     groups = group_view(facts, decisions, previous, inp.clock)
     deleting = {a.name for a in pods.actions if isinstance(a, DeletePod)}
     group_work = [a for a in group_actions(facts, decisions) if not (isinstance(a, DeletePod) and a.name in deleting)]

@@ -8,7 +8,13 @@ from operator_fixtures import OPERATOR, T0, TOKEN, all_children, make_model, pod
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, ReconfigureGroup, SetServingLabel
 from tidal.operator.planner.facts import PlanInput
-from tidal.operator.planner.groups import BROKEN_GRACE_S, FAILED_RANK_GRACE_S, REFUSAL_RETRY_S, SILENT_AFTER_S
+from tidal.operator.planner.groups import (
+    BROKEN_GRACE_S,
+    FAILED_RANK_GRACE_S,
+    REFUSAL_RETRY_S,
+    RESTARTED_WITHIN_S,
+    SILENT_AFTER_S,
+)
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
 from tidal.operator.planner.plan import plan
 
@@ -158,6 +164,20 @@ def test_a_restarted_rank_fails_and_reloads_in_place_while_the_survivors_go_on()
     assert [e.message for e in events(result, "RankFailed")] == [
         "replica 0 rank 1: its worker restarted (a new process, out of the group)"
     ]
+
+
+def test_a_crashed_rank_named_by_its_peers_before_it_answers_again_keeps_its_pod():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    ranks[pods[0].name] = rank_worker(0, 2, range(N), "broken", broken_peer_rank=1, broken_reason="connection reset")
+    del ranks[pods[1].name]  # its new process is still importing torch: no /state yet
+    pods[1] = pods[1].model_copy(update={"restart_count": 1, "started_at": T0 - timedelta(seconds=2)})
+    result = plan_with(model, pods, ranks)
+    assert [m.rank for m in only_epoch(result).members] == [0, 2, 3]
+    assert not any(isinstance(a, DeletePod) for a in result.actions)  # it reloads in its pod
+    # Long after its last restart, the same silence with a peer naming it is a frozen process: its pod is replaced.
+    pods[1] = pods[1].model_copy(update={"started_at": T0 - timedelta(seconds=RESTARTED_WITHIN_S + 1)})
+    assert "tiny-r0-1" in [a.name for a in plan_with(model, pods, ranks).actions if isinstance(a, DeletePod)]
 
 
 def test_only_an_epoch_after_a_failure_counts_as_a_recovery():
