@@ -7,9 +7,9 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
   new process (reports epoch 0, or its container restarted within RESTARTED_WITHIN_S and it does not answer yet),
   that has not answered `/state` for SILENT_AFTER_S, or
   that a member reports as the peer that broke the epoch (unless its own worker reports an older epoch: a new
-  process, not the culprit). A failed rank whose failed process still runs (silent, or named by a peer) has its pod
-  deleted with a short grace period, as a frozen process never comes back by itself, so that a replacement is made;
-  a restarted one reloads in place.
+  process, not the culprit). A failed rank whose process is stuck (silent for SILENT_AFTER_S without a restart, or
+  named by a peer while it still answers) has its pod deleted with a short grace period, as a frozen process never
+  comes back by itself, so that a replacement is made; a restarted one reloads in place.
 - Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
   member of the current epoch that missed a `/state` or two is kept until it counts as silent.
 - The next epoch is one above every epoch seen (reported or sent), so a restarted operator never reuses a number;
@@ -175,7 +175,12 @@ def find_failures(slots: list[RankSlot], view: EpochView | None, now: datetime) 
         if peer_slot.state is not None and peer_slot.state.group_epoch != view.epoch:
             continue  # the peer's process is a new one (restarted): it left the epoch already
         why = f"rank {slot.rank} reports epoch {view.epoch} broken by it ({state.group.broken_reason or 'no reason'})"
-        failed[peer] = RankFailure(peer, why, delete_pod=peer_slot.usable)
+        # Out of the group at once; its pod is replaced only if its process is known to be stuck: it answers /state
+        # (alive, yet its peers cannot reach it), or it has been silent long enough without a restart. A crashed
+        # process is silent too at first, until its container restarts; it then reloads in its pod.
+        silent = peer_slot.observation.silent_for_s or 0.0
+        stuck = peer_slot.state is not None or (silent >= SILENT_AFTER_S and not restarted_recently(peer_slot, now))
+        failed[peer] = RankFailure(peer, why, delete_pod=peer_slot.usable and stuck)
     return failed
 
 

@@ -208,7 +208,8 @@ def test_a_deleted_rank_is_replaced_while_the_survivors_serve(devcluster, moe):
 def test_a_crashed_rank_reloads_in_place_and_its_requests_are_retried(devcluster, moe):
     uid = _pod_uid(devcluster, moe, 2)
     out = _recover_under_load(devcluster, moe, 2, lambda: devcluster.inject_fault(moe.namespace, moe.pod(2), "crash"))
-    assert _pod_uid(devcluster, moe, 2) == uid  # the container restarted in its pod; nothing was deleted
+    # The container restarted in its pod; nothing was deleted.
+    assert _pod_uid(devcluster, moe, 2) == uid, _operator_story(devcluster, moe)
     assert out.report.retried_ok, out.report.summary()  # its requests in flight went to the survivors on retry
 
 

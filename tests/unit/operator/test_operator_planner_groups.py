@@ -12,7 +12,6 @@ from tidal.operator.planner.groups import (
     BROKEN_GRACE_S,
     FAILED_RANK_GRACE_S,
     REFUSAL_RETRY_S,
-    RESTARTED_WITHIN_S,
     SILENT_AFTER_S,
 )
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
@@ -175,8 +174,15 @@ def test_a_crashed_rank_named_by_its_peers_before_it_answers_again_keeps_its_pod
     result = plan_with(model, pods, ranks)
     assert [m.rank for m in only_epoch(result).members] == [0, 2, 3]
     assert not any(isinstance(a, DeletePod) for a in result.actions)  # it reloads in its pod
-    # Long after its last restart, the same silence with a peer naming it is a frozen process: its pod is replaced.
-    pods[1] = pods[1].model_copy(update={"started_at": T0 - timedelta(seconds=RESTARTED_WITHIN_S + 1)})
+    # Before the container restarted (the node has not noticed the exit yet): out of the group, its pod left alone.
+    pods[1] = pods[1].model_copy(update={"restart_count": 0, "started_at": T0 - timedelta(seconds=600)})
+    ranks[pods[1].name] = RankObservation(silent_for_s=0.1)
+    result = plan_with(model, pods, ranks)
+    assert [m.rank for m in only_epoch(result).members] == [0, 2, 3]
+    assert not any(isinstance(a, DeletePod) for a in result.actions)
+    # Silent that long without a restart: frozen, so its pod is replaced (a restart long ago changes nothing).
+    pods[1] = pods[1].model_copy(update={"restart_count": 1})
+    ranks[pods[1].name] = RankObservation(silent_for_s=SILENT_AFTER_S + 0.1)
     assert "tiny-r0-1" in [a.name for a in plan_with(model, pods, ranks).actions if isinstance(a, DeletePod)]
 
 
