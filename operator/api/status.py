@@ -132,5 +132,8 @@ class InferenceModelStatus(StatusModel):
     """In-cluster URL of the OpenAI-compatible API."""
     groups: list[ReplicaGroupStatus] = Field(default_factory=list)
     """With expertParallel above 1: each replica's group."""
+    group_summary: str | None = Field(None, max_length=128)
+    """With expertParallel above 1: the groups at a glance, for kubectl get (`Whole @7` for one replica whose group
+    serves whole in epoch 7; `1/2 Whole, r1 Degraded @9` for two)."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, Progressing, Degraded, Sleeping, WeightsSynced."""

@@ -37,6 +37,17 @@ class GroupsView:
     def all_serving(self) -> bool:
         return bool(self.groups) and all(g.state in SERVING_GROUP_STATES for g in self.groups)
 
+    def summary(self) -> str | None:
+        """InferenceModelStatus.group_summary."""
+        if not self.groups:
+            return None
+        if len(self.groups) == 1:
+            group = self.groups[0]
+            return f"{group.state} @{group.epoch}"
+        whole = sum(g.state == "Whole" for g in self.groups)
+        others = [f"r{g.replica} {g.state} @{g.epoch}" for g in self.groups if g.state != "Whole"]
+        return ", ".join([f"{whole}/{len(self.groups)} Whole", *others])[:128]
+
     def degraded(self) -> tuple[str, str] | None:
         """The Degraded reason: a group short of ranks (or not serving after having served), or serving experts
         reloaded from the checkpoint."""

@@ -172,5 +172,6 @@ def compute_status(
         sleep_state=sleep_state,
         endpoint=endpoint(model),
         groups=groups.groups,
+        group_summary=groups.summary(),
         conditions=conds,
     )

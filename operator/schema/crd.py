@@ -11,6 +11,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready", "description": "Ready ranks / total ranks"},
     {"name": "Weights", "type": "string", "jsonPath": ".status.weightsVersion", "description": "Served weights"},
     {"name": "Sleep", "type": "string", "jsonPath": ".status.sleepState", "description": "Awake, Asleep or Mixed"},
+    {
+        "name": "Groups",
+        "type": "string",
+        "jsonPath": ".status.groupSummary",
+        "description": "Expert-parallel groups: state and epoch",
+    },
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "priority": 1},
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

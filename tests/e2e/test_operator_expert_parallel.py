@@ -202,6 +202,8 @@ def test_a_deleted_rank_is_replaced_while_the_survivors_serve(devcluster, moe):
     described = devcluster.kubectl("describe", "inferencemodel", NAME, "-n", moe.namespace).stdout
     for text in ("Last Recovery", "Failed Ranks", "RankFailed", "GroupReconfigured", "RankRejoined"):
         assert text in described, described
+    listed = devcluster.kubectl("get", "inferencemodel", NAME, "-n", moe.namespace).stdout
+    assert "GROUPS" in listed and "Whole @" in listed, listed
     assert out.report.failed_attempts.keys() <= {moe.pod(1)}
 
 

@@ -377,6 +377,18 @@ def _env_of(manifest) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in manifest["spec"]["containers"][0]["env"]}
 
 
+def test_the_group_summary_says_the_state_and_epoch_for_kubectl_get():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    assert plan_with(model, pods, ranks).status.group_summary == "Whole @2"
+    del ranks[pods[1].name]
+    pods = [p for p in pods if p.rank != 1]
+    assert plan_with(model, pods, ranks).status.group_summary == "Broken @2"  # its survivors wait for their epoch
+    two = ep_model(replicas=2)
+    pods, ranks = group(two, 2, range(N))
+    assert plan_with(two, pods, ranks).status.group_summary == "1/2 Whole, r1 Forming @0"
+
+
 def test_growing_adds_a_rank_with_the_groups_slots_and_keeps_the_others():
     model = ep_model()
     pods, ranks = group(model, 2, range(N))
