@@ -5,9 +5,9 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
 - The group's current epoch: the highest `group_epoch` a running rank reports, with that rank's members.
 - Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, whose worker is a
   new process (reports epoch 0, or its container restarted within RESTARTED_WITHIN_S and it does not answer yet),
-  that has not answered `/state` for SILENT_AFTER_S, or
+  that has not answered `/state` for the group's collective deadline (`silent_after_s`), or
   that a member reports as the peer that broke the epoch (unless its own worker reports an older epoch: a new
-  process, not the culprit). A failed rank whose process is stuck (silent for SILENT_AFTER_S without a restart, or
+  process, not the culprit). A failed rank whose process is stuck (silent that long without a restart, or
   named by a peer while it still answers) has its pod deleted with a short grace period, as a frozen process never
   comes back by itself, so that a replacement is made; a restarted one reloads in place.
 - Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
@@ -32,6 +32,7 @@ from datetime import datetime
 
 from tidal.contract.control_api import GroupHealth
 from tidal.contract.error_codes import ErrorCode
+from tidal.operator.api.spec import InferenceModelSpec
 from tidal.operator.planner.actions import (
     Action,
     DeletePod,
@@ -42,8 +43,10 @@ from tidal.operator.planner.actions import (
 from tidal.operator.planner.facts import Facts, RankSlot
 from tidal.operator.planner.observed import SentEpoch
 
-# A member that has not answered /state for this long is failed (the worker answers it off its step loop).
-SILENT_AFTER_S = 2.0
+# A member that has not answered /state (answered off its step loop) for the group's collective deadline is failed:
+# the user's own statement of how long a rank may stop answering its peers. Never less than this, as /state is polled
+# every GROUP_WATCH_S and a loaded node may miss one.
+MIN_SILENT_AFTER_S = 1.0
 # A group broken with no peer named gets a new epoch this long after it broke (the probe of a frozen peer takes up to
 # its deadline; sending sooner would include the frozen peer, whose rendezvous would hang).
 BROKEN_GRACE_S = 3.0
@@ -142,7 +145,13 @@ def restarted_recently(slot: RankSlot, now: datetime) -> bool:
     return (now - pod.started_at).total_seconds() < RESTARTED_WITHIN_S
 
 
-def find_failures(slots: list[RankSlot], view: EpochView | None, now: datetime) -> dict[int, RankFailure]:
+def silent_after_s(spec: InferenceModelSpec) -> float:
+    return max(MIN_SILENT_AFTER_S, spec.experts.collective_timeout_seconds)
+
+
+def find_failures(
+    slots: list[RankSlot], view: EpochView | None, now: datetime, silent_after: float
+) -> dict[int, RankFailure]:
     if view is None:
         return {}
     by_rank = {s.rank: s for s in slots}
@@ -162,7 +171,7 @@ def find_failures(slots: list[RankSlot], view: EpochView | None, now: datetime) 
             # Every member of an applied epoch joined it, so a member at epoch 0 is a new process: its container
             # restarted (a crash) and it reloads in place.
             failed[rank] = RankFailure(rank, "its worker restarted (a new process, out of the group)", False)
-        elif slot.usable and slot.state is None and silent is not None and silent >= SILENT_AFTER_S:
+        elif slot.usable and slot.state is None and silent is not None and silent >= silent_after:
             failed[rank] = RankFailure(rank, f"its worker has not answered /state for {silent:.1f}s", True)
     for slot in slots:
         state = slot.state
@@ -179,7 +188,7 @@ def find_failures(slots: list[RankSlot], view: EpochView | None, now: datetime) 
         # (alive, yet its peers cannot reach it), or it has been silent long enough without a restart. A crashed
         # process is silent too at first, until its container restarts; it then reloads in its pod.
         silent = peer_slot.observation.silent_for_s or 0.0
-        stuck = peer_slot.state is not None or (silent >= SILENT_AFTER_S and not restarted_recently(peer_slot, now))
+        stuck = peer_slot.state is not None or (silent >= silent_after and not restarted_recently(peer_slot, now))
         failed[peer] = RankFailure(peer, why, delete_pod=peer_slot.usable and stuck)
     return failed
 
@@ -251,7 +260,7 @@ def decide_group(
     slots = facts.replica_slots(replica)
     view = current_view(slots)
     pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
-    failures = find_failures(slots, view, now)
+    failures = find_failures(slots, view, now, silent_after_s(facts.model.spec))
     wanted = wanted_members(slots, view, failures)
     if not wanted:
         return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded")

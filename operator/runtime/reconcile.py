@@ -38,8 +38,9 @@ ACTED_REQUEUE_S = 1.0
 MAX_ERROR_BACKOFF_S = 30.0
 # Expert-parallel models are watched this often: a frozen rank, or a group a worker reports broken, changes no pod.
 GROUP_WATCH_S = 0.5
-# /state of a group's rank: short, as a frozen rank's call holds the pass that must reconfigure its survivors.
-GROUP_STATE_TIMEOUT_S = 1.0
+# /state of a group's rank: short, as a frozen rank's call holds the pass that must reconfigure its survivors (the
+# worker answers it from its HTTP loop in milliseconds; a miss only starts the rank's silence clock).
+GROUP_STATE_TIMEOUT_S = 0.3
 
 
 def back_off(streak: int) -> float:

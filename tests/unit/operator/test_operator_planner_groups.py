@@ -12,7 +12,7 @@ from tidal.operator.planner.groups import (
     BROKEN_GRACE_S,
     FAILED_RANK_GRACE_S,
     REFUSAL_RETRY_S,
-    SILENT_AFTER_S,
+    silent_after_s,
 )
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
 from tidal.operator.planner.plan import plan
@@ -25,6 +25,9 @@ def ep_model(replicas: int = 1):
     # The CRD still refuses expertParallel above 1 in this branch (the spec side lifts it): set it past validation.
     model.spec = model.spec.model_copy(update={"expert_parallel": N})
     return model
+
+
+SILENT_AFTER_S = silent_after_s(ep_model().spec)  # the spec's collective deadline (10 s by default)
 
 
 def rank_worker(rank: int, epoch: int = 0, members=(), health: str = "waiting", **group) -> RankObservation:
