@@ -27,6 +27,9 @@ from tidal.operator.workerclient import STATE_TIMEOUT_S, CallErrorCode, WorkerCa
 
 log = logging.getLogger("tidal.operator.workers")
 
+# /state timeout of a rank whose previous /state went unanswered (see `observe`).
+SUSPECT_STATE_TIMEOUT_S = 0.05
+
 # Failures that say "not now" rather than "this checkpoint is wrong": the worker's refusals of the moment, and the
 # client's own codes for a call that got no readable answer.
 TRANSIENT_CODES: frozenset[ErrorCode | CallErrorCode] = frozenset(
@@ -98,8 +101,13 @@ class WorkerFleet:
         async def one(pod: str, target: Target) -> tuple[str, RankObservation]:
             client = self._client(target, port, token)
             asked = time.monotonic()
+            # A rank that missed its last /state is suspect (frozen, or gone): its call must not hold the pass that
+            # may send its survivors their epoch, so it gets a short timeout. A live rank answers in milliseconds;
+            # a miss only extends its silence, and failing takes the whole deadline of misses in a row.
+            suspect = target.uid in memory.state_misses
+            timeout = min(state_timeout_s, SUSPECT_STATE_TIMEOUT_S) if suspect else state_timeout_s
             try:
-                state = await client.state(timeout=state_timeout_s)
+                state = await client.state(timeout=timeout)
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
                 rejected = exc.code == ErrorCode.UNAUTHORIZED

@@ -14,7 +14,7 @@ from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.actions import EpochMemberRef, ReconfigureGroup, SetServingLabel
 from tidal.operator.runtime.execute import Context, execute
 from tidal.operator.runtime.memory import ModelMemories, ModelMemory
-from tidal.operator.runtime.workers import Target, WorkerFleet
+from tidal.operator.runtime.workers import SUSPECT_STATE_TIMEOUT_S, Target, WorkerFleet
 
 TOKEN = SecretStr("s" * 40)
 TARGETS = {f"m-r0-{r}": Target(address=f"10.0.0.{r + 1}", uid=f"uid-{r}") for r in range(3)}
@@ -151,3 +151,24 @@ def test_state_silence_is_counted_from_the_first_miss_per_process():
     assert first.state is None and first.silent_for_s is not None
     assert second.silent_for_s >= first.silent_for_s + 0.05
     assert set(memory.state_misses) == {"uid-0"}
+
+
+def test_a_rank_that_missed_its_last_state_gets_a_short_timeout():
+    timeouts: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"]["read"])
+        raise httpx.ReadTimeout("frozen")
+
+    memory = ModelMemory()
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            fleet = WorkerFleet(http, OperatorMetrics(CollectorRegistry()))
+            target = {"m-r0-0": TARGETS["m-r0-0"]}
+            for _ in range(2):
+                await fleet.observe(("ns", "m"), memory, target, 8001, TOKEN, 0.3)
+
+    asyncio.run(main())
+    # The suspect's call cannot hold the pass that may reconfigure its survivors.
+    assert timeouts == [0.3, SUSPECT_STATE_TIMEOUT_S]
