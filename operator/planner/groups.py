@@ -5,11 +5,12 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
 - The group's current epoch: the highest `group_epoch` a running rank reports, with that rank's members.
 - Failed: a member of the current epoch whose pod is gone, terminating, finished or crash-looping, whose worker is a
   new process (reports epoch 0, or its container restarted within RESTARTED_WITHIN_S and it does not answer yet),
-  that has not answered `/state` for the group's collective deadline (`silent_after_s`), or
-  that a member reports as the peer that broke the epoch (unless its own worker reports an older epoch: a new
-  process, not the culprit). A failed rank whose process is stuck (silent that long without a restart, or
-  named by a peer while it still answers) has its pod deleted with a short grace period, as a frozen process never
-  comes back by itself, so that a replacement is made; a restarted one reloads in place.
+  that has not answered `/state` for the group's collective deadline (`silent_after_s`), that a member reports as the
+  peer that broke the epoch (unless its own worker reports an older epoch: a new process, not the culprit), or that
+  is silent for SILENT_IN_BROKEN_GROUP_S while a member reports the epoch broken. A failed rank whose process is
+  stuck (silent for the deadline without a restart, or named by a peer while it still answers) has its pod deleted
+  with a short grace period, as a frozen process never comes back by itself, so that a replacement is made; a
+  restarted one reloads in place.
 - Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
   member of the current epoch that missed a `/state` or two is kept until it counts as silent.
 - The next epoch is one above every epoch seen (reported or sent), so a restarted operator never reuses a number;
@@ -47,6 +48,8 @@ from tidal.operator.planner.observed import SentEpoch
 # the user's own statement of how long a rank may stop answering its peers. Never less than this, as /state is polled
 # every GROUP_WATCH_S and a loaded node may miss one.
 MIN_SILENT_AFTER_S = 1.0
+# Silence that fails a member at once when another member reports the epoch broken (see find_failures).
+SILENT_IN_BROKEN_GROUP_S = 0.5
 # A group broken with no peer named gets a new epoch this long after it broke (the probe of a frozen peer takes up to
 # its deadline; sending sooner would include the frozen peer, whose rendezvous would hang).
 BROKEN_GRACE_S = 3.0
@@ -190,6 +193,17 @@ def find_failures(
         silent = peer_slot.observation.silent_for_s or 0.0
         stuck = peer_slot.state is not None or (silent >= silent_after and not restarted_recently(peer_slot, now))
         failed[peer] = RankFailure(peer, why, delete_pod=peer_slot.usable and stuck)
+    # A member reports the epoch broken but names no one yet (its probe of a frozen peer runs to its deadline), and
+    # a member has missed /state since before: two signs pointing at the same rank, so it is left out now rather than
+    # at the end of the probe. Its pod is deleted only once its silence alone would fail it.
+    if any(s.state is not None and s.rank not in failed and broken_in(s, view) for s in slots):
+        for slot in slots:
+            silent = slot.observation.silent_for_s or 0.0
+            silent_member = slot.rank in view.members and slot.rank not in failed and slot.state is None
+            if silent_member and silent >= SILENT_IN_BROKEN_GROUP_S:
+                why = f"its worker has not answered /state for {silent:.1f}s while its group is broken"
+                stuck = silent >= silent_after and not restarted_recently(slot, now)
+                failed[slot.rank] = RankFailure(slot.rank, why, delete_pod=slot.usable and stuck)
     return failed
 
 

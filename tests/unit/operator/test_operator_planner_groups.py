@@ -12,6 +12,7 @@ from tidal.operator.planner.groups import (
     BROKEN_GRACE_S,
     FAILED_RANK_GRACE_S,
     REFUSAL_RETRY_S,
+    SILENT_IN_BROKEN_GROUP_S,
     silent_after_s,
 )
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
@@ -208,6 +209,19 @@ def test_a_silent_rank_fails_only_past_the_threshold():
     assert [m.rank for m in only_epoch(result).members] == [0, 1, 2]
     assert "tiny-r0-3" in [a.name for a in result.actions if isinstance(a, DeletePod)]
     assert result.status.ranks[3].group_state == "Failed"
+
+
+def test_a_silent_member_of_a_broken_epoch_is_left_out_before_its_peers_name_it():
+    model = ep_model()
+    pods, ranks = group(model, 2, range(N))
+    for rank in (0, 1, 2):  # their collective missed its deadline; the probe of the frozen peer is still running
+        ranks[pods[rank].name] = rank_worker(rank, 2, range(N), "broken", broken_for_s=0.1)
+    ranks[pods[3].name] = RankObservation(silent_for_s=SILENT_IN_BROKEN_GROUP_S / 2)
+    assert epochs(plan_with(model, pods, ranks)) == []  # one missed /state is not enough
+    ranks[pods[3].name] = RankObservation(silent_for_s=SILENT_IN_BROKEN_GROUP_S + 0.1)
+    result = plan_with(model, pods, ranks)
+    assert [m.rank for m in only_epoch(result).members] == [0, 1, 2]
+    assert not any(isinstance(a, DeletePod) for a in result.actions)  # deleted only once its silence alone fails it
 
 
 def test_the_loaded_replacement_gets_the_whole_groups_epoch():
