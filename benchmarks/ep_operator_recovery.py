@@ -38,11 +38,9 @@ from typing import Any
 import httpx
 import yaml
 
-from tidal.devcluster import cluster
-from tidal.devcluster.config import ClusterConfig
 from tidal.devcluster.service_endpoints import BalancingTransport, ServiceEndpoints
 from tidal.devcluster.service_load import ServiceLoad
-from tidal.devcluster.testing import DevCluster
+from tidal.devcluster.testing import DevCluster, cluster_with_chart
 from tidal.operator.api import constants as c
 from tidal.operator.builders.names import serving_service_name
 
@@ -266,17 +264,8 @@ def main() -> int:
             [sys.executable, "-m", "tidal.worker.testing.tiny_models", "--arch", "qwen3_moe", "--out",
              str(models / "tiny-qwen3-moe")], check=True, capture_output=True,
         )  # fmt: skip
-        cfg = ClusterConfig(state_dir=root / "cluster", die_with_parent=True, cpu="64", memory="256Gi")
-        info = cluster.up(cfg)
-        try:
-            dc = DevCluster(info, cfg)
-            dc.helm(
-                "install", "tidal", str(REPO / "charts" / "tidal"), "-n", OPERATOR_NS, "--create-namespace",
-                "--wait", "--timeout", "3m", timeout=240,
-            )  # fmt: skip
+        with cluster_with_chart(root / "cluster", REPO / "charts" / "tidal", cpu="64", memory="256Gi") as dc:
             out = run(dc, models, args)
-        finally:
-            cluster.down(info.state_dir)
     steps = out["from_fault_s"]
     print(f"\n{out['fault']} of rank {out['fault_rank']} of {out['ranks']}, {out['streams']} streams:")
     for name, value in steps.items():

@@ -29,9 +29,7 @@ from typing import Any
 import httpx
 from kubernetes import watch
 
-from tidal.devcluster import cluster
-from tidal.devcluster.config import ClusterConfig
-from tidal.devcluster.testing import DevCluster
+from tidal.devcluster.testing import DevCluster, cluster_with_chart
 from tidal.operator.api import constants as c
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,20 +186,11 @@ def main() -> int:
             [sys.executable, "-m", "tidal.worker.testing.tiny_models", "--arch", "llama", "--out",
              str(models / "tiny-llama")], check=True, capture_output=True,
         )  # fmt: skip
-        cfg = ClusterConfig(state_dir=root / "cluster", die_with_parent=True, cpu="64", memory="256Gi")
-        info = cluster.up(cfg)
-        try:
-            dc = DevCluster(info, cfg)
-            dc.helm(
-                "install", "tidal", str(REPO / "charts" / "tidal"), "-n", "tidal-system", "--create-namespace",
-                "--wait", "--timeout", "3m", timeout=240,
-            )  # fmt: skip
+        with cluster_with_chart(root / "cluster", REPO / "charts" / "tidal", cpu="64", memory="256Gi") as dc:
             print(f"local control plane up; operator installed by the chart ({time.strftime('%H:%M:%S')})\n")
             bench_apply(dc, models, args.replicas)
             bench_degraded(dc, models)
             bench_throughput(dc, models, args.models)
-        finally:
-            cluster.down(info.state_dir)
     return 0
 
 

@@ -3,17 +3,19 @@
 tests/e2e/conftest.py turns this into pytest fixtures; other test suites (the operator's) can use it directly.
 """
 
+import contextlib
 import os
 import re
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config, watch
 
+from tidal.devcluster import cluster
 from tidal.devcluster.cluster import ClusterInfo
 from tidal.devcluster.config import ClusterConfig, resolve_binaries
 from tidal.devcluster.nodeagent.faults import inject_local
@@ -142,6 +144,23 @@ class DevCluster:
     def inject_fault(self, namespace: str, name: str, action: str, container: str | None = None) -> list[int]:
         """crash (SIGKILL), freeze (SIGSTOP) or thaw (SIGCONT) the pod's processes, right now."""
         return inject_local(self.info.pods_dir, namespace, name, action, container)
+
+
+@contextlib.contextmanager
+def cluster_with_chart(state_dir: Path, chart: Path, **config: Any) -> Iterator[DevCluster]:
+    """For benchmarks: a devcluster under `state_dir` with Tidal's chart `helm install`ed (release `tidal` in
+    `tidal-system`), torn down on exit. `config`: more ClusterConfig fields (e.g. the node's cpu and memory)."""
+    cfg = ClusterConfig(state_dir=state_dir, die_with_parent=True, **config)
+    info = cluster.up(cfg)
+    try:
+        dc = DevCluster(info, cfg)
+        dc.helm(
+            "install", "tidal", str(chart), "-n", "tidal-system", "--create-namespace", "--wait", "--timeout", "3m",
+            timeout=240,
+        )  # fmt: skip
+        yield dc
+    finally:
+        cluster.down(info.state_dir)
 
 
 def is_ready(pod: dict[str, Any]) -> bool:
