@@ -47,3 +47,7 @@ GROUP_PORT = 7100
 # Longest object name: the pod name `<name>-r<replica>-<rank>` and the Service name `<name>-group` must stay
 # DNS labels (<= 63 characters) for every allowed replica and rank count.
 MAX_NAME_LENGTH = 50
+
+# The headless Service's suffix (builders/names.py). Model names may not end in it (a CEL rule on the CRD), so that
+# no model's serving Service (named as the model) can be another model's headless Service.
+GROUP_SERVICE_SUFFIX = "-group"

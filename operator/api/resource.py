@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule
-from tidal.operator.api.constants import API_VERSION, KIND, MAX_NAME_LENGTH
+from tidal.operator.api.constants import API_VERSION, GROUP_SERVICE_SUFFIX, KIND, MAX_NAME_LENGTH
 from tidal.operator.api.spec import InferenceModelSpec
 from tidal.operator.api.status import InferenceModelStatus
 
@@ -48,5 +48,11 @@ class InferenceModel(ApiModel):
             message="metadata.name must be a DNS label (lowercase letters, digits and '-', starting with a letter): "
             "it names the model's Service",
             holds=lambda m: re.search(patterns.DNS_LABEL, m.metadata.name) is not None,
+        ),
+        CelRule(
+            rule=f"!self.metadata.name.endsWith('{GROUP_SERVICE_SUFFIX}')",
+            message=f"metadata.name must not end in '{GROUP_SERVICE_SUFFIX}': the model named <name> owns the "
+            f"headless Service <name>{GROUP_SERVICE_SUFFIX}, which this model's Service would collide with",
+            holds=lambda m: not m.metadata.name.endswith(GROUP_SERVICE_SUFFIX),
         ),
     )

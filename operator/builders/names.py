@@ -9,7 +9,7 @@ def pod_name(model: str, replica: int, rank: int) -> str:
 
 def group_service_name(model: str) -> str:
     """Headless Service that gives each rank a stable DNS name (`<pod>.<model>-group`)."""
-    return f"{model}-group"
+    return f"{model}{c.GROUP_SERVICE_SUFFIX}"
 
 
 def serving_service_name(model: str) -> str:

@@ -21,21 +21,36 @@ from tidal.operator.planner.observed import ObservedChildren, child_key
 def plan_children(
     model: InferenceModel, children: ObservedChildren, operator: OperatorIdentity, fresh_token: SecretStr
 ) -> list[Action]:
+    """Objects under a child's name that this model does not control (`children.foreign`) are left alone."""
     actions: list[Action] = []
     secret = build_token_secret(model, fresh_token)
     # The Secret first: pods read the token from it, and it is never patched (the workers hold the token).
-    if child_key(secret) not in children.existing:
+    if child_key(secret) not in children.existing and child_key(secret) not in children.foreign:
         actions.append(CreateSecret(manifest=secret))
     for manifest in (build_group_service(model), build_serving_service(model)):
         key = child_key(manifest)
+        if key in children.foreign:
+            continue
         if key not in children.existing:
             actions.append(CreateService(manifest=manifest))
         elif children.existing[key] != manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]:
             actions.append(PatchService(manifest=manifest))
     policy = build_network_policy(model, operator)
     key = child_key(policy)
+    if key in children.foreign:
+        return actions
     if key not in children.existing:
         actions.append(CreateNetworkPolicy(manifest=policy))
     elif children.existing[key] != policy["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]:
         actions.append(PatchNetworkPolicy(manifest=policy))
     return actions
+
+
+def foreign_children_message(children: ObservedChildren) -> str | None:
+    """The Degraded message while objects under our children's names belong to someone else (None: none do)."""
+    if not children.foreign:
+        return None
+    found = "; ".join(
+        f"{key} exists and is not this model's ({owner})" for key, owner in sorted(children.foreign.items())
+    )
+    return f"{found}: Tidal neither changes nor adopts it; delete or rename it, or give the model another name"

@@ -108,9 +108,26 @@ class SentEpoch(BaseModel):
 
 
 class ObservedChildren(BaseModel):
-    """Services, Secret and NetworkPolicy that exist: "Kind/name" -> their spec-hash annotation ("" if none)."""
+    """Services, Secret and NetworkPolicy that exist: "Kind/name" -> their spec-hash annotation ("" if none).
+
+    `foreign`: objects under a child's name that this model does not control (no controller ownerReference to its
+    UID): "Kind/name" -> who controls it. They are never patched, adopted or deleted, and the model is Degraded."""
 
     existing: dict[str, str] = Field(default_factory=dict)
+    foreign: dict[str, str] = Field(default_factory=dict)
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    """Whether `obj` has a controller ownerReference to the object with `uid` (what the operator created)."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
+
+
+def controller_of(obj: dict[str, Any]) -> str:
+    """Who controls `obj`, for a message: "Kind/name", or "no controller"."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    ref = next((r for r in refs if r.get("controller")), None)
+    return f"{ref.get('kind')}/{ref.get('name')}" if ref is not None else "no controller"
 
 
 def child_key(manifest: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The planner's entry point: one level-based pass from (spec, observations) to actions and the next status."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tidal.operator.api.conditions import flipped
 from tidal.operator.api.status import InferenceModelStatus
@@ -15,7 +15,7 @@ from tidal.operator.planner.actions import (
     UpdateWeights,
     WakeRank,
 )
-from tidal.operator.planner.children import plan_children
+from tidal.operator.planner.children import foreign_children_message, plan_children
 from tidal.operator.planner.facts import Facts, PlanInput, gather
 from tidal.operator.planner.group_status import group_view
 from tidal.operator.planner.groups import decide_groups, group_actions
@@ -74,7 +74,11 @@ def plan(inp: PlanInput) -> Plan:
     facts = gather(inp)
     previous = inp.model.status
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
+    foreign = foreign_children_message(inp.children)
     pods = plan_pods(facts)
+    if any(key.startswith("Secret/") for key in inp.children.foreign):
+        # New pods would mount someone else's Secret as their control token: none is created until it is gone.
+        pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
     sleep = decide_sleep(facts, inp.now)
     sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
@@ -86,7 +90,7 @@ def plan(inp: PlanInput) -> Plan:
     work = group_work + pods.actions + sleep_actions + rollout.actions
     actions += work
     progress = _progress(facts, work, rollout, sleep.asleep)
-    status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups)
+    status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups, foreign)
     if status != previous:
         actions.append(PatchStatus(status=status))
     actions += _events(previous, status)

@@ -55,7 +55,9 @@ def _sleep_state(slots: list[RankSlot]) -> SleepState:
     return "Asleep" if asleep == len(known) else "Awake" if asleep == 0 else "Mixed"
 
 
-def _degraded(facts: Facts, rollout: RolloutPlan, groups: GroupsView) -> tuple[str, str] | None:
+def _degraded(facts: Facts, rollout: RolloutPlan, groups: GroupsView, foreign: str | None) -> tuple[str, str] | None:
+    if foreign is not None:
+        return "ForeignObject", foreign
     looping = [s.pod for s in facts.slots if s.pod is not None and s.pod.crash_looping]
     if looping:
         worst = max(looping, key=lambda p: p.restart_count)
@@ -97,13 +99,15 @@ def compute_status(
     progress: Progress,
     now: datetime,
     groups: GroupsView,
+    foreign: str | None = None,
 ) -> InferenceModelStatus:
+    """`foreign`: the message about objects under our children's names that are someone else's (Degraded)."""
     model = facts.model
     generation = model.metadata.generation
     states = [rank_state(s, rollout) for s in facts.slots]
     ready_ranks = sum(1 for s in facts.slots if s.ready)
     total = len(facts.slots)
-    degraded = _degraded(facts, rollout, groups)
+    degraded = _degraded(facts, rollout, groups, foreign)
     sleep_state = _sleep_state(facts.slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
     expert_parallel = facts.ranks_per_replica > 1

@@ -13,7 +13,14 @@ from pydantic import SecretStr
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.kube.client import KubeApi
-from tidal.operator.planner.observed import ObservedChildren, ObservedPod, observe_child, observe_pod
+from tidal.operator.planner.observed import (
+    ObservedChildren,
+    ObservedPod,
+    controlled_by,
+    controller_of,
+    observe_child,
+    observe_pod,
+)
 from tidal.operator.runtime.workers import Target
 
 
@@ -49,12 +56,6 @@ def read_token(secret: dict[str, Any] | None) -> SecretStr | None:
     return SecretStr(token) if token else None
 
 
-def owned_by(pod: dict[str, Any], uid: str) -> bool:
-    """Pods of an earlier model with the same name (still being garbage-collected) are not this model's."""
-    refs = pod.get("metadata", {}).get("ownerReferences") or []
-    return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)
-
-
 def targets_of(pods: list[dict[str, Any]]) -> dict[str, Target]:
     out = {}
     for pod in pods:
@@ -70,16 +71,26 @@ async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceMode
     raw_pods, *children = await asyncio.gather(
         kube.list_model_pods(namespace, name), *(kube.get_child(kind, namespace, n) for kind, n in wanted)
     )
-    mine = [p for p in raw_pods if owned_by(p, model.metadata.uid)]
+    uid = model.metadata.uid
+    # Pods of an earlier model with the same name (still being garbage-collected) are not this model's.
+    mine = [p for p in raw_pods if controlled_by(p, uid)]
     pods = [obs for obs in (observe_pod(p) for p in mine) if obs is not None]
-    existing = dict(
-        observe_child({**child, "kind": kind}) for (kind, _), child in zip(wanted, children, strict=True) if child
-    )
+    existing: dict[str, str] = {}
+    foreign: dict[str, str] = {}
+    for (kind, _), child in zip(wanted, children, strict=True):
+        if not child:
+            continue
+        key, spec_hash = observe_child({**child, "kind": kind})
+        if controlled_by(child, uid):
+            existing[key] = spec_hash
+        else:  # someone else's object under our child's name: never patched, adopted or read
+            foreign[key] = controller_of(child)
+    secret = children[0]
     return KubeObservation(
         body=body,
         model=model,
         pods=pods,
         targets={k: v for k, v in targets_of(mine).items() if any(p.name == k for p in pods)},
-        children=ObservedChildren(existing=existing),
-        token=read_token(children[0]),
+        children=ObservedChildren(existing=existing, foreign=foreign),
+        token=read_token(secret) if secret and controlled_by(secret, uid) else None,
     )

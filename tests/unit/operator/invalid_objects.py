@@ -294,6 +294,14 @@ CASES: list[InvalidCase] = [
         "",
     ),
     InvalidCase(
+        "name-ending-in-group",
+        "another model's headless Service is <its name>-group: the names would collide",
+        {"metadata.name": "tiny-group"},
+        "metadata.name must not end in '-group'",
+        "metadata.name must not end in '-group'",
+        "",
+    ),
+    InvalidCase(
         "name-with-dot",
         "the name becomes a Service name (DNS label)",
         {"metadata.name": "tiny.v1"},

@@ -23,6 +23,7 @@ from tidal.operator.planner.actions import (
     UpdateWeights,
     WakeRank,
 )
+from tidal.operator.planner.observed import controlled_by
 from tidal.operator.runtime.execute import (
     CHILD_ACTIONS,
     GROUP_ACTIONS,
@@ -34,7 +35,7 @@ from tidal.operator.runtime.execute import (
     status_patch,
 )
 from tidal.operator.runtime.memory import ModelMemory
-from tidal.operator.runtime.observe import owned_by, read_token, targets_of
+from tidal.operator.runtime.observe import read_token, targets_of
 from tidal.operator.runtime.workers import CallFailure, Target, WorkerFleet
 from tidal.operator.workerclient import WorkerCallError, WorkerClient
 
@@ -291,7 +292,7 @@ def test_observe_helpers():
         "metadata": {"name": "m-r0-0", "uid": "u1", "ownerReferences": [{"uid": "model-uid", "controller": True}]},
         "status": {"phase": "Running", "podIP": "127.0.0.5"},
     }
-    assert owned_by(pod, "model-uid") and not owned_by(pod, "other")
+    assert controlled_by(pod, "model-uid") and not controlled_by(pod, "other")
     assert targets_of([pod]) == {"m-r0-0": Target("127.0.0.5", "u1")}
     pending = {**pod, "status": {"phase": "Pending"}}
     assert targets_of([pending]) == {}
