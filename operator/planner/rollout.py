@@ -2,7 +2,8 @@
 
 A failed update (the worker refuses a bad checkpoint and keeps its old weights) stops the roll for that version; the
 failure is remembered in status.weightsRollout until spec.weights names another version. The served version in
-status changes only when every rank reports the same version with the same checksum.
+status changes only when every rank reports the same version with the same checksum; ranks that report one version
+with different checksums are ChecksumMismatch (Degraded) until spec.weights names another version, which rolls.
 """
 
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ def _failure(facts: Facts, version: str, previous: InferenceModelStatus | None) 
 
 
 def _agreed_version(slots: list[RankSlot], one_checksum: bool) -> tuple[str | None, bool]:
-    """(version every rank serves with one checksum, or None; True when versions agree but checksums do not).
+    """(version every rank serves with one checksum, or None; True when every rank reports one version with
+    different checksums: the ranks serve different weights under one label).
 
     With expert parallelism each rank's checksum covers the experts it holds (and every dense tensor), so ranks
     differ by design: then every rank must report the version and its checksum, and no two are compared."""
@@ -77,9 +79,11 @@ def plan_rollout(
         return RolloutPlan(actions, version, served, "Synced", None)
     if failure is not None:
         return RolloutPlan(actions, version, served, "UpdateFailed", failure)
-    if mismatch:
-        return RolloutPlan(actions, version, served, "ChecksumMismatch", None)
     behind = [s for s in facts.slots if _out_of_date(s, version)]
+    if mismatch and not behind:
+        # The desired version itself is served with different checksums. A mismatch on an older version does not
+        # stop a roll: a new version is the documented remedy, so it must reach the ranks.
+        return RolloutPlan(actions, version, served, "ChecksumMismatch", None)
     if not behind:
         # Nothing reports an old version: ranks are still loading (they start on the desired weights) or checksums
         # are not in yet.

@@ -87,6 +87,18 @@ def test_checksum_mismatch_is_reported():
     assert result.status.weights_version is None
 
 
+def test_a_new_version_rolls_over_a_checksum_mismatch():
+    model = make_model({"replicas": 2})
+    pods, ranks = healthy(model)
+    ranks[pod_name(model, 1)] = worker("base", "sum-other")
+    mismatched = with_status(model, run(model, pods, ranks))
+    fixed = with_status(make_model({"replicas": 2, "weights": {"version": "v2", "source": "ckpt/v2"}}), mismatched)
+    result = run(fixed, pods, ranks, minutes=1)
+    assert [u.version for u in _updates(result)] == ["v2"]  # replica by replica (maxUnavailable 1)
+    assert _cond(result, "WeightsSynced").reason == "RollingOut"
+    assert _cond(result, "Degraded").status == "False"
+
+
 def test_sleep_and_wake_touch_every_rank_in_one_pass():
     awake = make_model({"replicas": 3})
     pods, ranks = healthy(awake)
