@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from operator_e2e import install_operator, write_models
 
 from tidal.devcluster import cluster
 from tidal.devcluster.config import CONTROL_PLANE_BINARIES, ClusterConfig, resolve_binaries
@@ -41,6 +42,13 @@ def namespace(devcluster: DevCluster, request: pytest.FixtureRequest) -> Iterato
     name = devcluster.create_namespace(request.node.name.removeprefix("test_"))
     yield name
     devcluster.delete_namespace(name)
+
+
+@pytest.fixture
+def models(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chart installed and the tiny test models written (both once per session; see operator_e2e)."""
+    install_operator(devcluster)
+    return write_models(devcluster, tmp_path_factory.getbasetemp() / "tidal-models")
 
 
 @pytest.fixture

@@ -142,10 +142,29 @@ def wait_until(check: Callable[[], Any], timeout_s: float, what: str, period_s: 
         time.sleep(period_s)
 
 
+def synced_to(version: str) -> ModelPredicate:
+    """Ready, WeightsSynced, and every rank serving `version`."""
+
+    def check(obj: dict[str, Any]) -> bool:
+        status = obj.get("status") or {}
+        synced = condition(obj, "WeightsSynced").get("status") == "True"
+        return phase_is("Ready")(obj) and synced and status.get("weightsVersion") == version
+
+    return check
+
+
 # -- pods and workers ------------------------------------------------------------------------------------------
 def model_pods(dc: DevCluster, namespace: str, name: str) -> dict[str, Any]:
     pods = dc.core.list_namespaced_pod(namespace, label_selector=f"{c.LABEL_MODEL}={name}").items
     return {p.metadata.name: p for p in pods}
+
+
+def pod_identity(dc: DevCluster, namespace: str, name: str) -> dict[str, tuple[str, int]]:
+    """pod -> (uid, restarts): what an in-place change must leave as it was."""
+    pods = model_pods(dc, namespace, name)
+    return {
+        n: (p.metadata.uid, sum(s.restart_count for s in p.status.container_statuses or [])) for n, p in pods.items()
+    }
 
 
 def control_token(dc: DevCluster, namespace: str, name: str) -> str:

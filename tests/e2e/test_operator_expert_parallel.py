@@ -32,6 +32,8 @@ from operator_e2e import (
     operator_pods,
     patch_spec,
     phase_is,
+    pod_identity,
+    synced_to,
     wait_model,
     wait_until,
     worker_checksum,
@@ -69,14 +71,6 @@ class Group:
     @property
     def pods(self) -> set[str]:
         return {self.pod(r) for r in range(RANKS)}
-
-
-def synced_to(version: str) -> Callable[[dict[str, Any]], bool]:
-    def check(obj: dict[str, Any]) -> bool:
-        synced = condition(obj, "WeightsSynced").get("status") == "True"
-        return phase_is("Ready")(obj) and synced and (obj.get("status") or {}).get("weightsVersion") == version
-
-    return check
 
 
 def _group_status(obj: dict[str, Any]) -> dict[str, Any]:
@@ -252,16 +246,8 @@ def test_an_operator_killed_mid_recovery_resumes_it(devcluster, moe):
     wait_until(lambda: _operator_restarts(devcluster) > restarts, timeout_s=30, what="the operator restarted")
 
 
-def _identities(dc: DevCluster, group: Group) -> dict[str, tuple[str, int]]:
-    pods = model_pods(dc, group.namespace, NAME)
-    return {
-        name: (pod.metadata.uid, sum(s.restart_count for s in pod.status.container_statuses or []))
-        for name, pod in pods.items()
-    }
-
-
 def test_resizing_3_to_4_to_3_under_load_restarts_no_rank_that_stays(devcluster, moe):
-    before = _identities(devcluster, moe)
+    before = pod_identity(devcluster, moe.namespace, NAME)
     epoch = _group_status(get_model(devcluster, moe.namespace, NAME))["epoch"]
     load = ServiceLoad(
         BalancingTransport(moe.endpoints), NAME, PROMPT, MAX_TOKENS, moe.reference, streams=STREAMS
@@ -281,7 +267,7 @@ def test_resizing_3_to_4_to_3_under_load_restarts_no_rank_that_stays(devcluster,
     told = f"{report.summary()}\n{_operator_story(devcluster, moe)}"
     assert not report.survivor_losses and len(report.completed) == len(report.records), told
     wait_until(lambda: moe.pod(RANKS) not in model_pods(devcluster, moe.namespace, NAME), 60, "rank 3's pod gone")
-    after = _identities(devcluster, moe)
+    after = pod_identity(devcluster, moe.namespace, NAME)
     assert after == before, told  # ranks 0-2: the same pods, never restarted
     for rank in range(RANKS):
         assert worker_state(devcluster, moe.namespace, NAME, moe.pod(rank))["group"]["group_size"] == RANKS

@@ -2,8 +2,6 @@
 status and columns, describe with conditions and events, a deleted pod comes back, a deleted token Secret is
 replaced and the pods follow it, a crash loop is reported and clears, deleting the model removes its children."""
 
-from pathlib import Path
-
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
@@ -12,7 +10,6 @@ from operator_e2e import (
     control_token,
     create_model,
     events_of,
-    install_operator,
     model_manifest,
     model_pods,
     patch_spec,
@@ -20,18 +17,11 @@ from operator_e2e import (
     wait_model,
     wait_until,
     worker_state,
-    write_models,
 )
 
-from tidal.devcluster.testing import DevCluster, is_ready
+from tidal.devcluster.testing import is_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-@pytest.fixture
-def models(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    install_operator(devcluster)
-    return write_models(devcluster, tmp_path_factory.getbasetemp() / "tidal-models")
 
 
 def test_apply_example_is_ready_with_status_columns_and_events(devcluster, namespace, models, tmp_path):

@@ -1,30 +1,19 @@
 """The operator touches only what it owns (issue 16): an object under one of a model's child names that the model
 does not control is never patched, adopted or deleted, and the model says so in a Degraded condition."""
 
-from pathlib import Path
-
 import pytest
 from operator_e2e import (
     condition,
     create_model,
-    install_operator,
     model_manifest,
     model_pods,
     wait_model,
     wait_until,
-    write_models,
 )
 
-from tidal.devcluster.testing import DevCluster
 from tidal.operator.api import constants as c
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-@pytest.fixture
-def models(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    install_operator(devcluster)
-    return write_models(devcluster, tmp_path_factory.getbasetemp() / "tidal-models")
 
 
 def _foreign(obj: dict) -> bool:

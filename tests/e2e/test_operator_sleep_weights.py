@@ -13,18 +13,18 @@ from operator_e2e import (
     complete,
     condition,
     create_model,
-    install_operator,
     lease_holder,
     model_manifest,
     model_pods,
     operator_pods,
     patch_spec,
     phase_is,
+    pod_identity,
+    synced_to,
     wait_model,
     wait_until,
     worker_checksum,
     worker_state,
-    write_models,
 )
 from transformers import AutoTokenizer
 
@@ -37,12 +37,6 @@ PROMPT = "The tide comes in twice a day, and"
 NEW_TOKENS = 12
 
 
-@pytest.fixture
-def models(devcluster: DevCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    install_operator(devcluster)
-    return write_models(devcluster, tmp_path_factory.getbasetemp() / "tidal-models")
-
-
 @torch.no_grad()
 def transformers_text(model_dir: Path, prompt: list[int]) -> str:
     model = load_reference_model(model_dir)
@@ -50,20 +44,6 @@ def transformers_text(model_dir: Path, prompt: list[int]) -> str:
         torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
     )  # [1, len(prompt) + NEW_TOKENS]
     return AutoTokenizer.from_pretrained(model_dir).decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True)
-
-
-def pod_identity(dc: DevCluster, namespace: str, name: str) -> dict[str, tuple[str, int]]:
-    pods = model_pods(dc, namespace, name)
-    return {n: (p.metadata.uid, p.status.container_statuses[0].restart_count) for n, p in pods.items()}
-
-
-def synced_to(version: str):
-    def check(obj: dict) -> bool:
-        status = obj.get("status") or {}
-        synced = condition(obj, "WeightsSynced").get("status") == "True"
-        return phase_is("Ready")(obj) and synced and status.get("weightsVersion") == version
-
-    return check
 
 
 def test_sleep_then_wake_serves_the_same_greedy_output(devcluster, namespace, models):
