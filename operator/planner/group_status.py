@@ -208,7 +208,18 @@ def _serving_events(before: ReplicaGroupStatus | None, group: ReplicaGroupStatus
     )
     events = [EmitEvent(type="Normal", reason="GroupReconfigured", message=message)]
     if before is not None and before.epoch > 0:
-        for rank in sorted(set(group.members) - set(before.members)):
+        for rank in sorted(_rejoined(before, group)):
             text = f"replica {group.replica} rank {rank} serves again in epoch {group.epoch}"
             events.append(EmitEvent(type="Normal", reason="RankRejoined", message=text))
     return events
+
+
+def _rejoined(before: ReplicaGroupStatus, group: ReplicaGroupStatus) -> set[int]:
+    """The ranks the group gained since the status last recorded it: members new to the epoch's list, and the failed
+    ranks of a recovery that ends in this pass. The second catches the pass that saw the whole epoch half applied
+    (state Reconfiguring, its members already listing the returning rank) between the survivors' epoch and this one."""
+    gained = set(group.members) - set(before.members)
+    previous, recovery = before.last_recovery, group.last_recovery
+    if recovery is not None and recovery.whole_at is not None and previous is not None and previous.whole_at is None:
+        gained |= set(recovery.failed_ranks) & set(group.members)
+    return gained

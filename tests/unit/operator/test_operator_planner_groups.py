@@ -347,6 +347,36 @@ def test_a_recovery_through_status_and_events():
     assert quiet.actions == []  # nothing new: no action, no status write, no event repeated
 
 
+def test_a_rank_rejoins_even_when_a_pass_saw_the_whole_epoch_half_applied():
+    # Between the survivors' epoch and the whole one, a pass may see the returning rank already in epoch 3 while the
+    # survivors still serve 2: the status then lists epoch 3's members (Reconfiguring), the rank among them.
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    model = ep_with_status(model, plan_with(model, pods, ranks))
+    lost_pods = [p for p in pods if p.rank != 2]
+    model = ep_with_status(
+        model, plan_with(model, lost_pods, {k: v for k, v in ranks.items() if k != "tiny-r0-2"}, seconds=10)
+    )
+    survivors_pods, survivors = group(model, 2, (0, 1, 3), loaded={0, 1, 3})
+    model = ep_with_status(model, plan_with(model, [p for p in survivors_pods if p.rank != 2], survivors, seconds=11))
+
+    back_pods, back = group(model, 3, range(N))
+    half = {**back, **{k: v for k, v in survivors.items() if k != "tiny-r0-3"}}  # rank 3 applied epoch 3 first
+    half_applied = plan_with(model, back_pods, half, seconds=20)
+    assert half_applied.status.groups[0].state == "Reconfiguring" and half_applied.status.groups[0].members == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert not events(half_applied, "RankRejoined")
+    model = ep_with_status(model, half_applied)
+
+    rejoined = plan_with(model, back_pods, back, seconds=30)
+    assert rejoined.status.groups[0].state == "Whole"
+    assert [e.message for e in events(rejoined, "RankRejoined")] == ["replica 0 rank 2 serves again in epoch 3"]
+
+
 def test_reloaded_experts_keep_the_model_degraded():
     model = ep_model()
     pods, ranks = group(model, 2, range(N))
