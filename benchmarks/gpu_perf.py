@@ -3,6 +3,10 @@ the batch-1 decode against the memory-bandwidth bound, and greedy agreement. Wri
 
     python benchmarks/gpu_perf.py --preset llama3-8b --device cuda      # the issue's run (~3-4 min on an H200)
     python benchmarks/gpu_perf.py --preset tiny --device cpu [--smoke]  # the same run on a CPU, in seconds
+    python benchmarks/gpu_perf.py --preset qwen3-30b-a3b --device cuda  # MoE: decode to batch 256, experts counted
+
+A MoE preset's bound counts the bytes a step reads (dense weights, the experts its tokens touch, the KV cache:
+perf/moe.py) instead of every weight.
 
 Both sides run the same random weights (drawn on the device, no checkpoint on disk), the same prompts, greedy,
 exactly N new tokens per row. Results: benchmarks/results/perf-<preset>-<gpu|cpu>[-smoke].{json,md}; the JSON is
@@ -19,13 +23,14 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from perf import device as devinfo
-from perf import engine_side, transformers_side
+from perf import engine_side, moe, transformers_side
 from perf.presets import PRESETS, Workload, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.report import agreement, bandwidth_bound, comparison, result_stem, targets, to_markdown, write_report
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("tidal.worker.loader").setLevel(logging.WARNING)  # one line per tensor otherwise
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    preset, workload = PRESETS[args.preset], default_workload(device.type, args.smoke)
+    preset = PRESETS[args.preset]
+    workload = default_workload(preset, device.type, args.smoke)
     env = devinfo.environment(device)
     progress(f"{env}")
     report: dict[str, Any] = {
@@ -127,7 +133,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ours = report["engine"].get("decode", [])
         b1 = next((d["ms_per_step"] for d in ours if d["batch"] == 1), None)
         measured = report.get("ceilings", {}).get("device_copy_tbs")
-        report["bandwidth"] = bandwidth_bound(report["model"]["weight_bytes"], b1, devinfo.ISSUE_COPY_TBS, measured)
+        # A MoE step reads the dense weights and top-k experts per layer, not every weight (perf/moe.py).
+        step_bytes = report["moe"]["batch1_bytes"] if report.get("moe") else report["model"]["weight_bytes"]
+        report["bandwidth"] = bandwidth_bound(step_bytes, b1, devinfo.ISSUE_COPY_TBS, measured)
+        if report.get("moe"):
+            report["moe"]["per_batch"] = moe_bounds(report["moe"], report["engine"], devinfo.ISSUE_COPY_TBS)
         report["comparison"] = comparison(report["engine"], report["transformers"])
         if not args.skip_transformers:
             report["agreement"] = agreement(outputs["tidal"], outputs["transformers"])
@@ -138,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
         loaded = build_random_model(model_dir, dtype, device, args.seed)
         report["model"] = model_facts(loaded, args.seed)
+        step = moe.step_bytes(loaded.model)
+        if step is not None:
+            report["moe"] = {**asdict(step), "batch1_bytes": step.batch1_bytes, "touched": [], "per_batch": []}
         progress(
             f"random {preset.name} weights: {loaded.report.num_bytes / 1e9:.2f} GB in {loaded.report.seconds:.1f} s"
         )
@@ -155,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab = loaded.model.vocab_size
         ours = report["engine"]
         run_side("tidal", engine_side, engine, workload.decode_batches, workload, vocab, ours, outputs["tidal"], save)
+        if report.get("moe"):
+            count_touched_experts(engine, workload, vocab, report["moe"])
+            save()
         del engine  # frees the KV cache and the graphs' pool; the weights stay (transformers copies them)
         gc.collect()
         if device.type == "cuda":
@@ -180,6 +196,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(to_markdown(report), flush=True)
     progress(f"wrote {args.out / stem}.json and .md")
     return report
+
+
+def count_touched_experts(engine: Any, workload: Workload, vocab: int, facts: dict[str, Any]) -> None:
+    """Per decode batch, the experts each layer's router picks on one step of that batch (perf/moe.py)."""
+    context_len = workload.decode_prompt_len + (workload.decode_new_tokens + workload.decode_warmup_tokens) // 2
+    kv_per_token = engine.runner.bytes_per_block // engine.config.block_size
+    for batch in workload.decode_batches:
+        touched = moe.touched_experts(engine, engine_side.step_tokens(batch, vocab), context_len)
+        if touched is None:
+            progress(f"experts touched at batch {batch}: not counted (the KV cache is busy or too small)")
+            continue
+        facts["touched"].append({"batch": batch, "context_len": context_len, "per_layer": touched,
+                                 "kv_bytes_per_token": kv_per_token})  # fmt: skip
+        progress(f"batch {batch}: {sum(touched) / len(touched):.1f} experts touched per layer (of {len(touched)})")
+
+
+def moe_bounds(facts: dict[str, Any], engine: dict[str, Any], copy_tbs: float) -> list[dict[str, Any]]:
+    step = moe.StepBytes(
+        facts["dense_bytes"], facts["expert_bytes"], facts["experts_per_layer"], facts["top_k"], facts["layers"]
+    )
+    decode = {d["batch"]: d for d in engine.get("decode", [])}
+    rows = []
+    for t in facts["touched"]:
+        bound = moe.batch_bound(step, t["per_layer"], t["kv_bytes_per_token"], t["batch"], t["context_len"])
+        measured = decode.get(t["batch"], {})
+        rows.append(moe.with_times(bound, copy_tbs, measured.get("ms_per_step"), measured.get("forward_ms")))
+    return rows
 
 
 def model_facts(loaded: LoadedModel, seed: int) -> dict[str, Any]:

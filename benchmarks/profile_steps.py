@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from perf.engine_side import build_engine, decode_plan, engine_config
+from perf.engine_side import build_engine, decode_plan, engine_config, step_tokens
 from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from torch.profiler import ProfilerActivity, profile
@@ -30,7 +30,7 @@ from tidal.worker.engine.step_plan import StepPlan
 
 def kernel_table(engine: LLMEngine, batch: int, context_len: int, iters: int = 10) -> None:
     runner = engine.runner
-    plan = decode_plan(batch, context_len, engine.config.block_size)
+    plan = decode_plan(batch, context_len, engine.config.block_size, step_tokens(batch, runner.model.vocab_size))
     for _ in range(3):
         runner.execute(plan)
     torch.cuda.synchronize()
@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--offline", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda:0")
-    preset, workload = PRESETS[args.preset], default_workload("cuda", smoke=False)
+    preset = PRESETS[args.preset]
+    workload = default_workload(preset, "cuda", smoke=False)
     with tempfile.TemporaryDirectory(prefix="tidal-profile-") as tmp:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
         loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0)

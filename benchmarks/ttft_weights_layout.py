@@ -38,7 +38,7 @@ def separate(model_dir: Path) -> LoadedModel:
 
 with tempfile.TemporaryDirectory() as tmp:
     preset = PRESETS["llama3-8b"]
-    workload = default_workload("cuda", False)
+    workload = default_workload(preset, "cuda", False)
     model_dir = write_model_dir(preset, Path(tmp) / "m")
     results = {"region": [], "separate": []}
     for rnd in range(2):

@@ -63,3 +63,29 @@ def _tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
         gate_up=GemmTiles(block_n=128, block_k=64, num_warps=8, num_stages=4),
         down=GemmTiles(block_n=256, block_k=64, num_warps=8, num_stages=3),
     )
+
+
+# Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe.py; the figures are in
+# benchmarks/results/moe-sweep-<shape>-h200.json): (experts, top-k, hidden, expert intermediate) -> (up to this many
+# tokens, config) in increasing token order. A count above the last entry takes the default tiles, which the sweep
+# found best there (4096 tokens).
+TUNED_MOE_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], ...]] = {
+    # Qwen3-30B-A3B: 128 experts of width 768, top-8. Narrow gate/up tiles at a few tokens (25% over the default at
+    # one token), wide ones once each expert has a few rows.
+    (128, 8, 2048, 768): (
+        (8, MoeConfig(16, GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 3))),
+        (64, MoeConfig(16, GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 3))),
+        (256, MoeConfig(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
+    ),
+}
+
+
+def tuned_moe_config(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, element_size: int = 2
+) -> MoeConfig:
+    """The swept config for this expert shape and token count where there is one (bf16), else the default."""
+    if element_size == 2:
+        for up_to, config in TUNED_MOE_CONFIGS.get((num_experts, top_k, hidden, inter), ()):
+            if num_tokens <= up_to:
+                return config
+    return default_moe_config(num_tokens, top_k, num_experts, element_size)

@@ -42,51 +42,88 @@ def topk_softmax_kernel(
     tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])  # per-batch counts: see grouped_gemm_kernel
-def align_by_expert_kernel(
+# Sorting the pairs by expert takes three launches so that the per-pair work spreads over many programs: each chunk
+# of CHUNK pairs counts its experts (expert_histogram_kernel), one program turns the counts into the padded segment
+# layout and each chunk's first row per expert (expert_layout_kernel), and each chunk places its pairs
+# (place_pairs_kernel). Pairs keep their order within an expert, so the placement is deterministic. A single
+# program doing all of it walked the pairs serially: 93 us a layer for Qwen3-30B-A3B at batch 256 on an H200.
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # per-batch counts: see grouped_gemm_kernel
+def expert_histogram_kernel(
     ids_ptr,  # [N] int32 expert of each (token, k) pair, N = T * top_k
-    sorted_pairs_ptr,  # [max_rows] int32 out: pair index of each sorted row, N for padding rows
-    block_expert_ptr,  # [max_blocks] int32 out: expert of each M-block, -1 past the last used block
-    pair_row_ptr,  # [N] int32 out: sorted row of each pair
+    chunk_counts_ptr,  # [num_chunks, EXPERTS_P2] int32 out: pairs of each expert in each chunk
     num_pairs,
-    num_experts,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program: counts pairs per expert, lays the experts' segments out padded to BLOCK_M, then places each pair.
-    A single program keeps the placement deterministic (pairs keep their order within an expert)."""
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
     experts = tl.arange(0, EXPERTS_P2)
-    lanes = tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    counts = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(chunk_counts_ptr + chunk * EXPERTS_P2 + experts, counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+def expert_layout_kernel(
+    chunk_counts_ptr,  # [num_chunks, EXPERTS_P2] int32 in; out: each chunk's first sorted row per expert
+    sorted_pairs_ptr,  # [max_rows] int32 out: N (padding) in every used row; place_pairs_kernel fills the pairs in
+    block_expert_ptr,  # [max_blocks] int32 out: expert of each M-block, -1 past the last used block
+    num_pairs,
+    num_chunks,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program. Only the rows of used blocks are written: the GEMMs stop at a block whose expert is -1."""
+    experts = tl.arange(0, EXPERTS_P2)
     counts = tl.zeros([EXPERTS_P2], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ok = start + lanes < num_pairs
-        ids = tl.load(ids_ptr + start + lanes, mask=ok, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    for chunk in range(0, num_chunks):
+        counts += tl.load(chunk_counts_ptr + chunk * EXPERTS_P2 + experts)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     segment_end = tl.cumsum(padded, axis=0)  # [EXPERTS_P2]
     used_rows = tl.sum(padded, axis=0)
 
-    for start in range(0, max_blocks, CHUNK):
+    cursor = segment_end - padded  # each expert's next free row, chunk after chunk
+    for chunk in range(0, num_chunks):
+        here = tl.load(chunk_counts_ptr + chunk * EXPERTS_P2 + experts)
+        tl.store(chunk_counts_ptr + chunk * EXPERTS_P2 + experts, cursor)
+        cursor += here
+
+    lanes = tl.arange(0, BLOCKS)
+    for start in range(0, max_blocks, BLOCKS):
         blocks = start + lanes
         first_row = blocks * BLOCK_M
         expert = tl.sum((segment_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
         expert = tl.where(first_row < used_rows, expert, -1)
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
-    for start in range(0, max_blocks * BLOCK_M, CHUNK):  # every row starts as padding
-        rows = start + lanes
-        tl.store(sorted_pairs_ptr + rows, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=rows < max_blocks * BLOCK_M)
-    tl.debug_barrier()  # the padding fill above must land before pairs overwrite their rows
+    fill_lanes = tl.arange(0, FILL)
+    for start in range(0, used_rows, FILL):
+        rows = start + fill_lanes
+        tl.store(sorted_pairs_ptr + rows, tl.full([FILL], 0, tl.int32) + num_pairs, mask=rows < used_rows)
 
-    cursor = segment_end - padded  # next free row of each expert
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        ok = pairs < num_pairs
-        ids = tl.load(ids_ptr + pairs, mask=ok, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
-        earlier_same = tl.cumsum(onehot, axis=0) - onehot  # pairs of the same expert before this one in the chunk
-        row = tl.sum(onehot * (cursor[None, :] + earlier_same), axis=1)
-        tl.store(sorted_pairs_ptr + row, pairs, mask=ok)
-        tl.store(pair_row_ptr + pairs, row, mask=ok)
-        cursor += tl.sum(onehot, axis=0)
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def place_pairs_kernel(
+    ids_ptr,  # [N] int32
+    chunk_first_row_ptr,  # [num_chunks, EXPERTS_P2] int32: each chunk's first sorted row per expert
+    sorted_pairs_ptr,  # [max_rows] int32 out: pair index of each sorted row
+    pair_row_ptr,  # [N] int32 out: sorted row of each pair
+    num_pairs,
+    EXPERTS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    pairs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = pairs < num_pairs
+    experts = tl.arange(0, EXPERTS_P2)
+    ids = tl.load(ids_ptr + pairs, mask=ok, other=-1)
+    first_row = tl.load(chunk_first_row_ptr + chunk * EXPERTS_P2 + experts)  # [EXPERTS_P2]
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
+    earlier_same = tl.cumsum(onehot, axis=0) - onehot  # pairs of the same expert before this one in the chunk
+    row = tl.sum(onehot * (first_row[None, :] + earlier_same), axis=1)
+    tl.store(sorted_pairs_ptr + row, pairs, mask=ok)
+    tl.store(pair_row_ptr + pairs, row, mask=ok)

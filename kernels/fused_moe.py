@@ -8,9 +8,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tidal.kernels._moe_config import MoeConfig, default_moe_config
+from tidal.kernels._moe_config import MoeConfig, tuned_moe_config
 from tidal.kernels._moe_gemm_kernels import combine_kernel, grouped_gemm_kernel
-from tidal.kernels._moe_routing_kernels import align_by_expert_kernel, topk_softmax_kernel
+from tidal.kernels._moe_routing_kernels import (
+    expert_histogram_kernel,
+    expert_layout_kernel,
+    place_pairs_kernel,
+    topk_softmax_kernel,
+)
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     check_contiguous,
@@ -138,6 +143,39 @@ def fused_moe_triton(
     return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config)
 
 
+def align_chunk(num_pairs: int, experts_p2: int) -> int:
+    """Pairs per program of the alignment kernels: a [CHUNK, experts] one-hot of at most 4K elements, and no wider
+    than the batch needs."""
+    return int(min(max(triton.next_power_of_2(num_pairs), 16), max(4096 // experts_p2, 16)))
+
+
+def sort_pairs_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(sorted_pairs [max_rows], block_expert [max_blocks], pair_row [N], max_blocks) for the grouped GEMMs: the
+    (token, k) pairs sorted by expert into segments padded to block_m rows (see _moe_routing_kernels.py)."""
+    num_pairs = topk_ids.numel()
+    # Each expert's segment is padded up to a multiple of block_m: at most num_experts * (block_m - 1) extra rows.
+    max_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    device = topk_ids.device
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    chunk = align_chunk(num_pairs, experts_p2)
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    chunk_rows = torch.empty(num_chunks, experts_p2, dtype=torch.int32, device=device)
+    expert_histogram_kernel[(num_chunks,)](topk_ids, chunk_rows, num_pairs, EXPERTS_P2=experts_p2, CHUNK=chunk)
+    expert_layout_kernel[(1,)](
+        chunk_rows, sorted_pairs, block_expert, num_pairs, num_chunks, max_blocks,
+        BLOCK_M=block_m, EXPERTS_P2=experts_p2, BLOCKS=max(4096 // experts_p2, 16), FILL=1024, num_warps=4,
+    )  # fmt: skip
+    place_pairs_kernel[(num_chunks,)](
+        topk_ids, chunk_rows, sorted_pairs, pair_row, num_pairs, EXPERTS_P2=experts_p2, CHUNK=chunk
+    )
+    return sorted_pairs, block_expert, pair_row, max_blocks
+
+
 def fused_moe_experts_triton(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -166,30 +204,12 @@ def fused_moe_experts_triton(
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    config = config or default_moe_config(num_tokens, top_k, num_experts, w13.element_size())
+    config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, w13.element_size())
     num_pairs = num_tokens * top_k
     block_m = config.block_m
-    # Each expert's segment is padded up to a multiple of block_m: at most num_experts * (block_m - 1) extra rows.
-    max_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    sorted_pairs, block_expert, pair_row, max_blocks = sort_pairs_by_expert(topk_ids, num_experts, block_m)
     max_rows = max_blocks * block_m
     device = hidden.device
-    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
-    pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    experts_p2 = triton.next_power_of_2(num_experts)
-    align_by_expert_kernel[(1,)](
-        topk_ids,
-        sorted_pairs,
-        block_expert,
-        pair_row,
-        num_pairs,
-        num_experts,
-        max_blocks,
-        BLOCK_M=block_m,
-        EXPERTS_P2=experts_p2,
-        CHUNK=max(4096 // experts_p2, 16),
-        num_warps=4,
-    )
     intermediate = torch.empty(max_rows, inter, dtype=hidden.dtype, device=device)  # silu(gate) * up, sorted rows
     expert_out = torch.empty(max_rows, hidden_size, dtype=torch.float32, device=device)
     passes = (

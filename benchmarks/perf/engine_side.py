@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from perf.presets import Workload
+from perf.presets import Workload, random_prompts
 from perf.timing import DecodeRun, OfflineRun, now, steady_ms_per_step
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
@@ -106,7 +106,7 @@ def forward_ms(engine: LLMEngine, batch: int, context_len: int, iters: int = 20)
     blocks_per_seq = -(-context_len // block_size)
     if engine.has_unfinished_requests() or batch * blocks_per_seq > runner.num_kv_blocks:
         return None
-    plan = decode_plan(batch, context_len, block_size)
+    plan = decode_plan(batch, context_len, block_size, step_tokens(batch, runner.model.vocab_size))
     for _ in range(3):
         runner.execute(plan)
     start = now(runner.device)
@@ -115,14 +115,20 @@ def forward_ms(engine: LLMEngine, batch: int, context_len: int, iters: int = 20)
     return (now(runner.device) - start) * 1000.0 / iters
 
 
-def decode_plan(batch: int, context_len: int, block_size: int) -> StepPlan:
+def step_tokens(batch: int, vocab_size: int) -> list[int]:
+    """One seeded random token per sequence: distinct tokens route to different experts, as real ones do (the
+    same token in every row would make a MoE step read only top-k experts per layer)."""
+    return random_prompts(1, batch, vocab_size, seed=4242 + batch)[0]
+
+
+def decode_plan(batch: int, context_len: int, block_size: int, input_ids: list[int]) -> StepPlan:
     """A decode step of `batch` sequences of `context_len` tokens each, on blocks 0.. in order (no request holds
     them: the caller checks the cache is idle)."""
     blocks_per_seq = -(-context_len // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     return StepPlan(
         seq_ids=list(range(batch)),
-        input_ids=[10] * batch,
+        input_ids=list(input_ids),
         positions=[context_len - 1] * batch,
         slot_mapping=[t[-1] * block_size + (context_len - 1) % block_size for t in tables],
         cu_seqlens_q=list(range(batch + 1)),

@@ -27,11 +27,14 @@ class ModelPreset(BaseModel):
     arch: str = Field(description="a tiny_models architecture key: config class, architecture name, rope style")
     vocab_size: int | None = Field(default=None, description="None: the tiny tokenizer's own size")
     overrides: dict[str, Any] = Field(default_factory=dict, description="config fields over the tiny defaults")
+    gpu_workload: str = Field(default="dense", description="which GPU workload it runs: a key of GPU_WORKLOADS")
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.arch not in TINY_ARCHS:
             raise ValueError(f"preset {self.name}: unknown arch {self.arch!r}; choose from {', '.join(TINY_ARCHS)}")
+        if self.gpu_workload not in ("dense", "moe"):
+            raise ValueError(f"preset {self.name}: gpu_workload must be 'dense' or 'moe', got {self.gpu_workload!r}")
         return self
 
 
@@ -48,10 +51,51 @@ LLAMA3_8B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},  # Llama-3 (3.1 added long-context scaling)
 }
 
+# Qwen3-30B-A3B's published shape: 48 layers, every one sparse, 128 experts of width 768, top-8 renormalised
+# (30.5e9 parameters, 3.3e9 active; ~61 GB in bf16).
+QWEN3_30B_A3B = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,  # the dense MLP's width, which no layer uses (mlp_only_layers is empty)
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+# Mixtral-8x7B's published shape: 8 experts of width 14336, top-2 (46.7e9 parameters, 12.9e9 active; ~93 GB).
+MIXTRAL_8X7B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+
 PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
     {
         "tiny": ModelPreset(name="tiny", arch="llama3"),
+        "tiny-moe": ModelPreset(name="tiny-moe", arch="qwen3_moe", gpu_workload="moe"),
         "llama3-8b": ModelPreset(name="llama3-8b", arch="llama3", vocab_size=128256, overrides=LLAMA3_8B),
+        "qwen3-30b-a3b": ModelPreset(
+            name="qwen3-30b-a3b", arch="qwen3_moe", vocab_size=151936, overrides=QWEN3_30B_A3B, gpu_workload="moe"
+        ),
+        "mixtral-8x7b": ModelPreset(
+            name="mixtral-8x7b", arch="mixtral", vocab_size=32000, overrides=MIXTRAL_8X7B, gpu_workload="moe"
+        ),
     }
 )
 
@@ -148,10 +192,18 @@ SMOKE_WORKLOAD = Workload(
 )
 
 
-def default_workload(device_type: str, smoke: bool) -> Workload:
+# The MoE issue's decode batches go to 256, where a step touches nearly every expert of a layer; transformers'
+# generate() runs to 64 (its expert loop launches a few kernels per expert touched, in Python).
+MOE_GPU_WORKLOAD = GPU_WORKLOAD.model_copy(
+    update={"decode_batches": [1, 8, 64, 256], "transformers_decode_batches": [1, 8, 64]}
+)
+GPU_WORKLOADS: Mapping[str, Workload] = MappingProxyType({"dense": GPU_WORKLOAD, "moe": MOE_GPU_WORKLOAD})
+
+
+def default_workload(preset: ModelPreset, device_type: str, smoke: bool) -> Workload:
     if smoke:
         return SMOKE_WORKLOAD
-    return GPU_WORKLOAD if device_type == "cuda" else CPU_WORKLOAD
+    return GPU_WORKLOADS[preset.gpu_workload] if device_type == "cuda" else CPU_WORKLOAD
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

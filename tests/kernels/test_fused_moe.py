@@ -6,12 +6,15 @@ from tolerances import DOT_DTYPES, assert_close
 
 from tidal.kernels._moe_config import (
     MAX_SHARED_MEMORY_BYTES,
+    TUNED_MOE_CONFIGS,
     GemmTiles,
     MoeConfig,
     default_moe_config,
     shared_memory_bytes,
+    tuned_moe_config,
 )
 from tidal.kernels.fused_moe import (
+    align_chunk,
     fused_moe,
     fused_moe_experts_reference,
     fused_moe_experts_triton,
@@ -89,6 +92,36 @@ def test_every_default_tile_set_fits_shared_memory(num_tokens, element_size):
     for tiles in (config.gate_up, config.down):
         assert shared_memory_bytes(config.block_m, tiles, element_size) <= MAX_SHARED_MEMORY_BYTES
     assert default_moe_config(num_tokens, 2, 8, 2) == default_moe_config(num_tokens, 2, 8)  # bf16: as tuned
+
+
+def test_tuned_configs_apply_to_their_shape_in_bf16_only():
+    qwen3 = (128, 8, 2048, 768)
+    table = TUNED_MOE_CONFIGS[qwen3]
+    assert tuned_moe_config(1, 8, 128, 2048, 768) == table[0][1]
+    assert tuned_moe_config(9, 8, 128, 2048, 768) == table[1][1]  # the next measured count up
+    assert tuned_moe_config(256, 8, 128, 2048, 768) == table[-1][1]
+    assert tuned_moe_config(257, 8, 128, 2048, 768) == default_moe_config(257, 8, 128)  # past the table
+    assert tuned_moe_config(1, 8, 128, 2048, 768, element_size=4) == default_moe_config(1, 8, 128, 4)
+    assert tuned_moe_config(1, 2, 8, 4096, 14336) == default_moe_config(1, 2, 8)  # a shape not swept
+    assert [up_to for up_to, _ in table] == sorted(up_to for up_to, _ in table)
+
+
+def test_alignment_chunks_cover_small_and_large_batches():
+    assert align_chunk(8, 128) == 16  # batch 1, top-8: one program
+    assert align_chunk(2048, 128) == 32  # batch 256: 64 programs of a [32, 128] one-hot
+    assert align_chunk(2048, 8) == 512
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts"), [(70, 8, 128), (300, 2, 8)])
+def test_alignment_across_many_chunks_matches_reference(device, tokens, top_k, num_experts):
+    """Pairs spread over several alignment programs (chunks), and padding beyond one fill pass."""
+    hidden, inter = 32, 16
+    x = torch.randn(tokens, hidden, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    weights, ids = topk_route_reference(logits, top_k, True)
+    got = fused_moe_experts_triton(x, w13, w2, weights, ids.to(device), config=SMALL)
+    assert_close(got, fused_moe_experts_reference(x, w13, w2, weights, ids))
 
 
 def test_dispatch_and_validation_on_cpu():

@@ -1,0 +1,133 @@
+"""Tile sweep of the fused MoE (routing, alignment, both grouped GEMMs, combine) on a model's expert shape, per token
+count: the default config of kernels/_moe_config.py against candidates, found by coordinate descent (the gate/up
+tiles with the down tiles fixed, then the down tiles with the best gate/up), for each M block size that suits the
+token count. Decode token counts are timed as CUDA graphs (as the engine runs them), prefill counts plainly.
+
+    python benchmarks/kernels/sweep_moe.py --shape qwen3-30b-a3b [--tokens 1 8 64 256 2048 8192] [--out DIR]
+
+Prints one line per config and the best per token count with its gain over the default; --out writes the JSON the
+config table in kernels/_moe_config.py is read from (benchmarks/results/moe-sweep-<shape>-h200.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+from common import bench_ms, graph_ms
+
+from tidal.kernels._moe_config import MAX_SHARED_MEMORY_BYTES, GemmTiles, MoeConfig, default_moe_config
+from tidal.kernels._moe_config import shared_memory_bytes as smem
+from tidal.kernels.fused_moe import fused_moe_triton
+
+# (experts, top-k, hidden, expert intermediate) of the models the benchmark presets name.
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+GRAPHED_UP_TO = 256  # the engine's largest decode graph
+TILES = [
+    GemmTiles(32, 128, 4, 4),
+    GemmTiles(64, 128, 4, 4),
+    GemmTiles(32, 256, 4, 4),
+    GemmTiles(64, 64, 4, 4),
+    GemmTiles(128, 64, 4, 4),
+    GemmTiles(64, 128, 4, 3),
+    GemmTiles(128, 64, 8, 4),
+    GemmTiles(128, 128, 8, 3),
+    GemmTiles(256, 64, 8, 3),
+]
+
+
+def block_ms_for(tokens: int) -> list[int]:
+    if tokens <= 16:
+        return [16]
+    if tokens <= GRAPHED_UP_TO:
+        return [16, 32, 64]
+    return [64, 128]
+
+
+def describe(c: MoeConfig) -> str:
+    g, d = c.gate_up, c.down
+    return (
+        f"m{c.block_m} gu(n{g.block_n} k{g.block_k} w{g.num_warps} s{g.num_stages}) "
+        f"dn(n{d.block_n} k{d.block_k} w{d.num_warps} s{d.num_stages})"
+    )
+
+
+def fits(config: MoeConfig) -> bool:
+    return all(smem(config.block_m, t, 2) <= MAX_SHARED_MEMORY_BYTES for t in (config.gate_up, config.down))
+
+
+def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]]):
+    experts, top_k, hidden, _ = shape
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda")
+
+    def timed(config: MoeConfig) -> float:
+        def run() -> None:  # every weight copy in turn, so L2 never holds a layer's experts, as in a real forward
+            for w13, w2 in weights:
+                fused_moe_triton(x, w13, w2, logits, top_k, True, config)
+
+        run()
+        ms = graph_ms(run) if tokens <= GRAPHED_UP_TO else bench_ms(run, rep_ms=100)
+        return ms / len(weights)
+
+    default = default_moe_config(tokens, top_k, experts)
+    results = {describe(default): (default, timed(default))}
+    print(f"T{tokens:<6} default {describe(default):<50} {results[describe(default)][1] * 1e3:9.1f} us", flush=True)
+    for block_m in block_ms_for(tokens):
+        best = MoeConfig(block_m, default.gate_up, default.down)
+        for side in ("gate_up", "down"):
+            for tiles in TILES:
+                config = (
+                    MoeConfig(block_m, tiles, best.down)
+                    if side == "gate_up"
+                    else MoeConfig(block_m, best.gate_up, tiles)
+                )
+                key = describe(config)
+                if key in results or not fits(config):
+                    continue
+                try:
+                    results[key] = (config, timed(config))
+                except triton.runtime.errors.OutOfResources as err:  # the gate/up pass keeps two B tiles per stage
+                    print(f"T{tokens:<6} {key:<58} skipped: {err}", flush=True)
+                    continue
+                print(f"T{tokens:<6} {key:<58} {results[key][1] * 1e3:9.1f} us", flush=True)
+            best = min((r for r in results.values() if r[0].block_m == block_m), key=lambda r: r[1])[0]
+    winner, ms = min(results.values(), key=lambda r: r[1])
+    base = results[describe(default)][1]
+    print(f"T{tokens:<6} BEST {describe(winner)}: {ms * 1e3:.1f} us, default {base * 1e3:.1f} us ({base / ms:.2f}x)")
+    return {"tokens": tokens, "best": asdict(winner), "best_ms": ms, "default": asdict(default), "default_ms": base}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    experts, _, hidden, inter = shape
+    layer_bytes = experts * 3 * hidden * inter * 2
+    copies = max(2, min(8, int(4e9 // layer_bytes)))
+    weights = [
+        (
+            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
+            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
+        )
+        for _ in range(copies)
+    ]
+    print(f"{args.shape}: E{experts} top{shape[1]} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
+    rows = [sweep_tokens(t, shape, weights) for t in args.tokens]
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"moe-sweep-{args.shape}-h200.json"
+        path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

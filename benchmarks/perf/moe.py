@@ -1,0 +1,120 @@
+"""Mixture-of-experts facts for the performance report: the bytes a decode step must read, and how many experts a
+decode batch really touches.
+
+A dense model's decode step reads every weight once, so the weight bytes bound it. A MoE step reads the attention
+and other dense weights, the LM head, the KV cache, and only the experts its tokens were routed to: one token reads
+top-k experts per layer, a batch reads the union of its tokens' choices. That union is counted here by the model's
+own routers on a real decode step of the batch's size (random token ids, eager so a hook sees each layer's input),
+not estimated from a uniform-routing formula. The embedding table is left out of every bound: a step reads one row
+of it per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tidal.kernels.fused_moe import topk_route
+from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.layers.embedding import LMHead, VocabEmbedding
+from tidal.worker.layers.moe import SparseMoE
+
+
+def moe_layers(model: torch.nn.Module) -> list[SparseMoE]:
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What a decode step reads, apart from the experts and the KV cache."""
+
+    dense_bytes: int  # every weight but the experts' stacks and the embedding table (the LM head included)
+    expert_bytes: int  # one expert of one layer (gate, up and down)
+    experts_per_layer: int
+    top_k: int
+    layers: int
+
+    @property
+    def batch1_bytes(self) -> int:
+        return self.dense_bytes + self.layers * self.top_k * self.expert_bytes
+
+
+def step_bytes(model: torch.nn.Module) -> StepBytes | None:
+    """None for a model without experts."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    first = layers[0]
+    size = first.w13.element_size()
+    expert_bytes = (first.w13[0].numel() + first.w2[0].numel()) * size
+    skipped = {id(t) for layer in layers for t in (layer.w13, layer.w2)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
+    for module in model.modules():  # a tied LM head is the table itself: then it is read, so it stays
+        if isinstance(module, VocabEmbedding) and id(module.weight) not in heads:
+            skipped.add(id(module.weight))
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
+    return StepBytes(dense, expert_bytes, first.moe.num_experts, first.moe.top_k, len(layers))
+
+
+@torch.inference_mode()
+def touched_experts(engine: LLMEngine, input_ids: list[int], context_len: int) -> list[int] | None:
+    """Distinct experts each MoE layer routes the tokens of one decode step to (`input_ids`: one token per
+    sequence, every sequence `context_len` long), from an eager forward with a hook on every MoE layer. None when
+    the cache is busy or too small for the step."""
+    from perf.engine_side import decode_plan  # the plan of forward_ms, so both time and count the same step
+
+    runner, block_size = engine.runner, engine.config.block_size
+    batch = len(input_ids)
+    if engine.has_unfinished_requests() or batch * -(-context_len // block_size) > runner.num_kv_blocks:
+        return None
+    counts: list[int] = []
+
+    def count(module: SparseMoE, args: tuple[torch.Tensor, ...]) -> None:
+        router_logits = F.linear(args[0], module.router)
+        _, ids = topk_route(router_logits, module.moe.top_k, module.moe.renormalize)
+        counts.append(int(ids.unique().numel()))
+
+    handles = [layer.register_forward_pre_hook(count) for layer in moe_layers(runner.model)]
+    graphs, runner.decode_graphs = runner.decode_graphs, None  # a replayed graph runs no Python hook
+    try:
+        runner.execute(decode_plan(batch, context_len, block_size, input_ids))
+    finally:
+        runner.decode_graphs = graphs
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
+def batch_bound(facts: StepBytes, touched: list[int], kv_bytes_per_token: int, batch: int, context_len: int) -> dict:
+    """The bytes a decode step of `batch` sequences of `context_len` tokens must read: the dense weights, the
+    experts each layer touched (`touched`, per layer), and every sequence's KV cache."""
+    experts = sum(touched) * facts.expert_bytes
+    kv = batch * context_len * kv_bytes_per_token
+    return {
+        "batch": batch,
+        "context_len": context_len,
+        "touched_experts_per_layer_mean": sum(touched) / len(touched),
+        "touched_experts_per_layer_min": min(touched),
+        "touched_experts_per_layer_max": max(touched),
+        "touched_experts_total": sum(touched),
+        "expert_bytes": experts,
+        "kv_bytes": kv,
+        "bound_bytes": facts.dense_bytes + experts + kv,
+    }
+
+
+def with_times(bound: dict[str, Any], copy_tbs: float, ms_per_step: float | None, forward_ms: float | None) -> dict:
+    """`bound` with its time at `copy_tbs` and the measured step and forward over it (1.0 = at the bound)."""
+    bound_ms = bound["bound_bytes"] / (copy_tbs * 1e12) * 1000.0
+    return {
+        **bound,
+        "copy_tbs": copy_tbs,
+        "bound_ms": bound_ms,
+        "ms_per_step": ms_per_step,
+        "step_over_bound": ms_per_step / bound_ms if ms_per_step else None,
+        "forward_ms": forward_ms,
+        "forward_over_bound": forward_ms / bound_ms if forward_ms else None,
+    }
