@@ -22,6 +22,7 @@ from tidal.devcluster.nodeagent.lifecycle import (
 )
 from tidal.devcluster.nodeagent.probes import ProbeSpec, ProbeTracker, run_probe
 from tidal.devcluster.nodeagent.runtime import ContainerProcess
+from tidal.devcluster.nodeagent.termination import empty, termination_message
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ContainerSlot:
     log_path: Path
     previous_log_path: Path
     pidfile: Path
+    termination_log_path: Path  # stands in for the container's terminationMessagePath (termination.py)
     pod_ip: str
     restart_policy: str
     kill_grace_s: float
@@ -101,6 +103,7 @@ class ContainerSlot:
         try:
             if not plan.cwd.is_dir():
                 raise FileNotFoundError(f"workingDir {plan.cwd} does not exist on this host")
+            empty(self.termination_log_path)
             self.process = ContainerProcess(plan.argv, plan.env, plan.cwd, self.log_path, self.pidfile, self.on_exit)
         except OSError as exc:
             # What a runtime reports when the entrypoint cannot be executed; restartPolicy then applies as usual.
@@ -134,7 +137,8 @@ class ContainerSlot:
             started = self.record.state.get("running", {}).get("startedAt", now_iso())
             code = int(proc.exit_code or 0)
             self.process = None
-            self._finish_run(terminated_state(code, started, now_iso()), now, self.started_mono)
+            message = termination_message(self.spec, self.termination_log_path, self.log_path, code)
+            self._finish_run(terminated_state(code, started, now_iso(), message), now, self.started_mono)
             return
         if self.kill_deadline is not None:
             if now >= self.kill_deadline:

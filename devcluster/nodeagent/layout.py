@@ -32,6 +32,10 @@ class PodDirs:
     def pidfile(self, container: str) -> Path:
         return self.root / f"{container}.pid"
 
+    def termination_log(self, container: str) -> Path:
+        """The file that stands in for the container's terminationMessagePath (see nodeagent/termination.py)."""
+        return self.root / f"{container}.termination-log"
+
     @property
     def kubeconfig(self) -> Path:
         return self.root / "kubeconfig"

@@ -157,6 +157,7 @@ class PodWorker(threading.Thread):
             log_path=self.dirs.log(container["name"]),
             previous_log_path=self.dirs.previous_log(container["name"]),
             pidfile=self.dirs.pidfile(container["name"]),
+            termination_log_path=self.dirs.termination_log(container["name"]),
             pod_ip="",
             restart_policy=restart_policy,
             kill_grace_s=float(pod["spec"].get("terminationGracePeriodSeconds", 30)),
@@ -233,7 +234,9 @@ class PodWorker(threading.Thread):
         api = self.ctx.api
         env_ctx = EnvContext(api.secret_data, api.config_map_data, self._pod_ip, HOST_IP, self.ctx.allocatable)
         try:
-            plan = plan_launch(pod, slot.spec, env_ctx, self._gpu_ids, kubeconfig, self.dirs.workdir)
+            plan = plan_launch(
+                pod, slot.spec, env_ctx, self._gpu_ids, kubeconfig, self.dirs.workdir, slot.termination_log_path
+            )
         except (EnvError, ApiException) as exc:
             message = str(exc) if isinstance(exc, EnvError) else f"API error {exc.status}: {exc.reason}"
             # Nothing will change a pod without a command (its spec is immutable): retry rarely.

@@ -24,6 +24,9 @@ REDUNDANT_EXPERTS_PER_RANK = "TIDAL_REDUNDANT_EXPERTS_PER_RANK"
 # Set on a rank created for a group that already runs: the expert slots its running members report, so that a rank
 # created after a resize (world size N', members started for N) stacks the same number of slots as they do.
 EXPERT_SLOTS_PER_RANK = "TIDAL_EXPERT_SLOTS_PER_RANK"
+# Where the worker writes why it died: the container's terminationMessagePath, which Tidal sets (Kubernetes reads the
+# file into the container's last state; the local dev cluster's node agent maps the path to a file of its own).
+TERMINATION_MESSAGE_PATH = "TIDAL_TERMINATION_MESSAGE_PATH"
 
 RESERVED_ENV_NAMES: tuple[str, ...] = (
     MODEL,
@@ -46,6 +49,7 @@ RESERVED_ENV_NAMES: tuple[str, ...] = (
     GROUP_TIMEOUT_S,
     REDUNDANT_EXPERTS_PER_RANK,
     EXPERT_SLOTS_PER_RANK,
+    TERMINATION_MESSAGE_PATH,
 )
 
 # Weights change in place (POST /weights/update), so these two do not make a pod outdated when they change.

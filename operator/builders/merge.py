@@ -5,7 +5,8 @@
    template item with a known name merges into that item, a new name is appended. Other lists are replaced.
 3. Scalars from the template replace Tidal's.
 4. Afterwards Tidal re-asserts what it must own: the pod's name, namespace, ownerReferences and Tidal's labels, and in
-   the `worker` container its command, args, reserved TIDAL_* variables and the `serve` / `control` / `group` ports.
+   the `worker` container its command, args, terminationMessagePath (the worker is told it in a reserved variable),
+   reserved TIDAL_* variables and the `serve` / `control` / `group` ports.
 """
 
 import copy
@@ -55,7 +56,7 @@ def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
     mine, theirs = _find_worker(built), _find_worker(merged)
     if mine is None or theirs is None:
         raise ValueError("the built pod and the merged pod must both have the worker container")
-    for key in ("command", "args"):
+    for key in ("command", "args", "terminationMessagePath"):
         if key in mine:
             theirs[key] = copy.deepcopy(mine[key])
         else:

@@ -15,6 +15,14 @@ MODEL_VOLUME = "model"
 DEFAULT_PVC_MOUNT = "/models"
 # Labels the operator moves on a live pod; they describe the pod's role now, not what it was built from.
 MUTABLE_LABELS = frozenset({LABEL_LEADER, LABEL_SERVING})
+# Kubernetes' default path of a container's termination message. The worker writes its fatal error there (told by
+# TIDAL_TERMINATION_MESSAGE_PATH); a worker that dies without writing (killed, or a crash before it could) still
+# leaves the tail of its log, which is what the policy adds.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_POLICY = "FallbackToLogsOnError"
+# Pods built before these settings existed are not outdated for lacking them (upgrading the operator replaces no
+# pod); a pod template's other choice of policy counts as usual.
+_UNHASHED_WHEN_DEFAULT = {"terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": TERMINATION_POLICY}
 
 
 def mount_path(volume: ModelVolume) -> str:
@@ -85,6 +93,7 @@ def worker_env(
         _value(env.WORLD_SIZE, spec.expert_parallel),
         {"name": env.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         _value(env.GROUP_SERVICE, names.group_service_name(name)),
+        _value(env.TERMINATION_MESSAGE_PATH, TERMINATION_LOG),
     ]
     if spec.model.max_model_len is not None:
         out.insert(5, _value(env.MAX_MODEL_LEN, spec.model.max_model_len))
@@ -153,20 +162,24 @@ def _container(model: InferenceModel, replica: int, rank: int, slots_per_rank: i
         "livenessProbe": _probe("/health", period=10, failures=6),
         "readinessProbe": _probe("/ready", period=5, failures=3),
         "securityContext": {"allowPrivilegeEscalation": False},
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": TERMINATION_POLICY,
     }
 
 
-def _identity(pod: dict[str, Any]) -> dict[str, Any]:
+def spec_identity(pod: dict[str, Any]) -> dict[str, Any]:
     """What makes a pod outdated when it changes: everything except in-place weights, a group rank's shape (resized
-    by epochs) and the labels the operator moves on live pods (the serving label flips with the group's epochs;
-    flipping it must never replace a pod)."""
+    by epochs), the labels the operator moves on live pods (the serving label flips with the group's epochs;
+    flipping it must never replace a pod) and the termination message settings at their defaults."""
     spec = pod["spec"]
     containers = []
     for c in spec["containers"]:
         names_ = {e["name"] for e in c.get("env", [])}
-        unhashed = env.IN_PLACE_ENV_NAMES | (env.GROUP_SHAPE_ENV_NAMES if env.GROUP_HOST in names_ else frozenset())
+        group_shape = env.GROUP_SHAPE_ENV_NAMES if env.GROUP_HOST in names_ else frozenset()
+        unhashed = env.IN_PLACE_ENV_NAMES | {env.TERMINATION_MESSAGE_PATH} | group_shape
         kept = [e for e in c.get("env", []) if e["name"] not in unhashed]
-        containers.append({**c, "env": kept})
+        fields = {k: v for k, v in c.items() if _UNHASHED_WHEN_DEFAULT.get(k) != v}
+        containers.append({**fields, "env": kept})
     labels = {k: v for k, v in pod["metadata"]["labels"].items() if k not in MUTABLE_LABELS}
     annotations = pod["metadata"].get("annotations", {})
     return {"spec": {**spec, "containers": containers}, "labels": labels, "annotations": annotations}
@@ -202,4 +215,4 @@ def build_pod(model: InferenceModel, replica: int, rank: int, slots_per_rank: in
     if worker.pod_template is not None:
         meta = worker.pod_template.metadata
         pod = apply_pod_template(pod, worker.pod_template.spec, meta.labels, meta.annotations)
-    return stamp_hash(pod, _identity(pod))
+    return stamp_hash(pod, spec_identity(pod))

@@ -29,6 +29,11 @@ class ObservedPod(BaseModel):
     spec_hash: str | None = None
     restart_count: int = Field(0, ge=0)
     waiting_reason: str | None = None
+    # The worker container's latest end: its current state if it is terminated now, else its lastState. The message
+    # is the container's termination message (what the worker wrote, or its log's tail on error).
+    terminated: bool = False
+    last_exit_code: int | None = None
+    last_exit_reason: str | None = None
     last_exit_message: str | None = None
     # Where the executor reaches the rank's control API; with the group port, where its group endpoint listens.
     pod_ip: str | None = None
@@ -37,6 +42,8 @@ class ObservedPod(BaseModel):
     serving_label: str | None = None
     # When the worker container's current process started (None: not running).
     started_at: datetime | None = None
+    # When the pod last turned Ready (None: not ready).
+    ready_since: datetime | None = None
 
     @property
     def group_address(self) -> str | None:
@@ -149,11 +156,14 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         return None  # not a pod Tidal built (or its labels were edited): the planner leaves it alone
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
-    ready = any(cond.get("type") == "Ready" and cond.get("status") == "True" for cond in conditions)
+    ready_cond = next(
+        (cond for cond in conditions if cond.get("type") == "Ready" and cond.get("status") == "True"), None
+    )
     worker: dict[str, Any] = next((s for s in status.get("containerStatuses") or [] if s.get("name") == "worker"), {})
-    waiting = (worker.get("state") or {}).get("waiting") or {}
-    running = (worker.get("state") or {}).get("running") or {}
-    terminated = (worker.get("lastState") or {}).get("terminated") or {}
+    state = worker.get("state") or {}
+    waiting = state.get("waiting") or {}
+    running = state.get("running") or {}
+    terminated = state.get("terminated") or (worker.get("lastState") or {}).get("terminated") or {}
     containers = (pod.get("spec") or {}).get("containers") or []
     ports = next((c_.get("ports") or [] for c_ in containers if c_.get("name") == "worker"), [])
     group_port = next((p.get("containerPort") for p in ports if p.get("name") == GROUP_PORT_NAME), None)
@@ -162,14 +172,18 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         replica=int(replica),
         rank=int(rank),
         phase=status.get("phase", "Pending"),
-        ready=ready,
+        ready=ready_cond is not None,
         terminating=meta.get("deletionTimestamp") is not None,
         spec_hash=(meta.get("annotations") or {}).get(c.ANNOTATION_SPEC_HASH),
         restart_count=worker.get("restartCount", 0),
         waiting_reason=waiting.get("reason"),
-        last_exit_message=terminated.get("message") or terminated.get("reason"),
+        terminated="terminated" in state,
+        last_exit_code=terminated.get("exitCode"),
+        last_exit_reason=terminated.get("reason"),
+        last_exit_message=terminated.get("message"),
         pod_ip=status.get("podIP"),
         group_port=group_port,
         serving_label=labels.get(c.LABEL_SERVING),
         started_at=running.get("startedAt"),
+        ready_since=ready_cond.get("lastTransitionTime") if ready_cond is not None else None,
     )

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, replace
 
-from tidal.operator.api.conditions import flipped
+from tidal.operator.api.conditions import find_condition, flipped
 from tidal.operator.api.status import InferenceModelStatus
 from tidal.operator.planner.actions import (
     Action,
@@ -16,6 +16,7 @@ from tidal.operator.planner.actions import (
     WakeRank,
 )
 from tidal.operator.planner.children import foreign_children_message, plan_children
+from tidal.operator.planner.crashloop import in_crash_loop
 from tidal.operator.planner.facts import Facts, PlanInput, gather
 from tidal.operator.planner.group_status import group_view
 from tidal.operator.planner.groups import decide_groups, group_actions
@@ -57,6 +58,10 @@ def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bo
 
 def _events(before: InferenceModelStatus | None, after: InferenceModelStatus) -> list[Action]:
     old = before.conditions if before is not None else []
+    # Inside a crash loop the other conditions flip with its cycles (a container that loads before it dies turns Ready
+    # and WeightsSynced on and off each time); Degraded tells the loop once.
+    was, now = find_condition(old, "Degraded"), find_condition(after.conditions, "Degraded")
+    looping = in_crash_loop(was) and in_crash_loop(now)
     events: list[Action] = []
     for cond in flipped(old, after.conditions):
         # A condition appearing as False for the first time is noise; its later flips are news.
@@ -64,6 +69,8 @@ def _events(before: InferenceModelStatus | None, after: InferenceModelStatus) ->
             continue
         if cond.type == "Progressing":
             continue  # the other conditions tell the story; Progressing flips on every step
+        if looping and cond.type != "Degraded":
+            continue
         warning = cond.type == "Degraded" and cond.status == "True"
         message = f"{cond.type} is {cond.status}" + (f": {cond.message}" if cond.message else "")
         events.append(EmitEvent(type="Warning" if warning else "Normal", reason=cond.reason, message=message))

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from datetime import datetime
 
-from tidal.operator.api.conditions import set_condition
+from tidal.operator.api.conditions import find_condition, set_condition
 from tidal.operator.api.status import (
     Condition,
     ConditionType,
@@ -14,6 +14,7 @@ from tidal.operator.api.status import (
     SleepState,
 )
 from tidal.operator.builders.services import endpoint
+from tidal.operator.planner.crashloop import crash_loop
 from tidal.operator.planner.facts import Facts, RankSlot
 from tidal.operator.planner.group_status import GroupsView
 from tidal.operator.planner.rollout import RolloutPlan
@@ -55,15 +56,17 @@ def _sleep_state(slots: list[RankSlot]) -> SleepState:
     return "Asleep" if asleep == len(known) else "Awake" if asleep == 0 else "Mixed"
 
 
-def _degraded(facts: Facts, rollout: RolloutPlan, groups: GroupsView, foreign: str | None) -> tuple[str, str] | None:
+def _degraded(
+    facts: Facts,
+    rollout: RolloutPlan,
+    groups: GroupsView,
+    foreign: str | None,
+    crashes: tuple[str, str] | None,
+) -> tuple[str, str] | None:
     if foreign is not None:
         return "ForeignObject", foreign
-    looping = [s.pod for s in facts.slots if s.pod is not None and s.pod.crash_looping]
-    if looping:
-        worst = max(looping, key=lambda p: p.restart_count)
-        detail = f": {worst.last_exit_message}" if worst.last_exit_message else ""
-        names = ", ".join(p.name for p in looping)
-        return "CrashLoop", f"{names} keep crashing ({worst.name} restarted {worst.restart_count} times{detail})"
+    if crashes is not None:
+        return crashes
     if rollout.sync == "UpdateFailed" and rollout.failure is not None:
         served = rollout.served_version or "the previous weights"
         return "WeightsUpdateFailed", (
@@ -107,7 +110,9 @@ def compute_status(
     states = [rank_state(s, rollout) for s in facts.slots]
     ready_ranks = sum(1 for s in facts.slots if s.ready)
     total = len(facts.slots)
-    degraded = _degraded(facts, rollout, groups, foreign)
+    was_degraded = find_condition(previous.conditions, "Degraded") if previous is not None else None
+    crashes = crash_loop([s.pod for s in facts.slots if s.pod is not None], was_degraded, now)
+    degraded = _degraded(facts, rollout, groups, foreign, crashes)
     sleep_state = _sleep_state(facts.slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
     expert_parallel = facts.ranks_per_replica > 1

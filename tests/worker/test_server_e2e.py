@@ -213,6 +213,8 @@ def test_a_model_that_fails_to_load_ends_the_servers_with_exit_code_1(tmp_path):
         local.wait_ready(timeout_s=60)
     assert local.stop() == 1
     assert local.servers.runtime.failure is not None
+    # What the command line writes as the container's termination message.
+    assert local.servers.failure == f"loading the model failed: {local.servers.runtime.failure}"
 
 
 def test_ready_is_503_until_the_model_is_loaded(model_dir, monkeypatch):

@@ -89,6 +89,8 @@ class WorkerServers:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Remembered so that a stop asked for before the servers exist is not lost.
         self._stopping = False
+        # Why `run()` ended with an error, in a line for the process's termination message (None: it did not).
+        self.failure: str | None = None
 
     def listener(self, name: str) -> Listener:
         found = [lst for lst in self.listeners if lst.name == name]
@@ -138,14 +140,17 @@ class WorkerServers:
             done, _ = await asyncio.wait([*serving, loading], return_when=asyncio.FIRST_COMPLETED)
             if loading in done and loading.exception() is not None:
                 exit_code = 1
+                self.failure = f"loading the model failed: {self.runtime.failure}"
             elif loading in done:
                 await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._stop_servers()
-            for result in await asyncio.gather(*serving, return_exceptions=True):
+            results = await asyncio.gather(*serving, return_exceptions=True)
+            for listener, result in zip(self.listeners, results, strict=True):
                 if isinstance(result, Exception):
                     log.error("a server failed", exc_info=result)
                     exit_code = 1
+                    self.failure = self.failure or f"the {listener.name} API failed: {type(result).__name__}: {result}"
             if not loading.done():
                 loading.cancel()
                 await asyncio.gather(loading, return_exceptions=True)

@@ -105,12 +105,13 @@ def test_launch_plan_adds_identity_gpus_and_drops_the_agents_api_access(monkeypa
     monkeypatch.setenv("KUBECONFIG", "/agent/admin.kubeconfig")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
     gpu = {"name": "g", "command": ["w"], "resources": {"limits": {"nvidia.com/gpu": "1"}}}
-    plan = plan_launch(POD, gpu, ctx(), [1], tmp_path / "kubeconfig", tmp_path)
+    plan = plan_launch(POD, gpu, ctx(), [1], tmp_path / "kubeconfig", tmp_path, tmp_path / "g.termination-log")
     assert plan.env["KUBECONFIG"] == str(tmp_path / "kubeconfig")
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "4" and plan.env["HOSTNAME"] == "p"
     assert plan.cwd == tmp_path and plan.argv == ["w"]
-    cpu_only = plan_launch(POD, {"name": "c", "command": ["w"], "workingDir": "/srv"}, ctx(), [1], None, tmp_path)
+    cpu = {"name": "c", "command": ["w"], "workingDir": "/srv"}
+    cpu_only = plan_launch(POD, cpu, ctx(), [1], None, tmp_path, tmp_path / "c.termination-log")
     assert cpu_only.env["CUDA_VISIBLE_DEVICES"] == "" and "KUBECONFIG" not in cpu_only.env
     assert str(cpu_only.cwd) == "/srv"
     with pytest.raises(EnvError, match="runs commands, not images"):
-        plan_launch(POD, {"name": "c", "image": "nginx"}, ctx(), [], None, tmp_path)
+        plan_launch(POD, {"name": "c", "image": "nginx"}, ctx(), [], None, tmp_path, tmp_path / "c.termination-log")

@@ -9,7 +9,8 @@ from pydantic import SecretStr
 from tidal.operator.api import constants as c
 from tidal.operator.builders.merge import merge_values
 from tidal.operator.builders.networkpolicy import build_network_policy
-from tidal.operator.builders.pod import build_pod
+from tidal.operator.builders.owner import content_hash
+from tidal.operator.builders.pod import build_pod, spec_identity
 from tidal.operator.builders.secret import build_token_secret
 from tidal.operator.builders.services import build_group_service, build_serving_service, endpoint
 from tidal.operator.planner.actions import CreateSecret
@@ -105,6 +106,28 @@ def test_hash_ignores_in_place_changes_and_catches_the_rest():
     assert _hash(build_pod(make_model({"replicas": 5}), 0, 0)) == base
     assert _hash(build_pod(make_model({"worker": {"image": "other:2"}}), 0, 0)) != base
     assert _hash(build_pod(make_model({"serving": {"port": 9000}}), 0, 0)) != base
+
+
+def test_the_worker_is_told_its_termination_message_path_and_the_log_is_the_fallback():
+    pod = build_pod(make_model(), 0, 0)
+    worker = pod["spec"]["containers"][0]
+    assert worker["terminationMessagePath"] == "/dev/termination-log"
+    assert worker["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert _env(pod)["TIDAL_TERMINATION_MESSAGE_PATH"] == "/dev/termination-log"
+    # The settings came after pods existed: a pod built without them is not outdated (the hash leaves them out).
+    bare = {**worker, "env": [e for e in worker["env"] if e["name"] != "TIDAL_TERMINATION_MESSAGE_PATH"]}
+    del bare["terminationMessagePath"], bare["terminationMessagePolicy"]
+    unstamped = {k: v for k, v in pod["metadata"]["annotations"].items() if k != c.ANNOTATION_SPEC_HASH}
+    old = {"metadata": {**pod["metadata"], "annotations": unstamped}, "spec": {**pod["spec"], "containers": [bare]}}
+    assert content_hash(spec_identity(old)) == _hash(pod)
+    # A template may pick another policy (that replaces the pods) but cannot move the path the worker is told.
+    template = {
+        "spec": {"containers": [{"name": "worker", "terminationMessagePath": "/x", "terminationMessagePolicy": "File"}]}
+    }
+    custom = build_pod(make_model({"worker": {"podTemplate": template}}), 0, 0)
+    custom_worker = custom["spec"]["containers"][0]
+    assert custom_worker["terminationMessagePath"] == "/dev/termination-log"
+    assert custom_worker["terminationMessagePolicy"] == "File" and _hash(custom) != _hash(pod)
 
 
 def test_pod_template_merge_rule():
