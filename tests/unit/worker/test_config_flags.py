@@ -59,8 +59,14 @@ def test_every_worker_field_has_its_flat_names():
 def test_names_the_operator_sets_are_worker_options():
     from tidal.operator.api import worker_env
 
-    # Set by the operator for the pod, not read as options: identity and discovery.
-    not_options = {worker_env.REPLICA, worker_env.POD_NAME, worker_env.GROUP_SERVICE}
+    # Set by the operator for the pod, not read as options: identity, discovery, and where a dying process writes why
+    # (read by worker/termination.py before any config exists).
+    not_options = {
+        worker_env.REPLICA,
+        worker_env.POD_NAME,
+        worker_env.GROUP_SERVICE,
+        worker_env.TERMINATION_MESSAGE_PATH,
+    }
     env_names = {n for o in WORKER_OPTIONS.options.values() for n in o.env_names}
     assert set(worker_env.RESERVED_ENV_NAMES) - not_options <= env_names
 
