@@ -17,7 +17,9 @@ SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # The controllers Tidal's tests lean on: garbage collection (ownerReferences), namespaces (test cleanup),
 # service accounts and their tokens (pod identity), the workload controllers a Helm chart uses (the operator's
 # Deployment), node lifecycle (a dead node agent taints its node and its pods are evicted, as on a real cluster),
-# pod GC, EndpointSlices, and the cluster-role aggregation behind the built-in admin/edit/view roles.
+# pod GC, EndpointSlices, the cluster-role aggregation behind the built-in admin/edit/view roles, and the
+# HorizontalPodAutoscaler (an InferenceModel's scale subresource is driven by it; no metrics API is served here, so it
+# can scale only on minReplicas/maxReplicas, but it reads and writes the scale as on a real cluster).
 CONTROLLERS = (
     "garbage-collector-controller",
     "namespace-controller",
@@ -37,7 +39,12 @@ CONTROLLERS = (
     "node-lifecycle-controller",
     "taint-eviction-controller",
     "pod-garbage-collector-controller",
+    "horizontal-pod-autoscaler-controller",
 )
+
+# The HPA controller processes each HPA once per sync period (15 s by default) and also waits that long after an
+# HPA changes; tests wait on its passes, so the dev cluster runs them more often.
+HPA_SYNC_SECONDS = 2
 
 # Client certificate identities: the user is the certificate's CN, the groups its O fields.
 ADMIN = ClientIdentity("admin", "tidal-admin", ("system:masters",))
@@ -147,6 +154,7 @@ def kube_controller_manager(binary: Path, cfg: ClusterConfig, layout: StateLayou
         f"--controllers={','.join(CONTROLLERS)}",
         # Each controller acts as its own ServiceAccount, so RBAC applies to controllers as it does in a real cluster.
         "--use-service-account-credentials=true",
+        f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_SECONDS}s",
         f"--service-account-private-key-file={layout.sa_private_key}",
         f"--root-ca-file={layout.cert('ca')}",
         f"--service-cluster-ip-range={cfg.service_cidr}",

@@ -120,6 +120,12 @@ class InferenceModelStatus(StatusModel):
     """Ranks the spec asks for (replicas x expertParallel)."""
     ready: str = Field("0/0", max_length=32)
     """readyRanks/totalRanks, for kubectl get."""
+    replicas: int = Field(0, ge=0)
+    """Replicas that have a pod (not terminating), counted in the unit of spec.replicas: a replica is a group of
+    expertParallel ranks. The scale subresource's current count (`kubectl scale`, HorizontalPodAutoscaler, KEDA)."""
+    selector: str | None = Field(None, max_length=512)
+    """Label selector of the pod an autoscaler counts as each replica: its rank 0 (every pod with expertParallel
+    1). The scale subresource's selector; HPA averages pod metrics over these pods."""
     ranks: list[RankStatus] = Field(default_factory=list)
     """Per-rank table."""
     weights_version: str | None = Field(None, max_length=63)

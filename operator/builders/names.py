@@ -43,6 +43,18 @@ def model_selector(model: str) -> dict[str, str]:
     return {c.LABEL_MODEL: model}
 
 
+def replica_selector(model: str) -> dict[str, str]:
+    """One pod per replica, its rank 0, for the scale subresource. The HorizontalPodAutoscaler takes the number of
+    ready pods its selector matches as the current replica count (its pod metrics multiply their average by it), so a
+    selector over every rank would scale an expert-parallel model by expertParallel times too much."""
+    return {c.LABEL_MODEL: model, c.LABEL_RANK: "0"}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    """`key=value,...`: the form a label selector takes in a status field (and in `kubectl get -l`)."""
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
 def serving_selector(model: str) -> dict[str, str]:
     """Every rank of an expert-parallel group is a full endpoint, so the Service takes all ranks that serve, not only
     leaders; with expertParallel 1 every pod is its replica's only rank and is built serving."""

@@ -18,6 +18,7 @@ from tidal.operator.planner.crashloop import crash_loop
 from tidal.operator.planner.facts import Facts, RankSlot
 from tidal.operator.planner.group_status import GroupsView
 from tidal.operator.planner.rollout import RolloutPlan
+from tidal.operator.planner.scale import current_replicas, scale_selector
 from tidal.operator.planner.sleep import SleepDecision
 
 
@@ -165,6 +166,8 @@ def compute_status(
         ready_ranks=ready_ranks,
         total_ranks=total,
         ready=f"{ready_ranks}/{total}",
+        replicas=current_replicas(facts),
+        selector=scale_selector(facts),
         ranks=[
             RankStatus(
                 pod=s.name,

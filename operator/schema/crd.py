@@ -22,6 +22,15 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
+# `kubectl scale`, the HorizontalPodAutoscaler and KEDA read and write spec.replicas through the scale subresource;
+# the current count and the pods standing for the replicas come from status (planner/scale.py). A scale goes through
+# the object's own validation, so spec.replicas' bounds hold for it too.
+SCALE_SUBRESOURCE: dict[str, str] = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+
 
 def openapi_schema() -> dict[str, Any]:
     """The version's openAPIV3Schema: the resource model converted, with the root fields the API server owns."""
@@ -57,7 +66,7 @@ def build_crd() -> dict[str, Any]:
                     "name": c.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": dict(SCALE_SUBRESOURCE)},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }

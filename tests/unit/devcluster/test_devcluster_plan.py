@@ -35,7 +35,7 @@ def test_apiserver_flags_enable_rbac_node_authz_and_token_requests(tmp_path):
     assert specs["kube-apiserver"].health.url == "https://127.0.0.1:1003/readyz"
 
 
-def test_controller_manager_runs_gc_namespaces_and_service_accounts_without_leader_election(tmp_path):
+def test_controller_manager_runs_gc_namespaces_service_accounts_and_the_hpa_without_leader_election(tmp_path):
     cfg = ClusterConfig(state_dir=tmp_path)
     specs = {s.name: s for s in control_plane(cfg, StateLayout(tmp_path), PORTS, BINARIES)}
     cm = flags(specs["kube-controller-manager"].argv)
@@ -45,8 +45,10 @@ def test_controller_manager_runs_gc_namespaces_and_service_accounts_without_lead
         "namespace-controller",
         "serviceaccount-controller",
         "serviceaccount-token-controller",
+        "horizontal-pod-autoscaler-controller",
     ):
         assert needed in controllers
+    assert cm["horizontal-pod-autoscaler-sync-period"] == "2s"
     assert cm["leader-elect"] == "false" and cm["use-service-account-credentials"] == "true"
     assert flags(specs["kube-scheduler"].argv)["leader-elect"] == "false"
 

@@ -121,7 +121,14 @@ def test_crd_metadata():
     assert names["shortNames"] == ["tim", "tidalim"] and "im" not in names["shortNames"]
     assert names["categories"] == ["tidal"]
     version = crd["spec"]["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Phase"] == ".status.phase" and columns["Age"] == ".metadata.creationTimestamp"
     assert {"Ready", "Weights", "Sleep"} <= set(columns)
@@ -131,6 +138,20 @@ def test_crd_metadata():
             if part == "metadata":
                 break
             node = node["properties"][part]
+
+
+def test_scale_paths_point_at_fields_of_the_types_the_api_server_needs():
+    # The API server reads the replica counts as integers and the selector as a string; a path to a missing field
+    # would leave the scale's status empty (and the HPA without a selector) with no error anywhere.
+    expected = {"specReplicasPath": "integer", "statusReplicasPath": "integer", "labelSelectorPath": "string"}
+    scale = build_crd()["spec"]["versions"][0]["subresources"]["scale"]
+    for key, type_ in expected.items():
+        node = SCHEMA
+        for part in scale[key].strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == type_, key
+    spec_replicas = SCHEMA["properties"]["spec"]["properties"]["replicas"]
+    assert (spec_replicas["minimum"], spec_replicas["maximum"]) == (0, 64)  # what `kubectl scale` may set
 
 
 def test_generated_files_are_current():
