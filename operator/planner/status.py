@@ -19,6 +19,9 @@ from tidal.operator.planner.group_status import GroupsView
 from tidal.operator.planner.rollout import RolloutPlan
 from tidal.operator.planner.sleep import SleepDecision
 
+# Degraded's reason (and Progressing's, False) while the API server refuses pods the spec asks for.
+REFUSED_REASON = "PodTemplateRefused"
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -55,9 +58,13 @@ def _sleep_state(slots: list[RankSlot]) -> SleepState:
     return "Asleep" if asleep == len(known) else "Awake" if asleep == 0 else "Mixed"
 
 
-def _degraded(facts: Facts, rollout: RolloutPlan, groups: GroupsView, foreign: str | None) -> tuple[str, str] | None:
+def _degraded(
+    facts: Facts, rollout: RolloutPlan, groups: GroupsView, foreign: str | None, refused: str | None
+) -> tuple[str, str] | None:
     if foreign is not None:
         return "ForeignObject", foreign
+    if refused is not None:
+        return REFUSED_REASON, refused
     looping = [s.pod for s in facts.slots if s.pod is not None and s.pod.crash_looping]
     if looping:
         worst = max(looping, key=lambda p: p.restart_count)
@@ -100,14 +107,16 @@ def compute_status(
     now: datetime,
     groups: GroupsView,
     foreign: str | None = None,
+    refused: str | None = None,
 ) -> InferenceModelStatus:
-    """`foreign`: the message about objects under our children's names that are someone else's (Degraded)."""
+    """`foreign`: the message about objects under our children's names that are someone else's (Degraded);
+    `refused`: the message about pods the spec asks for that the API server refuses (Degraded)."""
     model = facts.model
     generation = model.metadata.generation
     states = [rank_state(s, rollout) for s in facts.slots]
     ready_ranks = sum(1 for s in facts.slots if s.ready)
     total = len(facts.slots)
-    degraded = _degraded(facts, rollout, groups, foreign)
+    degraded = _degraded(facts, rollout, groups, foreign, refused)
     sleep_state = _sleep_state(facts.slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
     expert_parallel = facts.ranks_per_replica > 1
@@ -132,7 +141,11 @@ def compute_status(
         put("Ready", False, "Asleep", "every rank is asleep")
     else:
         put("Ready", False, "RanksNotReady", f"{ready_ranks}/{total} ranks ready")
-    put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
+    if progress.reason is None and refused is not None:
+        # Nothing moves, and nothing will until the spec changes: not "Reconciled".
+        put("Progressing", False, REFUSED_REASON, "the API server refuses the pods the spec asks for (see Degraded)")
+    else:
+        put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
     if degraded is None:
         put("Degraded", False, "AsExpected", "")
     else:
