@@ -15,6 +15,7 @@ from tidal.operator.planner.actions import Action, CreatePod, DeletePod
 from tidal.operator.planner.facts import Facts, PlanInput, RankSlot, gather
 
 MISSING = "missing"
+NAMED_REFUSALS = 3
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,10 @@ def refusal_message(refused: list[PodRefusal]) -> str | None:
     """The Degraded message while the API server refuses pods the spec asks for (None: it refuses none)."""
     if not refused:
         return None
-    pods = ", ".join(r.pod for r in refused)
+    # A few names: the message must stay short with thousands of ranks (a condition's message is bounded).
+    pods = ", ".join(r.pod for r in refused[:NAMED_REFUSALS])
+    if len(refused) > NAMED_REFUSALS:
+        pods += f" and {len(refused) - NAMED_REFUSALS} more"
     return (
         f"the API server refuses the pod the spec asks for ({pods}): {refused[0].message}. No pod is created or "
         "replaced with it, and the running pods are kept: fix spec.worker (its podTemplate)"

@@ -171,3 +171,10 @@ def test_pods_to_check_are_the_pods_a_pass_may_create():
     assert [c.spec_hash for c in checks] == [spec_hash_of(build_pod(model, r, 0)) for r in (1, 2, 4)]
     steady, steady_ranks = healthy(model)
     assert pods_to_check(_input(model, steady, steady_ranks)) == []
+
+
+def test_the_message_names_a_few_pods_however_many_are_refused():
+    model = make_model({"replicas": 64, "expertParallel": 64, "worker": LOTS})
+    result = run(model, [], {}, refusals=_refusing(model, "x" * 8000))
+    message = _cond(result, "Degraded").message
+    assert "(tiny-r0-0, tiny-r0-1, tiny-r0-2 and 4093 more)" in message and len(message) < 8300
