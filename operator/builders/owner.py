@@ -40,3 +40,9 @@ def stamp_hash(manifest: dict[str, Any], hashed: Any) -> dict[str, Any]:
     annotations = manifest["metadata"].setdefault("annotations", {})
     annotations[c.ANNOTATION_SPEC_HASH] = content_hash(hashed)
     return manifest
+
+
+def spec_hash_of(manifest: dict[str, Any]) -> str:
+    """The spec hash `stamp_hash` recorded on a manifest this package built."""
+    value: str = manifest["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
+    return value

@@ -10,6 +10,7 @@ shape the planner's observers and the builders' manifests use.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tidal.operator.api import constants as c
 from tidal.operator.kube.merge_patch import service_patch
+from tidal.operator.kube.refusal import Refusal, RefusedError, refusal_of
 
 MERGE_PATCH = "application/merge-patch+json"
 API_CONCURRENCY = 32
@@ -70,7 +72,8 @@ class KubeApi:
 
     # -- writes ------------------------------------------------------------------------------------------------
     async def create(self, manifest: dict[str, Any]) -> bool:
-        """Create a child; False if it already exists (another pass or a restarted operator got there first)."""
+        """Create a child; False if it already exists (another pass or a restarted operator got there first).
+        Raises RefusedError when the API server refuses the object itself."""
         create = {
             "Pod": self.core.create_namespaced_pod,
             "Service": self.core.create_namespaced_service,
@@ -82,8 +85,32 @@ class KubeApi:
         except ApiException as exc:
             if exc.status == 409:
                 return False
+            refusal = refusal_of(exc)
+            if refusal is not None:
+                raise RefusedError(refusal) from exc
             raise
         return True
+
+    async def dry_run_pod(self, manifest: dict[str, Any]) -> Refusal | None:
+        """Ask the API server whether it would create this pod (decoding, validation, admission), creating nothing;
+        None when it would. The pod's own name may be taken (by the pod it is to replace), so the question is asked
+        under a generated name, which the answer's message then calls by the pod's name again."""
+        meta = manifest["metadata"]
+        pod = copy.deepcopy(manifest)
+        del pod["metadata"]["name"]
+        pod["metadata"]["generateName"] = f"{meta['name']}-"
+        try:
+            await self._call(
+                self.core.create_namespaced_pod, meta["namespace"], pod, dry_run="All", _preload_content=False
+            )
+        except ApiException as exc:
+            refusal = refusal_of(exc)
+            if refusal is None:
+                raise
+            if refusal.name and refusal.name != meta["name"]:
+                refusal = Refusal(refusal.code, refusal.message.replace(refusal.name, meta["name"]), meta["name"])
+            return refusal
+        return None
 
     async def patch(self, manifest: dict[str, Any]) -> None:
         patch = {

@@ -17,6 +17,10 @@ Observing (build a `PlanInput`):
 - `children`: `observed.observe_child` of each Service, Secret and NetworkPolicy that exists.
 - `operator`: the operator's `OperatorConfig.identity()`; `now`: an aware UTC datetime in whole seconds; `fresh_token`:
   a new random token (`secrets.token_urlsafe(32)`), used only if the Secret is missing.
+- `pod_refusals`: for each pod `pods.pods_to_check(input)` lists, what the API server said of a server-side dry-run
+  create (spec hash -> its message, for those it refuses), and likewise for a create it refused on an earlier pass.
+  The planner neither creates such a pod nor deletes a running one for it, and the model is Degraded
+  (`PodTemplateRefused`).
 
 Expert parallelism (`groups.py`, `group_status.py`): `groups` is, per replica, the last epoch this process sent with
 its answers (`SentEpoch`; empty after a restart), and each rank's observation says for how long its `/state` has been
@@ -37,6 +41,7 @@ Executing `Plan.actions`: in phases, not in list order.
    at once. All ranks of one replica come in the same plan, and the executor waits for every answer before the next
    pass (the maxUnavailable budget assumes no update is still running). A failed call becomes a Warning Event; one
    answered "not now" (busy, draining, unreachable) is asked again on a later pass.
-A failed Kubernetes write ends the pass; the next pass plans again from what it observes. Never log
+A failed Kubernetes write ends the pass, except a CreatePod the API server refuses (remembered for `pod_refusals`);
+the next pass plans again from what it observes. Never log
 `CreateSecret.manifest`; `describe()` of every action is safe to log, and the executor logs one line per action.
 """

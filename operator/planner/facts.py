@@ -17,7 +17,9 @@ class PlanInput(BaseModel):
 
     `now` is in whole seconds (conditions' timestamps compare equal across passes); `observed_at` is the precise time
     the observations were taken, for the few timestamps written once (a recovery's milestones); `groups` is, per
-    replica, the last epoch this operator process sent (empty after a restart)."""
+    replica, the last epoch this operator process sent (empty after a restart); `pod_refusals` maps the spec hash of
+    a pod `pods.pods_to_check` listed to the API server's message refusing it (a dry run, or a create that failed),
+    and holds nothing for a pod it admits."""
 
     model: InferenceModel
     pods: list[ObservedPod]
@@ -27,6 +29,7 @@ class PlanInput(BaseModel):
     now: datetime
     fresh_token: SecretStr
     groups: dict[int, SentEpoch] = Field(default_factory=dict)
+    pod_refusals: dict[str, str] = Field(default_factory=dict)
     observed_at: datetime | None = None
 
     @property

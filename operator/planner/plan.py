@@ -20,10 +20,10 @@ from tidal.operator.planner.crashloop import in_crash_loop
 from tidal.operator.planner.facts import Facts, PlanInput, gather
 from tidal.operator.planner.group_status import group_view
 from tidal.operator.planner.groups import decide_groups, group_actions
-from tidal.operator.planner.pods import plan_pods
+from tidal.operator.planner.pods import plan_pods, refusal_message
 from tidal.operator.planner.rollout import RolloutPlan, plan_rollout
 from tidal.operator.planner.sleep import decide_sleep, plan_sleep
-from tidal.operator.planner.status import Progress, compute_status
+from tidal.operator.planner.status import REFUSED_REASON, Progress, compute_status
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class Plan:
     status: InferenceModelStatus
 
 
-def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bool) -> Progress:
+def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bool, refused: set[str]) -> Progress:
+    """`refused`: pods the API server refuses; a rank waiting for one of them waits for a spec change, not a pod."""
     kinds = {type(a) for a in work}
     if ReconfigureGroup in kinds:
         return Progress("ReconfiguringGroups", "sending expert-parallel groups their next epoch")
@@ -51,7 +52,8 @@ def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bo
         return Progress("WakingUp", "waking ranks")
     if UpdateWeights in kinds or rollout.sync == "RollingOut":
         return Progress("RollingWeights", f"rolling weights {rollout.desired_version}")
-    if any(s.pod is None or (not s.ready and not asleep and not s.pod.crash_looping) for s in facts.slots):
+    waiting = [s for s in facts.slots if s.name not in refused]
+    if any(s.pod is None or (not s.ready and not asleep and not s.pod.crash_looping) for s in waiting):
         return Progress("WaitingForPods", "waiting for pods to become ready")
     return Progress(None, "")
 
@@ -77,12 +79,24 @@ def _events(before: InferenceModelStatus | None, after: InferenceModelStatus) ->
     return events
 
 
+def _refusal_event(before: InferenceModelStatus | None, after: InferenceModelStatus) -> list[Action]:
+    """A refusal other than the one Degraded already reported (another message, or Degraded was True for another
+    reason) is news too; Degraded flipping to True is posted by `_events`."""
+    new = find_condition(after.conditions, "Degraded")
+    old = find_condition(before.conditions, "Degraded") if before is not None else None
+    if new is None or new.reason != REFUSED_REASON or old is None or old.status != "True":
+        return []
+    if old.reason == new.reason and old.message == new.message:
+        return []
+    return [EmitEvent(type="Warning", reason=REFUSED_REASON, message=f"Degraded is True: {new.message}")]
+
+
 def plan(inp: PlanInput) -> Plan:
     facts = gather(inp)
     previous = inp.model.status
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
     foreign = foreign_children_message(inp.children)
-    pods = plan_pods(facts)
+    pods = plan_pods(facts, inp.pod_refusals)
     if any(key.startswith("Secret/") for key in inp.children.foreign):
         # New pods would mount someone else's Secret as their control token: none is created until it is gone.
         pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
@@ -96,10 +110,12 @@ def plan(inp: PlanInput) -> Plan:
     # Epochs first: the executor starts them before any other write, as the survivors wait for theirs.
     work = group_work + pods.actions + sleep_actions + rollout.actions
     actions += work
-    progress = _progress(facts, work, rollout, sleep.asleep)
-    status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups, foreign)
+    progress = _progress(facts, work, rollout, sleep.asleep, {r.pod for r in pods.refused})
+    refused = refusal_message(pods.refused)
+    status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups, foreign, refused)
     if status != previous:
         actions.append(PatchStatus(status=status))
     actions += _events(previous, status)
+    actions += _refusal_event(previous, status)
     actions += groups.events
     return Plan(actions, status)

@@ -1,11 +1,39 @@
-"""Pods: create missing ranks, replace finished or outdated ones, delete what the spec no longer asks for."""
+"""Pods: create missing ranks, replace finished or outdated ones, delete what the spec no longer asks for.
 
+A new pod the API server refuses (`PlanInput.pod_refusals`: the runtime dry-runs what `pods_to_check` lists before
+planning, and remembers a create it refused) is not created, and no running pod is deleted to make room for it: the
+replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message.
+"""
+
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from tidal.operator.api import constants as c
+from tidal.operator.builders.owner import spec_hash_of
 from tidal.operator.builders.pod import build_pod
 from tidal.operator.planner.actions import Action, CreatePod, DeletePod
-from tidal.operator.planner.facts import Facts
+from tidal.operator.planner.facts import Facts, PlanInput, RankSlot, gather
+
+MISSING = "missing"
+NAMED_REFUSALS = 3
+
+
+@dataclass(frozen=True)
+class PodToCheck:
+    """A pod this pass may create: for a missing rank, or after deleting the running pod of that name (`replaces`)."""
+
+    manifest: dict[str, Any]
+    replaces: bool
+
+    @property
+    def spec_hash(self) -> str:
+        return spec_hash_of(self.manifest)
+
+
+@dataclass(frozen=True)
+class PodRefusal:
+    pod: str
+    message: str  # the API server's
 
 
 @dataclass(frozen=True)
@@ -14,44 +42,90 @@ class PodPlan:
     # Replicas that may still be taken out of service in this pass (maxUnavailable minus what is already out).
     budget_left: int
     replaced_replicas: frozenset[int]
+    refused: list[PodRefusal]
 
 
-def plan_pods(facts: Facts) -> PodPlan:
+def _new_pod(facts: Facts, slot: RankSlot) -> tuple[dict[str, Any], str] | None:
+    """The pod the slot needs and why (`missing`, or why its running pod goes); None when it needs none now."""
+    pod = slot.pod
+    if pod is not None and (pod.terminating or pod.finished):
+        return None  # a terminating pod holds the name; a finished one is deleted first (it serves nothing)
+    manifest = build_pod(facts.model, slot.replica, slot.rank, facts.running_slots_per_rank(slot.replica))
+    if pod is None:
+        return manifest, MISSING
+    if pod.spec_hash != spec_hash_of(manifest):
+        return manifest, "pod spec changed"
+    if slot.observation.token_rejected:
+        # Started with a token the Secret no longer holds: only a new pod reads the current one.
+        return manifest, "its worker rejects the current control token"
+    return None
+
+
+def pods_to_check(inp: PlanInput) -> list[PodToCheck]:
+    """The pods `plan` may create in this pass or once the pods they replace are gone: the runtime asks the API
+    server about each (a dry run) and passes its refusals back in `PlanInput.pod_refusals`."""
+    facts = gather(inp)
+    out = []
+    for slot in facts.slots:
+        new = _new_pod(facts, slot)
+        if new is not None:
+            out.append(PodToCheck(manifest=new[0], replaces=new[1] != MISSING))
+    return out
+
+
+def plan_pods(facts: Facts, refusals: Mapping[str, str]) -> PodPlan:
     model = facts.model
     actions: list[Action] = []
+    refused: list[PodRefusal] = []
     outdated_by_replica: dict[int, list[tuple[str, str]]] = {}  # replica -> (pod, why it is replaced)
     for slot in facts.slots:
         pod = slot.pod
-        if pod is None:
-            slots = facts.running_slots_per_rank(slot.replica)
-            actions.append(CreatePod(manifest=build_pod(model, slot.replica, slot.rank, slots), reason="missing"))
-            continue
-        if pod.terminating:
-            continue  # the name is taken until the kubelet (or node agent) lets go; created again next pass
-        if pod.finished:
+        if pod is not None and pod.finished and not pod.terminating:
             actions.append(DeletePod(name=pod.name, reason=f"pod {pod.phase.lower()}, replacing it"))
             continue
-        desired_hash = build_pod(model, slot.replica, slot.rank)["metadata"]["annotations"][c.ANNOTATION_SPEC_HASH]
-        if pod.spec_hash != desired_hash:
-            outdated_by_replica.setdefault(slot.replica, []).append((pod.name, "pod spec changed"))
-        elif slot.observation.token_rejected:
-            # Started with a token the Secret no longer holds: only a new pod reads the current one.
-            reason = "its worker rejects the current control token"
-            outdated_by_replica.setdefault(slot.replica, []).append((pod.name, reason))
+        new = _new_pod(facts, slot)
+        if new is None:
+            continue
+        manifest, why = new
+        refusal = refusals.get(spec_hash_of(manifest))
+        if refusal is not None:
+            refused.append(PodRefusal(slot.name, refusal))
+        elif why == MISSING:
+            actions.append(CreatePod(manifest=manifest, reason=why))
+        else:
+            outdated_by_replica.setdefault(slot.replica, []).append((slot.name, why))
     for pod in facts.extra_pods:
         if not pod.terminating:
             actions.append(DeletePod(name=pod.name, reason="not in the spec any more (scaled down)"))
 
     # Outdated replicas are replaced whole (ranks of one replica must match), in index order. One that is already
-    # out of service costs nothing; a serving one takes a unit of maxUnavailable.
+    # out of service costs nothing; a serving one takes a unit of maxUnavailable. A replica any of whose new pods
+    # is refused keeps all its pods.
+    blocked = {slot.replica for slot in facts.slots if any(r.pod == slot.name for r in refused)}
     unavailable = set(facts.unavailable_replicas())
     budget = max(0, model.spec.update_strategy.max_unavailable - len(unavailable))
     replaced = set()
     for replica in sorted(outdated_by_replica):
+        if replica in blocked:
+            continue
         if replica not in unavailable:
             if budget == 0:
                 continue
             budget -= 1
         replaced.add(replica)
         actions += [DeletePod(name=name, reason=why) for name, why in outdated_by_replica[replica]]
-    return PodPlan(actions, budget, frozenset(replaced))
+    return PodPlan(actions, budget, frozenset(replaced), refused)
+
+
+def refusal_message(refused: list[PodRefusal]) -> str | None:
+    """The Degraded message while the API server refuses pods the spec asks for (None: it refuses none)."""
+    if not refused:
+        return None
+    # A few names: the message must stay short with thousands of ranks (a condition's message is bounded).
+    pods = ", ".join(r.pod for r in refused[:NAMED_REFUSALS])
+    if len(refused) > NAMED_REFUSALS:
+        pods += f" and {len(refused) - NAMED_REFUSALS} more"
+    return (
+        f"the API server refuses the pod the spec asks for ({pods}): {refused[0].message}. No pod is created or "
+        "replaced with it, and the running pods are kept: fix spec.worker (its podTemplate)"
+    )

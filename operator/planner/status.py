@@ -21,6 +21,9 @@ from tidal.operator.planner.rollout import RolloutPlan
 from tidal.operator.planner.scale import current_replicas, scale_selector
 from tidal.operator.planner.sleep import SleepDecision
 
+# Degraded's reason (and Progressing's, False) while the API server refuses pods the spec asks for.
+REFUSED_REASON = "PodTemplateRefused"
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -62,10 +65,13 @@ def _degraded(
     rollout: RolloutPlan,
     groups: GroupsView,
     foreign: str | None,
+    refused: str | None,
     crashes: tuple[str, str] | None,
 ) -> tuple[str, str] | None:
     if foreign is not None:
         return "ForeignObject", foreign
+    if refused is not None:
+        return REFUSED_REASON, refused
     if crashes is not None:
         return crashes
     if rollout.sync == "UpdateFailed" and rollout.failure is not None:
@@ -104,8 +110,10 @@ def compute_status(
     now: datetime,
     groups: GroupsView,
     foreign: str | None = None,
+    refused: str | None = None,
 ) -> InferenceModelStatus:
-    """`foreign`: the message about objects under our children's names that are someone else's (Degraded)."""
+    """`foreign`: the message about objects under our children's names that are someone else's (Degraded);
+    `refused`: the message about pods the spec asks for that the API server refuses (Degraded)."""
     model = facts.model
     generation = model.metadata.generation
     states = [rank_state(s, rollout) for s in facts.slots]
@@ -113,7 +121,7 @@ def compute_status(
     total = len(facts.slots)
     was_degraded = find_condition(previous.conditions, "Degraded") if previous is not None else None
     crashes = crash_loop([s.pod for s in facts.slots if s.pod is not None], was_degraded, now)
-    degraded = _degraded(facts, rollout, groups, foreign, crashes)
+    degraded = _degraded(facts, rollout, groups, foreign, refused, crashes)
     sleep_state = _sleep_state(facts.slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
     expert_parallel = facts.ranks_per_replica > 1
@@ -138,7 +146,11 @@ def compute_status(
         put("Ready", False, "Asleep", "every rank is asleep")
     else:
         put("Ready", False, "RanksNotReady", f"{ready_ranks}/{total} ranks ready")
-    put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
+    if progress.reason is None and refused is not None:
+        # Nothing moves, and nothing will until the spec changes: not "Reconciled".
+        put("Progressing", False, REFUSED_REASON, "the API server refuses the pods the spec asks for (see Degraded)")
+    else:
+        put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
     if degraded is None:
         put("Degraded", False, "AsExpected", "")
     else:

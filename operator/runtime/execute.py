@@ -8,7 +8,9 @@
 - The status and Events. They are written before the (possibly long) worker calls on purpose: while a weight update
   or a wake runs, the status the planner computed for this pass ("Updating", "WakingUp") is the true one. The next
   pass, which comes right after the calls, records their outcome.
-- Pods: created, deleted and (their serving label) patched, all at once.
+- Pods: created, deleted and (their serving label) patched, all at once. A pod the API server refuses is
+  remembered as refused (by spec hash, as a dry run's refusal is) and does not end the pass: the next pass plans
+  with it, so the model says so instead of failing every pass with its status frozen.
 - Sleeps, wakes and weight updates, all at once; the pass waits for every answer (the planner's maxUnavailable budget
   assumes no update is still running when it plans again). A failed call also becomes a Warning Event.
 
@@ -29,7 +31,9 @@ from pydantic import SecretStr
 
 from tidal.operator.api import constants as c
 from tidal.operator.api.status import InferenceModelStatus
+from tidal.operator.builders.owner import spec_hash_of
 from tidal.operator.kube.client import KubeApi
+from tidal.operator.kube.refusal import RefusedError
 from tidal.operator.planner.actions import (
     Action,
     CreateNetworkPolicy,
@@ -156,6 +160,10 @@ async def _apply(kube: KubeApi, ctx: Context, action: KubeAction) -> None:
     try:
         outcome = await _write(kube, ctx, action)
     except Exception as exc:
+        if isinstance(exc, RefusedError) and isinstance(action, CreatePod):
+            ctx.memory.record_pod_verdict(spec_hash_of(action.manifest), exc.refusal.message)
+            _log(ctx, action, f"refused by the API server: {exc.refusal.message}", logging.WARNING)
+            return
         # The pass ends here and the reconciler logs the traceback; this line says which action it was.
         _log(ctx, action, f"failed ({type(exc).__name__})", logging.WARNING)
         raise

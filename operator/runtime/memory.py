@@ -3,9 +3,10 @@
 The planner keeps no state, and whatever must survive an operator restart lives in the model's status. What is
 kept here are hints and clocks a fresh process can do without: back-off streaks, when the current weight roll began
 (for its duration metric), the checksums already read, weight updates the worker refused (which `/state` does
-not report), since when each rank's `/state` has gone unanswered, and each group's last epoch sent with its answers
-(a fresh process goes by the epochs the workers report). Holding all of it in one `ModelMemory` means a deleted
-model is forgotten by one `forget(key)`, which also stops the reconfigure calls still running for it.
+not report), since when each rank's `/state` has gone unanswered, each group's last epoch sent with its answers
+(a fresh process goes by the epochs the workers report), and what the API server said of the pods the model is to
+get (a fresh process asks again). Holding all of it in one `ModelMemory` means a deleted model is forgotten by one
+`forget(key)`, which also stops the reconfigure calls still running for it.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ class EpochFlight:
             self.task.cancel()
 
 
+@dataclass(frozen=True)
+class PodVerdict:
+    """What the API server said of one pod manifest (by spec hash): None admits it, else its refusal message."""
+
+    refusal: str | None
+    at: float  # time.monotonic()
+
+
 def wall_clock() -> datetime:
     return datetime.now(UTC)
 
@@ -102,6 +111,8 @@ class ModelMemory:
     state_misses: dict[str, float] = field(default_factory=dict)
     # replica -> the last epoch sent to its group.
     epochs: dict[int, EpochFlight] = field(default_factory=dict)
+    # spec hash -> the API server's verdict on the pod built with it (a dry run, or a create it refused).
+    pod_verdicts: dict[str, PodVerdict] = field(default_factory=dict)
 
     def sent_epochs(self) -> dict[int, SentEpoch]:
         now = time.monotonic()
@@ -117,6 +128,9 @@ class ModelMemory:
     def stop(self) -> None:
         for flight in self.epochs.values():
             flight.cancel()
+
+    def record_pod_verdict(self, spec_hash: str, refusal: str | None) -> None:
+        self.pod_verdicts[spec_hash] = PodVerdict(refusal, time.monotonic())
 
     def count_error(self) -> int:
         self.error_streak = min(self.error_streak + 1, MAX_STREAK)

@@ -1,9 +1,10 @@
 """`reconcile(key)`: one level-based pass for one model, written as a script.
 
-get the model -> observe its pods, children and ranks -> plan (pure) -> execute -> say when to come back.
+get the model -> observe its pods, children and ranks -> ask the API server about the pods the plan may create
+(a dry run, `pod_checks.py`) -> plan (pure) -> execute -> say when to come back.
 Every trigger (create/update/resume, an owned pod's event, the requeue timer) ends up here through ReconcileQueue.
-What a pass leaves for the next one (back-off streaks, the roll's start, checksums, refused updates) is the model's
-`ModelMemory`; forgetting a deleted model drops it whole.
+What a pass leaves for the next one (back-off streaks, the roll's start, checksums, refused updates, the API
+server's verdicts on pods) is the model's `ModelMemory`; forgetting a deleted model drops it whole.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from tidal.operator.kube.client import KubeApi
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.facts import PlanInput
 from tidal.operator.planner.plan import plan
+from tidal.operator.planner.pods import pods_to_check
 from tidal.operator.runtime.execute import Context, Executed, execute
 from tidal.operator.runtime.memory import ModelMemories, ModelMemory, RollStart
 from tidal.operator.runtime.observe import observe_kube
+from tidal.operator.runtime.pod_checks import check_pods
 from tidal.operator.runtime.queue import Key
 from tidal.operator.runtime.workers import WorkerFleet
 from tidal.operator.workerclient import STATE_TIMEOUT_S
@@ -109,19 +112,20 @@ class Reconciler:
         timeout = GROUP_STATE_TIMEOUT_S if grouped else STATE_TIMEOUT_S
         port = model.spec.serving.control_port
         ranks = await self._fleet.observe(key, memory, obs.targets, port, obs.token, timeout)
-        result = plan(
-            PlanInput(
-                model=model,
-                pods=obs.pods,
-                ranks=ranks,
-                children=obs.children,
-                operator=self._config.identity(),
-                now=now_utc(),
-                fresh_token=SecretStr(secrets.token_urlsafe(32)),
-                groups=memory.sent_epochs(),
-                observed_at=datetime.now(UTC),
-            )
+        inp = PlanInput(
+            model=model,
+            pods=obs.pods,
+            ranks=ranks,
+            children=obs.children,
+            operator=self._config.identity(),
+            now=now_utc(),
+            fresh_token=SecretStr(secrets.token_urlsafe(32)),
+            groups=memory.sent_epochs(),
+            observed_at=datetime.now(UTC),
         )
+        # Before anything is deleted for them: would the API server take the pods this pass may create?
+        refusals = await check_pods(self._kube, key, memory, pods_to_check(inp))
+        result = plan(inp.model_copy(update={"pod_refusals": refusals}))
         requeue = self._requeue
         wake = (lambda: requeue(key, 0.0)) if requeue is not None else None
         ctx = Context(body, *key, port, obs.targets, obs.token, memory, wake, asked_at)

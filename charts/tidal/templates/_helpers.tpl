@@ -49,7 +49,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: ["inferencemodels/finalizers"]
   verbs: ["update"]
 # One pod per rank: created and replaced, watched to react to crashes; patched only for its `tidal.dev/serving`
-# label (whether the serving Service sends it requests), never its spec.
+# label (whether the serving Service sends it requests), never its spec. `create` also covers the server-side dry
+# run of each new pod, made before any pod is deleted for it.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]

@@ -108,7 +108,9 @@ def run(
     ranks: dict[str, RankObservation],
     children: ObservedChildren | None = None,
     minutes: int = 0,
+    refusals: dict[str, str] | None = None,
 ) -> Plan:
+    """`refusals`: spec hash -> the API server's message, for pods it refuses."""
     return plan(
         PlanInput(
             model=model,
@@ -118,6 +120,7 @@ def run(
             operator=OPERATOR,
             now=T0 + timedelta(minutes=minutes),
             fresh_token=TOKEN,
+            pod_refusals=refusals or {},
         )
     )
 

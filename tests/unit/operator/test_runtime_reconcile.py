@@ -3,73 +3,15 @@ the children and the pod and writes the status once; a pass with nothing new wri
 back through JSON compares equal); a deleted model is forgotten, and its memory with it."""
 
 import asyncio
-import copy
-import json
 
 import httpx
+from memory_kube import MemoryKube, start_pod, worker_state
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tidal.operator.config import OperatorConfig
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.runtime.reconcile import Reconciler
 from tidal.operator.runtime.workers import WorkerFleet
-
-MODEL = {
-    "apiVersion": "tidal.dev/v1alpha1",
-    "kind": "InferenceModel",
-    "metadata": {"name": "tiny", "namespace": "ml", "uid": "uid-1", "generation": 1, "resourceVersion": "1"},
-    "spec": {"model": {"volume": {"hostPath": {"path": "/srv/models"}}, "path": "tiny-llama"}},
-}
-
-
-class MemoryKube:
-    def __init__(self) -> None:
-        self.model: dict | None = copy.deepcopy(MODEL)
-        self.objects: dict[tuple[str, str], dict] = {}
-        self.writes: list[str] = []
-
-    async def get_model(self, namespace, name):
-        return json.loads(json.dumps(self.model)) if self.model is not None else None
-
-    async def list_model_pods(self, namespace, model):
-        return [copy.deepcopy(o) for (kind, _), o in self.objects.items() if kind == "Pod"]
-
-    async def get_child(self, kind, namespace, name):
-        obj = self.objects.get((kind, name))
-        return copy.deepcopy(obj) if obj is not None else None
-
-    async def create(self, manifest):
-        key = (manifest["kind"], manifest["metadata"]["name"])
-        if key in self.objects:
-            return False
-        obj = copy.deepcopy(manifest)
-        obj["metadata"]["uid"] = f"uid-{len(self.objects)}"
-        obj["status"] = {"phase": "Pending"} if manifest["kind"] == "Pod" else {}
-        self.objects[key] = obj
-        self.writes.append(f"create {key[0]}/{key[1]}")
-        return True
-
-    async def patch(self, manifest):
-        self.writes.append(f"patch {manifest['kind']}")
-
-    async def delete_pod(self, namespace, name):
-        self.writes.append(f"delete {name}")
-
-    async def patch_pod_labels(self, namespace, name, labels):
-        self.objects[("Pod", name)]["metadata"]["labels"].update(labels)
-        self.writes.append(f"label {name} {labels}")
-
-    async def patch_status(self, namespace, name, status):
-        self.writes.append("status")
-        current = self.model.setdefault("status", {})
-        for key, value in status.items():
-            if value is None:
-                current.pop(key, None)
-            else:
-                current[key] = value
-
-    async def post_event(self, body, type_, reason, message):
-        self.writes.append(f"event {reason}")
 
 
 async def _broken(*args, **kwargs):
@@ -160,22 +102,6 @@ def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
     assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
 
 
-def _worker_state(version: str) -> dict:
-    return {
-        "sleep_state": "awake", "sleep_level": None, "resident": ["weights", "kv_cache"], "weights_version": version,
-        "model_loaded": True, "rank": 0, "world_size": 1, "group_epoch": 0, "coordinator_rank": 0, "group_formed": True,
-        "in_flight_requests": 0, "seconds_since_last_request": None,
-    }  # fmt: skip
-
-
-def _start_pod(kube: MemoryKube) -> None:
-    kube.objects[("Pod", "tiny-r0-0")]["status"] = {
-        "phase": "Running",
-        "podIP": "127.0.9.1",
-        "conditions": [{"type": "Ready", "status": "True"}],
-    }
-
-
 def test_a_deleted_model_leaves_nothing_behind():
     # Every kind of memory is filled (checksums, a refused update, the roll's start, back-off streaks), then the
     # model is deleted: one pass that finds it gone drops all of it.
@@ -185,7 +111,7 @@ def test_a_deleted_model_leaves_nothing_behind():
 
     def worker(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/state":
-            return httpx.Response(200, json=_worker_state("base"))
+            return httpx.Response(200, json=worker_state("base"))
         if request.url.path == "/weights/checksum":
             return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
         return httpx.Response(409 if answer["code"] == "busy" else 400, json=answer)
@@ -197,7 +123,7 @@ def test_a_deleted_model_leaves_nothing_behind():
         async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
             reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
             await reconcile(key)  # creates the children and the pod
-            _start_pod(kube)
+            start_pod(kube)
             await reconcile(key)  # the update is answered "busy": the roll has started, asked again later
             memory = reconcile.memories.of(key)
             assert memory.unavailable_streak == 1 and memory.roll is not None and memory.roll.version == "v2"
@@ -253,7 +179,7 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
 
     def worker(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/state":
-            return httpx.Response(200, json=_worker_state("base"))
+            return httpx.Response(200, json=worker_state("base"))
         if request.url.path == "/weights/checksum":
             return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
         updates.append(request.url.path)
@@ -265,7 +191,7 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
         async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
             reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
             await reconcile(("ml", "tiny"))  # creates the children and the pod
-            _start_pod(kube)
+            start_pod(kube)
             return [await reconcile(("ml", "tiny")) for _ in range(3)]
 
     delays = asyncio.run(main())
