@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from tidal.worker.config import WorkerConfig
-from tidal.worker.control.app import build_control_app
+from tidal.worker.control import app as control_api
 from tidal.worker.control.auth import resolve_control_token
 from tidal.worker.lifecycle.manager import LifecycleManager
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.metrics import WorkerMetrics
-from tidal.worker.server.app import Listener, WorkerServers, build_api_app
+from tidal.worker.server.app import Listener, WorkerServers, build_api_app, connection_limits
+from tidal.worker.server.errors import connection_error_response
+from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -46,12 +48,18 @@ def assemble_worker(config: WorkerConfig, registry: CollectorRegistry | None = N
     runtime = WorkerRuntime(functools.partial(lifecycle.load_engine, config.engine))
     metrics = WorkerMetrics(registry, runtime.stats)
     server = config.server
-    api_app = build_api_app(runtime, metrics, server.stream_write_timeout_s)
-    listeners = [Listener("serving", api_app, server.host, server.port)]
+    prompt_builder = PromptBuilder(server.tokenizer_threads, server.allow_request_chat_template)
+    api_app = build_api_app(runtime, metrics, server, prompt_builder)
+    limits = connection_limits(server)
+    listeners = [Listener("serving", api_app, server.host, server.port, limits, connection_error_response)]
     token = resolve_control_token(config.control.control_token, config.control.control_token_file)
     if token is None:
         log.warning("no control token (TIDAL_CONTROL_TOKEN / TIDAL_CONTROL_TOKEN_FILE): the control API is off")
     else:
-        control_app = build_control_app(lifecycle, token)
-        listeners.append(Listener("control", control_app, server.host, config.control.control_port))
-    return WorkerProcess(config, lifecycle, WorkerServers(runtime, listeners, log_level=server.log_level))
+        control_app = control_api.build_control_app(lifecycle, token)
+        control_port = config.control.control_port
+        listeners.append(
+            Listener("control", control_app, server.host, control_port, limits, control_api.connection_error_response)
+        )
+    servers = WorkerServers(runtime, listeners, log_level=server.log_level, on_stop=[prompt_builder.close])
+    return WorkerProcess(config, lifecycle, servers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,31 @@ def test_the_architecture_doc_names_codes_with_the_status_they_answer_with():
     for status, code in pairs:
         assert code in set(ErrorCode), f"docs/ARCHITECTURE.md names {code}, which is not an ErrorCode"
         assert HTTP_STATUS[ErrorCode(code)] == int(status), f"docs/ARCHITECTURE.md says {status} {code}"
+
+
+def test_the_control_listeners_connection_limits_answer_as_control_errors(tiny_model):
+    # The held connection's headers stay unfinished for 2 s: time enough for the second one to be refused first.
+    with ControlledWorker(
+        model_path=tiny_model("llama"), num_kv_blocks=64, header_read_timeout_s=2, max_connections=1
+    ) as worker:
+        port = worker.background.servers.listener("control").bound_port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as held:
+            held.sendall(b"GET /state HTTP/1.1\r\nHost: x\r\n")  # headers that never finish
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as second:
+                request = f"GET /state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n"
+                second.sendall(request.encode())
+                status, body = _status_and_body(second)
+            assert status == 503
+            assert ControlError.model_validate_json(body).code == ErrorCode.BUSY
+            status, body = _status_and_body(held)
+        assert status == 408
+        assert ControlError.model_validate_json(body).code == ErrorCode.INVALID_REQUEST
+
+
+def _status_and_body(sock: socket.socket) -> tuple[int, bytes]:
+    """A whole response, read until the server closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body

@@ -63,6 +63,30 @@ def test_environment_sets_options_and_flags_win(model_dir, monkeypatch):
     assert config.engine.enable_prefix_caching is False
 
 
+def test_the_serving_limits_are_flags_and_variables_with_defaults(model_dir, monkeypatch):
+    defaults = load_config(["--model", str(model_dir)]).server
+    assert (defaults.max_request_body_bytes, defaults.max_prompt_tokens) == (8 * 1024 * 1024, None)
+    assert (defaults.header_read_timeout_s, defaults.body_read_timeout_s) == (10.0, 30.0)
+    assert (defaults.max_connections, defaults.max_concurrent_requests, defaults.overload_retry_after_s) == (
+        2048,
+        1024,
+        1,
+    )
+    assert (defaults.tokenizer_threads, defaults.allow_request_chat_template) == (4, False)
+    monkeypatch.setenv("TIDAL_HEADER_READ_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("TIDAL_ALLOW_REQUEST_CHAT_TEMPLATE", "true")
+    config = load_config(
+        ["--model", str(model_dir), "--max-request-body-bytes", "65536", "--max-prompt-tokens", "100",
+         "--body-read-timeout-s", "4", "--max-connections", "10", "--max-concurrent-requests", "5",
+         "--overload-retry-after-s", "3", "--tokenizer-threads", "2"]
+    )  # fmt: skip
+    server = config.server
+    assert (server.max_request_body_bytes, server.max_prompt_tokens) == (65536, 100)
+    assert (server.header_read_timeout_s, server.body_read_timeout_s) == (2.5, 4.0)
+    assert (server.max_connections, server.max_concurrent_requests, server.overload_retry_after_s) == (10, 5, 3)
+    assert (server.tokenizer_threads, server.allow_request_chat_template) == (2, True)
+
+
 def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):
     monkeypatch.setenv("TIDAL_MODEL_PATH", str(model_dir))
     assert load_config([]).engine.model_path == model_dir
@@ -80,6 +104,9 @@ def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):
         ([], {"TIDAL_DEVICE": "tpu"}, "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         ([], {"TIDAL_WORLD_SIZE": "0"}, "--world-size / TIDAL_WORLD_SIZE: Input should be greater than or equal to 1"),
         (["--asleep-requests", "sleep"], {}, "--asleep-requests / TIDAL_ASLEEP_REQUESTS: Input should be"),
+        (["--tokenizer-threads", "0"], {}, "--tokenizer-threads / TIDAL_TOKENIZER_THREADS: Input should be greater"),
+        ([], {"TIDAL_MAX_REQUEST_BODY_BYTES": "10"}, "--max-request-body-bytes / TIDAL_MAX_REQUEST_BODY_BYTES: Input"),
+        (["--header-read-timeout-s", "0"], {}, "--header-read-timeout-s / TIDAL_HEADER_READ_TIMEOUT_S: Input should"),
     ],
 )
 def test_bad_values_exit_2_with_a_clear_message(model_dir, monkeypatch, capsys, argv, env, expected):

@@ -15,8 +15,14 @@ from pydantic import ValidationError
 
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.app import build_api_app
+from tidal.worker.server.config import ServerConfig
+from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from tidal.worker.server.runtime import Phase, WorkerRuntime
+
+
+def _api_app(runtime, metrics):
+    return build_api_app(runtime, metrics, ServerConfig(stream_write_timeout_s=5.0), PromptBuilder(1))
 
 
 def _never_loads():
@@ -27,7 +33,7 @@ def _never_loads():
 def loading_app():
     runtime = WorkerRuntime(_never_loads)
     metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
-    with TestClient(build_api_app(runtime, metrics, stream_write_timeout_s=5.0)) as client:
+    with TestClient(_api_app(runtime, metrics)) as client:
         yield client, runtime, metrics
 
 
@@ -147,7 +153,7 @@ def test_runtime_failure_is_reported_by_ready():
     with pytest.raises(FileNotFoundError):
         asyncio.run(runtime.load())
     assert runtime.phase is Phase.FAILED
-    with TestClient(build_api_app(runtime, metrics, stream_write_timeout_s=5.0)) as client:
+    with TestClient(_api_app(runtime, metrics)) as client:
         ready = client.get("/ready")
         assert ready.status_code == 503
         assert "no weights" in ready.json()["reason"]

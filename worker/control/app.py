@@ -80,6 +80,12 @@ def _error(
     return JSONResponse(body, status_code=HTTP_STATUS[code] if status is None else status, headers=headers)
 
 
+def connection_error_response(status: int, _code: str, message: str) -> JSONResponse:
+    """The control API's answer to a request its listener's limits refuse (`server.connections.RenderError`): the
+    status the limit chose, under `busy` when it says "come back later", else `invalid_request`."""
+    return _error(ErrorCode.BUSY if status == 503 else ErrorCode.INVALID_REQUEST, message, status=status)
+
+
 class _RequireToken:
     """Checks the token before routing and before the body is read, so a caller without it learns nothing (not
     whether a route exists, nor how its body is parsed): every answer to it is the same 401."""

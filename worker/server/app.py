@@ -5,6 +5,9 @@ its own factory; `tidal.worker.process` assembles the list `WorkerServers` runs.
 signals (uvicorn's per-server handling would stop only one listener, then re-raise the signal and kill the process
 before the engine is shut down), binds every socket before starting anything (a busy port is a clear error, and a
 test can ask for port 0), loads the model while the probes already answer, and exits non-zero if loading fails.
+
+Each listener's connections are bounded (`connections.py`: header deadline, connection cap) and the serving app's
+request bodies too (`request_body.py`: size, deadline), with the limits of `ServerConfig`.
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 
 from tidal.worker.metrics import WorkerMetrics
-from tidal.worker.server.errors import install_error_handlers
+from tidal.worker.server.config import ServerConfig
+from tidal.worker.server.connections import ConnectionLimits, RenderError, limited_protocol
+from tidal.worker.server.errors import connection_error_response, count_refusal, install_error_handlers
+from tidal.worker.server.prompts import PromptBuilder
+from tidal.worker.server.request_body import BoundedBody
 from tidal.worker.server.routes_openai import openai_router
 from tidal.worker.server.routes_probes import probe_router
 from tidal.worker.server.runtime import WorkerRuntime
@@ -30,29 +37,54 @@ from tidal.worker.server.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 
-def build_api_app(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_timeout_s: float) -> FastAPI:
-    """The serving app: OpenAI routes, probes and metrics."""
+def build_api_app(
+    runtime: WorkerRuntime, metrics: WorkerMetrics, config: ServerConfig, prompt_builder: PromptBuilder
+) -> FastAPI:
+    """The serving app: OpenAI routes, probes and metrics, behind the request-body limits."""
     app = FastAPI(title="Tidal worker", summary="OpenAI-compatible serving API of one Tidal worker")
     install_error_handlers(app, metrics)
     app.include_router(probe_router(runtime, metrics))
-    app.include_router(openai_router(runtime, metrics, stream_write_timeout_s))
+    app.include_router(openai_router(runtime, metrics, config, prompt_builder))
+
+    def on_refused(scope: Scope) -> None:
+        count_refusal(metrics, scope["path"])
+
+    app.add_middleware(
+        BoundedBody,
+        max_bytes=config.max_request_body_bytes,
+        timeout_s=config.body_read_timeout_s,
+        render_error=connection_error_response,
+        on_refused=on_refused,
+    )
     return app
+
+
+def connection_limits(config: ServerConfig) -> ConnectionLimits:
+    return ConnectionLimits(config.max_connections, config.header_read_timeout_s, config.overload_retry_after_s)
 
 
 @dataclass
 class Listener:
-    """One app on one address. `port=0` picks a free port; `bound_port` tells which after `bind()`."""
+    """One app on one address. `port=0` picks a free port; `bound_port` tells which after `bind()`.
+
+    `render_error` writes the app's own error body for the refusals its connections' limits make before any route
+    runs."""
 
     name: str
     app: ASGIApp
     host: str
     port: int
+    limits: ConnectionLimits
+    render_error: RenderError
     sock: socket.socket | None = field(default=None, repr=False)
     _bound_port: int | None = field(default=None, repr=False)
 
     def bind(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not left 0: accepted sockets inherit the listener's proto, and asyncio sets TCP_NODELAY
+        # only on sockets whose proto says TCP. Without it Nagle's algorithm held each small write (a response's
+        # body after its headers, an SSE event) until the client's delayed ACK, ~40 ms on a kept-alive connection.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
@@ -81,10 +113,18 @@ class _UvicornServer(uvicorn.Server):
 class WorkerServers:
     """Runs the listeners and the model load together until a signal, `request_stop()`, or a failed load."""
 
-    def __init__(self, runtime: WorkerRuntime, listeners: list[Listener], log_level: str = "info") -> None:
+    def __init__(
+        self,
+        runtime: WorkerRuntime,
+        listeners: list[Listener],
+        log_level: str = "info",
+        on_stop: list[Callable[[], None]] | None = None,
+    ) -> None:
+        """`on_stop`: called once the servers and the engine have stopped (e.g. to let worker threads go)."""
         self.runtime = runtime
         self.listeners = listeners
         self._log_level = log_level.lower()
+        self._on_stop = list(on_stop or [])
         self._servers: list[_UvicornServer] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         # Remembered so that a stop asked for before the servers exist is not lost.
@@ -124,7 +164,11 @@ class WorkerServers:
         self.bind()
         for listener in self.listeners:
             config = uvicorn.Config(
-                listener.app, log_level=self._log_level, lifespan="off", timeout_graceful_shutdown=5
+                listener.app,
+                http=limited_protocol(listener.limits, listener.render_error),
+                log_level=self._log_level,
+                lifespan="off",
+                timeout_graceful_shutdown=5,
             )
             self._servers.append(_UvicornServer(config))
         if self._stopping:
@@ -155,6 +199,8 @@ class WorkerServers:
                 loading.cancel()
                 await asyncio.gather(loading, return_exceptions=True)
             await self.runtime.shutdown()
+            for callback in self._on_stop:
+                callback()
             for listener in self.listeners:
                 if listener.sock is not None:
                     listener.sock.close()

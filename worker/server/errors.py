@@ -27,6 +27,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
 }
 
@@ -79,6 +80,11 @@ def error_response(
     return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=status, headers=headers)
 
 
+def connection_error_response(status: int, code: str, message: str) -> JSONResponse:
+    """The serving API's answer to a request its listener or body limits refuse (`connections.RenderError`)."""
+    return error_response(status, message, code=code)
+
+
 # Tags pydantic puts in an error's location for union members and validators; they are not field names.
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
@@ -111,10 +117,15 @@ def describe_validation_errors(errors: Sequence[dict[str, Any]]) -> tuple[str, s
 _ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
+def count_refusal(metrics: WorkerMetrics, path: str) -> None:
+    """Count a generation request refused before its handler ran (other paths are not counted)."""
+    if path in _ENDPOINTS:
+        metrics.record_finished(_ENDPOINTS[path], "rejected")
+
+
 def install_error_handlers(app: FastAPI, metrics: WorkerMetrics) -> None:
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path in _ENDPOINTS:
-            metrics.record_finished(_ENDPOINTS[request.url.path], "rejected")
+        count_refusal(metrics, request.url.path)
         message, param = describe_validation_errors(exc.errors())
         return error_response(400, message, param=param)
 

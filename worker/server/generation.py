@@ -4,14 +4,14 @@ The serving routes never talk to `engine.generate` directly: they make a `Genera
 is where the engine refuses a prompt it cannot take, before anything is sent to the client), then either stream or
 collect the rest. `close()` is synchronous and idempotent so that it can run from any `finally`, including one reached
 by cancellation when a client disconnects; it aborts the engine's request if it has not finished, which returns its
-KV-cache blocks.
+KV-cache blocks, and calls `on_close` (the request's admission slot goes back there).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from tidal.worker.engine.async_engine import EngineNotRunningError, RequestInterruptedError
@@ -36,6 +36,7 @@ class Generation:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        on_close: Callable[[], None] = lambda: None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -43,6 +44,7 @@ class Generation:
         self.finish_reason: str | None = None
         self._engine = engine
         self._metrics = metrics
+        self._on_close = on_close
         self._endpoint = endpoint
         self._arrival = time.perf_counter()
         self._last_token_at: float | None = None
@@ -106,6 +108,7 @@ class Generation:
 
     def close(self) -> None:
         """Abort the engine's request if it may still be running, and account for it. Safe to call repeatedly."""
+        self._on_close()
         if not self._engine_done:
             self._engine_done = True
             self._engine.abort(self.request_id)

@@ -1,15 +1,33 @@
 """Turning a request into prompt token ids: plain text, given token ids, or chat messages through the chat template.
 
+The work runs on `PromptBuilder`'s own threads, never on the event loop: a template renders for as long as its Jinja
+and its input make it, and tokenizing a megabyte of text takes seconds, during which every other stream, the probes
+and the control API (same loop) used to stall.
+
 Whether the ids are acceptable (not empty, within the context, inside the vocabulary) is the engine's call, made
 before it queues anything; `Generation.start` turns its refusal into a 400.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from tidal.worker.server.errors import ApiError
 from tidal.worker.server.protocol import ChatMessage
+
+T = TypeVar("T")
+
+# Names the template gets from this server (or that shape what apply_chat_template returns); a request may not set
+# them, whatever the flags say.
+_SET_BY_SERVER = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict"})
+# Arguments that replace the model's template (`chat_template`: Jinja the client wrote, or another named template) or
+# put client-written structure into it (`tools`, `documents`, which this API otherwise refuses).
+TEMPLATE_CHANGING_KWARGS = frozenset({"chat_template", "tools", "documents"})
 
 
 class Tokenizer(Protocol):
@@ -20,6 +38,73 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
+
+
+class PromptBuilder:
+    """Builds prompts on `threads` threads of its own; `close()` when the server stops."""
+
+    def __init__(self, threads: int, allow_request_chat_template: bool = False) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tidal-prompt")
+        self._allow_request_chat_template = allow_request_chat_template
+
+    async def completion_ids(self, tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return await self._run(completion_prompt_ids, tokenizer, prompt)
+
+    async def chat_ids(
+        self,
+        tokenizer: Tokenizer,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        check_template_kwargs(tokenizer, template_kwargs, self._allow_request_chat_template)
+        return await self._run(chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs)
+
+    def close(self) -> None:
+        """Drop the prompts still waiting for a thread; one being built finishes on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, build: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(build, *args))
+
+
+def check_template_kwargs(
+    tokenizer: Tokenizer, template_kwargs: dict[str, Any] | None, allow_request_chat_template: bool
+) -> None:
+    """400 unless every key of `chat_template_kwargs` is a variable for the template.
+
+    apply_chat_template takes the template's variables and its own arguments in one set of keyword arguments, so a
+    key that names one of its arguments (as the installed tokenizer declares them) is not data: `chat_template`
+    swaps in the client's Jinja, `tokenize` changes what comes back. Those that change the template are allowed
+    only when the operator turned `allow_request_chat_template` on.
+    """
+    if not template_kwargs:
+        return
+    arguments = _SET_BY_SERVER | TEMPLATE_CHANGING_KWARGS | _named_parameters(tokenizer.apply_chat_template)
+    for key in template_kwargs:
+        if key in TEMPLATE_CHANGING_KWARGS:
+            if allow_request_chat_template:
+                continue
+            message = (
+                f"chat_template_kwargs.{key} would change the model's chat template with client-written content; "
+                "this worker does not allow it (allow_request_chat_template)"
+            )
+        elif key in arguments:
+            message = f"chat_template_kwargs.{key} is an argument of the chat template call, not a template variable"
+        else:
+            continue
+        raise ApiError(400, message, param=f"chat_template_kwargs.{key}", code="chat_template_kwargs_refused")
+
+
+def _named_parameters(function: Callable[..., Any]) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a callable without a readable signature: the fixed sets still apply
+        return frozenset()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in parameters if p.kind in kinds)
 
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
@@ -38,7 +123,7 @@ def chat_prompt_ids(
     return type for tokenized templates has changed; the template already writes the special tokens it wants, so
     none are added on top.
     """
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and not (template_kwargs or {}).get("chat_template"):
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
     conversation = [_as_template_message(m) for m in messages]
     try:

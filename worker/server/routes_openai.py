@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Each handler reads like the request's life: check the engine can serve, build the prompt, start the generation (the
-engine may still refuse it: 400), then stream it or collect it.
+Each handler reads like the request's life: check the engine can serve, take an admission slot (429 when the worker
+holds `max_concurrent_requests` already), build the prompt off the event loop, check its length, start the generation
+(the engine may still refuse it: 400), then stream it or collect it. The slot goes back when the generation closes.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tidal.worker.metrics import WorkerMetrics
-from tidal.worker.server import prompts
+from tidal.worker.server.admission import RequestSlots, Slot
+from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.errors import ApiError, ErrorResponse
 from tidal.worker.server.generation import Generation
+from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from tidal.worker.server.responses import (
     AssistantMessage,
@@ -35,11 +38,14 @@ from tidal.worker.server.streaming import SSEResponse, chat_events, completion_e
 if TYPE_CHECKING:
     from tidal.worker.engine.async_engine import AsyncEngine
 
-_ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 429, 503)}
 
 
-def openai_router(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_timeout_s: float) -> APIRouter:
+def openai_router(
+    runtime: WorkerRuntime, metrics: WorkerMetrics, config: ServerConfig, prompt_builder: PromptBuilder
+) -> APIRouter:
     router = APIRouter(prefix="/v1", responses=_ERRORS)  # type: ignore[arg-type]
+    slots = RequestSlots(config.max_concurrent_requests, config.overload_retry_after_s)
 
     def engine_for(model: str) -> AsyncEngine:
         engine = runtime.require_engine()
@@ -54,22 +60,52 @@ def openai_router(runtime: WorkerRuntime, metrics: WorkerMetrics, stream_write_t
         engine: AsyncEngine, endpoint: str, request: CompletionRequest | ChatCompletionRequest, request_id: str
     ) -> Generation:
         try:
-            if isinstance(request, ChatCompletionRequest):
-                prompt_ids = prompts.chat_prompt_ids(
-                    engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs
-                )
-            else:
-                prompt_ids = prompts.completion_prompt_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
+            slot = slots.acquire()
+        except ApiError:
+            metrics.record_finished(endpoint, "rejected")
+            raise
+        try:
+            return await start_admitted(slot, engine, endpoint, request, request_id)
+        except BaseException:
+            slot.release()
+            raise
+
+    async def start_admitted(
+        slot: Slot,
+        engine: AsyncEngine,
+        endpoint: str,
+        request: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+    ) -> Generation:
+        try:
+            prompt_ids = await prompt_for(engine, request)
             params = sampling_params(request, len(prompt_ids), engine.max_model_len)
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise
-        generation = Generation(engine, metrics, endpoint, request_id, prompt_ids, params)
+        generation = Generation(engine, metrics, endpoint, request_id, prompt_ids, params, on_close=slot.release)
         await generation.start()  # accounts for its own refusal
         return generation
 
+    async def prompt_for(engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(request, ChatCompletionRequest):
+            prompt_ids = await prompt_builder.chat_ids(
+                engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs
+            )
+            param = "messages"
+        else:
+            prompt_ids = await prompt_builder.completion_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
+            param = "prompt"
+        limit = config.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise ApiError(
+                400, f"the prompt has {len(prompt_ids)} tokens but this worker accepts at most {limit} "
+                "(max_prompt_tokens)", param=param, code="context_length_exceeded",
+            )  # fmt: skip
+        return prompt_ids
+
     def stream(events: Callable[[], AsyncIterator[str]], generation: Generation) -> SSEResponse:
-        return SSEResponse(events(), on_close=generation.close, write_timeout_s=stream_write_timeout_s)
+        return SSEResponse(events(), on_close=generation.close, write_timeout_s=config.stream_write_timeout_s)
 
     @router.get("/models")
     async def list_models() -> ModelList:

@@ -4,7 +4,8 @@ A streamed request ends in one of three ways: the engine finishes it; the client
 stream), which must abort the request at once to free its sequence; or the client stops reading. The engine never
 waits on a client (outputs queue per request), so a stalled reader holds no KV-cache blocks past the request's own
 end, but it would keep the connection and the queued text for as long as it likes. The response therefore bounds
-every write by `write_timeout_s`, and calls the generation's synchronous `close()` in a `finally` on every exit.
+every write by `write_timeout_s`, and calls the generation's synchronous `close()` in a `finally` on every exit (which
+also gives back the request's admission slot).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-from starlette.types import Message, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from tidal.worker.server.errors import ApiError, ErrorBody, ErrorResponse
 from tidal.worker.server.generation import Generation
@@ -51,6 +52,14 @@ class SSEResponse(StreamingResponse):
         self._on_close = on_close
         self._write_timeout_s = write_timeout_s
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Here rather than in stream_response: Starlette runs that as a task of its own, and a client that is gone
+        # before the task's first step cancels it before its body (and any `finally` in it) ever runs.
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
     async def stream_response(self, send: Send) -> None:
         async def bounded_send(message: Message) -> None:
             try:
@@ -65,8 +74,6 @@ class SSEResponse(StreamingResponse):
             # Ending here leaves the response incomplete; the server then closes the connection, which is the
             # only way left to tell a client that stopped reading.
             log.warning("abandoning a stream: %s", exc)
-        finally:
-            self._on_close()
 
 
 def _error_event(exc: BaseException) -> str:
