@@ -186,9 +186,15 @@ async def apply_pods(kube: KubeApi, ctx: Context, actions: list[Action]) -> bool
 
 
 async def write_status(kube: KubeApi, ctx: Context, actions: list[Action]) -> None:
-    """The status patch (the planner asks for one only when the status changed), then the Events."""
+    """The pass's Events, all at once, then the status patch (the planner asks for one only when the status
+    changed). Events first: the planner finds transitions by comparing with the written status, so an operator
+    that died after the patch but before its Events would never post them (a RankFailed lost that way was seen in
+    the operator-killed e2e test); dying before the patch posts them again from the next process instead, and a
+    repeated Event is the lesser harm."""
+    events = [a for a in actions if isinstance(a, EmitEvent)]
+    await asyncio.gather(*(_apply(kube, ctx, a) for a in events))
     for action in actions:
-        if isinstance(action, STATUS_ACTIONS):
+        if isinstance(action, PatchStatus):
             await _apply(kube, ctx, action)
 
 

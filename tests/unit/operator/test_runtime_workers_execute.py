@@ -226,7 +226,7 @@ def _context(token: SecretStr | None = TOKEN) -> Context:
 SECRET = CreateSecret(manifest={"kind": "Secret", "metadata": {"name": "m-token"}, "data": {"token": "hidden"}})
 
 
-def test_executor_acts_on_kubernetes_then_writes_status_then_calls_workers():
+def test_executor_acts_on_kubernetes_then_posts_events_and_writes_status_then_calls_workers():
     kube = FakeKube()
     actions = [
         SleepRank(pod="m-r0-0", level=1),
@@ -236,8 +236,10 @@ def test_executor_acts_on_kubernetes_then_writes_status_then_calls_workers():
         SECRET,
     ]
     done = _run(execute(kube, RecordingFleet(kube), _context(), actions))
+    # Events before the status patch: an operator killed between the two would otherwise never post them (the next
+    # one finds no transition against the status already written).
     assert kube.log == [
-        "create m-token", "create m-r1-0", "status", "event Synced", "sleep m-r0-0 (level 1)",
+        "create m-token", "create m-r1-0", "event Synced", "status", "sleep m-r0-0 (level 1)",
     ]  # fmt: skip
     assert done.acted and done.changed_objects and done.calls == 1 and done.failures == []
 
