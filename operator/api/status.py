@@ -11,7 +11,7 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "Sleeping", "Weights
 CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced")
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Loading", "Ready", "Updating", "Sleeping", "Degraded", "Stopped"]
-RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating"]
+RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating", "Uncontrolled"]
 SleepState = Literal["Awake", "Asleep", "Mixed", "None"]
 # A rank's place in its expert-parallel group: Loading (pod starting or model loading), Joining (loaded, not yet in
 # the current epoch), Serving (steps in the current epoch), Broken (a member of the current epoch whose group broke;
@@ -51,7 +51,7 @@ class RankStatus(StatusModel):
     state: RankState
     """What the rank is doing."""
     weights_version: str | None = Field(None, max_length=63)
-    """Weights version the worker reports."""
+    """Weights version the worker reports (an Uncontrolled rank: the last one it reported)."""
     group_state: GroupRankState | None = None
     """With expertParallel above 1: the rank's place in its group."""
 
