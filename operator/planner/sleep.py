@@ -4,11 +4,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from tidal.contract.control_api import SleepState, WorkerState
+from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.status import Condition
-from tidal.operator.planner.actions import Action, SleepRank, WakeRank
-from tidal.operator.planner.facts import Facts
+from tidal.operator.builders.pod import desired_weights
+from tidal.operator.planner.actions import Action, SleepRank, UpdateWeights, WakeRank
+from tidal.operator.planner.facts import Facts, RankSlot
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 
@@ -82,5 +83,20 @@ def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:
             if state.sleep_state == SleepState.AWAKE or (state.sleep_level or 0) < level:
                 actions.append(SleepRank(pod=slot.name, level=level))
         elif state.sleep_state == SleepState.ASLEEP:
-            actions.append(WakeRank(pod=slot.name))
+            actions.append(_wake(facts, slot, state))
     return actions
+
+
+def _wake(facts: Facts, slot: RankSlot, state: WorkerState) -> Action:
+    """A rank that dropped its weights (level 2) re-reads the version it served when it wakes. Behind the desired
+    version, it gets the update first instead: the worker stages it into its host buffer while it sleeps, and the
+    wake of the next pass brings back the new weights, one read instead of the old version's and then a roll's.
+    Once that version's update failed, the rank wakes on what it has (the roll holds the failure)."""
+    source, version = desired_weights(facts.model.spec)
+    if state.sleep_level != 2 or ResidentTag.WEIGHTS in state.resident or state.weights_version == version:
+        return WakeRank(pod=slot.name)
+    failed = slot.observation.update_failure
+    held = facts.model.status.weights_rollout if facts.model.status is not None else None
+    if (failed is not None and failed.version == version) or (held is not None and held.failed_version == version):
+        return WakeRank(pod=slot.name)
+    return UpdateWeights(pod=slot.name, replica=slot.replica, source=source, version=version)

@@ -145,3 +145,32 @@ def test_roll_waits_while_asleep():
     sleeping = {p.name: worker(asleep=True) for p in pods}
     result = run(model, pods, sleeping)
     assert _updates(result) == [] and _cond(result, "WeightsSynced").reason == "PausedWhileAsleep"
+
+
+def test_a_level_two_sleeper_behind_the_desired_version_gets_it_before_it_wakes():
+    # Level 2 dropped the weights: a plain wake would re-read the old version from disk, then roll the new one in.
+    model, pods, _ = _served_base(2)
+    deep = {p.name: worker(asleep=True, level=2) for p in pods}
+    result = run(model, pods, deep)
+    assert not any(isinstance(a, WakeRank) for a in result.actions)
+    assert [(u.pod, u.version, u.source) for u in _updates(result)] == [
+        ("tiny-r0-0", "v2", "/srv/models/ckpt/v2"),
+        ("tiny-r1-0", "v2", "/srv/models/ckpt/v2"),
+    ]
+    # The worker staged v2 while asleep: the next pass wakes it, with nothing left to roll.
+    staged = {p.name: worker("v2", "sum-v2", asleep=True, level=2) for p in pods}
+    result = run(model, pods, staged)
+    assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
+    # Level 1 keeps the weights in host memory: a wake is a copy, and the roll follows as usual.
+    light = {p.name: worker(asleep=True, level=1) for p in pods}
+    result = run(model, pods, light)
+    assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
+
+
+def test_a_level_two_sleeper_wakes_on_its_weights_once_the_new_version_failed():
+    model, pods, _ = _served_base(1)
+    failed = UpdateFailure(version="v2", message="bad_checkpoint: shapes")
+    deep = {pods[0].name: worker(asleep=True, level=2, update_failure=failed)}
+    result = run(model, pods, deep)
+    assert _updates(result) == [] and [a.pod for a in result.actions if isinstance(a, WakeRank)] == ["tiny-r0-0"]
+    assert _cond(result, "WeightsSynced").reason == "UpdateFailed"
