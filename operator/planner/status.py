@@ -208,6 +208,7 @@ def compute_status(
         weights_version=rollout.served_version,
         weights_rollout=rollout.failure if rollout.sync == "UpdateFailed" else None,
         sleep_state=sleep_state,
+        idle_clock=sleep.idle_clock,
         endpoint=endpoint(model),
         groups=groups.groups,
         group_summary=groups.summary(),

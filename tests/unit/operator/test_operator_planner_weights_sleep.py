@@ -126,18 +126,22 @@ def test_idle_timeout_sleeps_and_a_request_wakes():
     model = make_model({"replicas": 2, "sleep": {"idleTimeoutSeconds": 600}})
     pods, _ = healthy(model)
     busy = {p.name: worker(seconds_since_last_request=30.0) for p in pods}
-    assert not any(isinstance(a, SleepRank) for a in run(model, pods, busy).actions)
+    first = run(model, pods, busy)
+    assert not any(isinstance(a, SleepRank) for a in first.actions)
+    model = with_status(model, first)  # the timeout counts from this pass on
     idle = {p.name: worker(seconds_since_last_request=900.0) for p in pods}
     idle[pods[1].name] = worker(seconds_since_last_request=900.0, in_flight_requests=1)
-    assert not any(isinstance(a, SleepRank) for a in run(model, pods, idle).actions)
+    assert not any(isinstance(a, SleepRank) for a in run(model, pods, idle, minutes=11).actions)
     idle[pods[1].name] = worker(seconds_since_last_request=900.0)
-    assert len([a for a in run(model, pods, idle).actions if isinstance(a, SleepRank)]) == 2
+    falling = run(model, pods, idle, minutes=11)
+    assert len([a for a in falling.actions if isinstance(a, SleepRank)]) == 2
+    model = with_status(model, falling)
     dozing = {p.name: worker(asleep=True, seconds_since_last_request=1200.0) for p in pods}
-    result = run(model, pods, dozing)
+    result = run(model, pods, dozing, minutes=12)
     assert not any(isinstance(a, WakeRank) for a in result.actions)
     assert _cond(result, "Sleeping").reason == "IdleTimeout"
     dozing[pods[0].name] = worker(asleep=True, seconds_since_last_request=2.0)  # a request arrived
-    assert len([a for a in run(model, pods, dozing).actions if isinstance(a, WakeRank)]) == 2
+    assert len([a for a in run(model, pods, dozing, minutes=13).actions if isinstance(a, WakeRank)]) == 2
 
 
 def test_roll_waits_while_asleep():
