@@ -11,6 +11,10 @@ from tidal.operator.api.constants import API_VERSION, GROUP_SERVICE_SUFFIX, KIND
 from tidal.operator.api.spec import InferenceModelSpec
 from tidal.operator.api.status import InferenceModelStatus
 
+# Where the root rules point their errors. The API server accepts a fieldPath only into the schema, so the CRD's
+# metadata declares `name` (the one field besides generateName a CRD may say anything about).
+NAME_FIELD_PATH = ".metadata.name"
+
 
 class ObjectMeta(BaseModel):
     """The parts of metadata the operator reads. Everything else the API server keeps is ignored here."""
@@ -35,24 +39,28 @@ class InferenceModel(ApiModel):
     status: InferenceModelStatus | None = None
 
     # Root rules may read metadata.name only. The name ends up in pod, Service and DNS names, which must be DNS
-    # labels of at most 63 characters, so it is bounded here where the user sees the reason.
+    # labels of at most 63 characters, so it is bounded here where the user sees the reason. Each names its field:
+    # a root rule without a fieldPath is reported at no path, which kubectl prints as "<nil>: Invalid value".
     cel_rules = (
         CelRule(
             rule=f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
             message=f"metadata.name must be at most {MAX_NAME_LENGTH} characters: pod and Service names are built "
             "from it",
             holds=lambda m: len(m.metadata.name) <= MAX_NAME_LENGTH,
+            field_path=NAME_FIELD_PATH,
         ),
         CelRule(
             rule=f"self.metadata.name.matches('{patterns.DNS_LABEL}')",
             message="metadata.name must be a DNS label (lowercase letters, digits and '-', starting with a letter): "
             "it names the model's Service",
             holds=lambda m: re.search(patterns.DNS_LABEL, m.metadata.name) is not None,
+            field_path=NAME_FIELD_PATH,
         ),
         CelRule(
             rule=f"!self.metadata.name.endsWith('{GROUP_SERVICE_SUFFIX}')",
             message=f"metadata.name must not end in '{GROUP_SERVICE_SUFFIX}': the model named <name> owns the "
             f"headless Service <name>{GROUP_SERVICE_SUFFIX}, which this model's Service would collide with",
             holds=lambda m: not m.metadata.name.endswith(GROUP_SERVICE_SUFFIX),
+            field_path=NAME_FIELD_PATH,
         ),
     )

@@ -11,7 +11,7 @@ ConditionType = Literal["Ready", "Progressing", "Degraded", "Sleeping", "Weights
 CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced")
 ConditionStatus = Literal["True", "False", "Unknown"]
 Phase = Literal["Pending", "Loading", "Ready", "Updating", "Sleeping", "Degraded", "Stopped"]
-RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating"]
+RankState = Literal["Pending", "Loading", "Ready", "Asleep", "Updating", "Failed", "Terminating", "Uncontrolled"]
 SleepState = Literal["Awake", "Asleep", "Mixed", "None"]
 # A rank's place in its expert-parallel group: Loading (pod starting or model loading), Joining (loaded, not yet in
 # the current epoch), Serving (steps in the current epoch), Broken (a member of the current epoch whose group broke;
@@ -51,7 +51,7 @@ class RankStatus(StatusModel):
     state: RankState
     """What the rank is doing."""
     weights_version: str | None = Field(None, max_length=63)
-    """Weights version the worker reports."""
+    """Weights version the worker reports (an Uncontrolled rank: the last one it reported)."""
     group_state: GroupRankState | None = None
     """With expertParallel above 1: the rank's place in its group."""
 
@@ -107,6 +107,16 @@ class WeightsRolloutStatus(StatusModel):
     """The failure, as reported by the worker."""
 
 
+class IdleClockStatus(StatusModel):
+    """The idle timeout the operator counts against, and since when it does."""
+
+    seconds: int = Field(ge=1)
+    """spec.sleep.idleTimeoutSeconds as the operator last saw it."""
+    since: datetime
+    """When the operator first saw that value. The model sleeps for idleness no sooner than that many seconds after
+    it, however long it was idle before the timeout was set or changed."""
+
+
 class InferenceModelStatus(StatusModel):
     """Observed state of an InferenceModel."""
 
@@ -134,6 +144,8 @@ class InferenceModelStatus(StatusModel):
     """Set while a failed roll is held."""
     sleep_state: SleepState = "None"
     """Awake, Asleep, Mixed (some ranks asleep) or None (no ranks)."""
+    idle_clock: IdleClockStatus | None = None
+    """While spec.sleep.idleTimeoutSeconds is set: the timeout and when it was set or last changed."""
     endpoint: str | None = Field(None, max_length=1024)
     """In-cluster URL of the OpenAI-compatible API."""
     groups: list[ReplicaGroupStatus] = Field(default_factory=list)

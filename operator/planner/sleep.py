@@ -4,11 +4,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from tidal.contract.control_api import SleepState, WorkerState
+from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 from tidal.operator.api.conditions import find_condition
-from tidal.operator.api.status import Condition
-from tidal.operator.planner.actions import Action, SleepRank, WakeRank
-from tidal.operator.planner.facts import Facts
+from tidal.operator.api.status import Condition, IdleClockStatus
+from tidal.operator.builders.pod import desired_weights
+from tidal.operator.planner.actions import Action, SleepRank, UpdateWeights, WakeRank
+from tidal.operator.planner.facts import Facts, RankSlot
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 
@@ -17,6 +18,21 @@ SleepReason = Literal["Requested", "IdleTimeout"]
 class SleepDecision:
     asleep: bool
     reason: SleepReason
+    idle_clock: IdleClockStatus | None = None  # for the status: see `idle_clock`
+
+
+def idle_clock(facts: Facts, now: datetime) -> IdleClockStatus | None:
+    """The idle timeout and since when it holds: the status's, while the spec's value is unchanged, else from now.
+    The workers' idle clocks started long before a timeout that was just set (or shortened), so without this a
+    model idle for an hour would sleep in the very pass that sets a timeout of ten minutes."""
+    timeout = facts.model.spec.sleep.idle_timeout_seconds
+    if timeout is None:
+        return None
+    status = facts.model.status
+    held = status.idle_clock if status is not None else None
+    if held is not None and held.seconds == timeout:
+        return held
+    return IdleClockStatus(seconds=timeout, since=now)
 
 
 def decide_sleep(facts: Facts, now: datetime) -> SleepDecision:
@@ -27,25 +43,29 @@ def decide_sleep(facts: Facts, now: datetime) -> SleepDecision:
     and does not count as idle for an awake model; for one asleep for idleness it (like a rank that does not answer)
     does not wake the model. The previous Sleeping condition supplies the rest: a model that fell asleep for
     idleness is woken by any change of its spec (`kubectl patch`, a new generation), and a model that is awake again
-    stays awake for at least the timeout (its workers' idle clocks did not move while it slept).
+    stays awake for at least the timeout (its workers' idle clocks did not move while it slept). Nor does a model
+    sleep sooner than the timeout after the timeout was set or changed (`idle_clock`, kept in the status).
     """
-    sleep = facts.model.spec.sleep
-    if sleep.state == "Asleep":
-        return SleepDecision(True, "Requested")
-    timeout = sleep.idle_timeout_seconds
+    clock = idle_clock(facts, now)
+    if facts.model.spec.sleep.state == "Asleep":
+        return SleepDecision(True, "Requested", clock)
     states = [s.state for s in facts.slots]
-    if timeout is None or not states:
-        return SleepDecision(False, "Requested")
+    if clock is None or not states:
+        return SleepDecision(False, "Requested", clock)
+    timeout = clock.seconds
+    awake = SleepDecision(False, "Requested", clock)
     status = facts.model.status
     previous = find_condition(status.conditions, "Sleeping") if status is not None else None
     dozing = _dozing(previous, facts.model.metadata.generation)
     if not dozing:
         if previous is not None and previous.status == "True":
-            return SleepDecision(False, "Requested")
+            return awake
         if previous is not None and (now - previous.last_transition_time).total_seconds() < timeout:
-            return SleepDecision(False, "Requested")
+            return awake
+        if (now - clock.since).total_seconds() < timeout:
+            return awake  # idle for a whole timeout counts from when the timeout was set
     idle = all(_idle(st, timeout, dozing) for st in states)
-    return SleepDecision(idle, "IdleTimeout" if idle else "Requested")
+    return SleepDecision(idle, "IdleTimeout" if idle else "Requested", clock)
 
 
 def _dozing(previous: Condition | None, generation: int | None) -> bool:
@@ -82,5 +102,20 @@ def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:
             if state.sleep_state == SleepState.AWAKE or (state.sleep_level or 0) < level:
                 actions.append(SleepRank(pod=slot.name, level=level))
         elif state.sleep_state == SleepState.ASLEEP:
-            actions.append(WakeRank(pod=slot.name))
+            actions.append(_wake(facts, slot, state))
     return actions
+
+
+def _wake(facts: Facts, slot: RankSlot, state: WorkerState) -> Action:
+    """A rank that dropped its weights (level 2) re-reads the version it served when it wakes. Behind the desired
+    version, it gets the update first instead: the worker stages it into its host buffer while it sleeps, and the
+    wake of the next pass brings back the new weights, one read instead of the old version's and then a roll's.
+    Once that version's update failed, the rank wakes on what it has (the roll holds the failure)."""
+    source, version = desired_weights(facts.model.spec)
+    if state.sleep_level != 2 or ResidentTag.WEIGHTS in state.resident or state.weights_version == version:
+        return WakeRank(pod=slot.name)
+    failed = slot.observation.update_failure
+    held = facts.model.status.weights_rollout if facts.model.status is not None else None
+    if (failed is not None and failed.version == version) or (held is not None and held.failed_version == version):
+        return WakeRank(pod=slot.name)
+    return UpdateWeights(pod=slot.name, replica=slot.replica, source=source, version=version)

@@ -43,6 +43,10 @@ def rank_state(slot: RankSlot, rollout: RolloutPlan) -> RankState:
         return "Failed"
     if pod.phase != "Running":
         return "Pending"
+    if slot.observation.token_rejected:
+        # Its worker holds a token the Secret no longer has: it may well serve, but cannot be asked or acted on
+        # until its pod is replaced. "Loading" would say it does not serve.
+        return "Uncontrolled"
     if slot.state is None or not slot.state.model_loaded:
         return "Loading"
     if slot.asleep:
@@ -50,6 +54,16 @@ def rank_state(slot: RankSlot, rollout: RolloutPlan) -> RankState:
     if rollout.sync == "RollingOut" and slot.state.weights_version != rollout.desired_version:
         return "Updating"
     return "Ready" if pod.ready else "Loading"
+
+
+def _weights_version(slot: RankSlot, previous: InferenceModelStatus | None) -> str | None:
+    """What the worker reports; for a rank that refuses the token, the last version it reported (what it serves,
+    as nothing can have changed its weights since)."""
+    if slot.state is not None:
+        return slot.state.weights_version
+    if not slot.observation.token_rejected or previous is None:
+        return None
+    return next((r.weights_version for r in previous.ranks if r.pod == slot.name), None)
 
 
 def _sleep_state(slots: list[RankSlot]) -> SleepState:
@@ -186,7 +200,7 @@ def compute_status(
                 replica=s.replica,
                 rank=s.rank,
                 state=state,
-                weights_version=s.state.weights_version if s.state is not None else None,
+                weights_version=_weights_version(s, previous),
                 group_state=groups.rank_states.get(s.name),
             )
             for s, state in zip(facts.slots, states, strict=True)
@@ -194,6 +208,7 @@ def compute_status(
         weights_version=rollout.served_version,
         weights_rollout=rollout.failure if rollout.sync == "UpdateFailed" else None,
         sleep_state=sleep_state,
+        idle_clock=sleep.idle_clock,
         endpoint=endpoint(model),
         groups=groups.groups,
         group_summary=groups.summary(),

@@ -35,11 +35,12 @@ SCALE_SUBRESOURCE: dict[str, str] = {
 def openapi_schema() -> dict[str, Any]:
     """The version's openAPIV3Schema: the resource model converted, with the root fields the API server owns."""
     source = InferenceModel.model_json_schema(by_alias=True)
-    # apiVersion, kind and metadata are validated by the API server itself; a CRD may only say they exist.
+    # apiVersion, kind and metadata are validated by the API server itself; a CRD may only say they exist, and
+    # declare metadata.name (typed only: the root rules check it, and their fieldPath must find it here).
     source["properties"].update(
         apiVersion={"type": "string", "description": c.API_VERSION},
         kind={"type": "string", "description": c.KIND},
-        metadata={"type": "object"},
+        metadata={"type": "object", "properties": {"name": {"type": "string"}}},
     )
     source["required"] = ["spec"]
     return to_structural(source)

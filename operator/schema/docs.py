@@ -72,7 +72,7 @@ def field_table(schema: dict[str, Any], root: str) -> str:
     rules = []
     if root == "spec":
         rules += [
-            f"| `(object)` | `{_cell(r['rule'])}` | {_cell(r['message'])} |"
+            f"| `{r.get('fieldPath', '(object)').lstrip('.')}` | `{_cell(r['rule'])}` | {_cell(r['message'])} |"
             for r in schema.get("x-kubernetes-validations", [])
         ]
     for path, node, required in _walk(schema["properties"][root], root, root in schema.get("required", [])):

@@ -28,7 +28,7 @@ def test_api_server_refuses(devcluster, case, tmp_path):
     result = devcluster.kubectl("create", "-f", str(path), check=False)
     assert result.returncode != 0, f"{case.id} was accepted: {result.stdout}"
     assert case.apiserver_error in result.stderr, result.stderr
-    if case.field:
-        assert case.field in result.stderr, result.stderr
+    assert case.field in result.stderr, result.stderr
+    assert "<nil>" not in result.stderr, result.stderr  # every error names its field
     listed = devcluster.kubectl("get", "inferencemodels.tidal.dev", "-n", "default", "-o", "name").stdout
     assert listed.strip() == ""

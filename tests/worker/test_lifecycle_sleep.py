@@ -75,6 +75,9 @@ def test_requests_while_asleep_get_503_with_retry_after_or_wake_the_model(tiny_m
         refused = worker.complete("Hello")
         assert refused.status_code == 503 and refused.headers["retry-after"] == "30"
         assert refused.json()["error"]["code"] == "asleep"
+        # A client of the OpenAI API is told to retry, not about the control API or the sleep level.
+        message = refused.json()["error"]["message"]
+        assert message == "the model is asleep; try again later", message
         assert worker.post("/wake_up").json()["state"]["sleep_state"] == "awake"
         assert worker.text("Hello") == expected
         metrics = worker.api.get("/metrics").text  # type: ignore[union-attr]
@@ -156,8 +159,11 @@ def test_requests_queued_as_the_sleep_began_end_when_the_wake_they_ask_for_fails
             while engine.stats().num_waiting == 0:
                 await asyncio.sleep(0.01)
             await manager.sleep(SleepRequest(level=2))
-            with pytest.raises(EngineNotRunningError, match="could not be woken"):
+            with pytest.raises(EngineNotRunningError, match="could not be woken") as refused:
                 await asyncio.wait_for(waiting, 30)
+            # The reason (a level-2 sleep of streamed weights, and what to send the control API) is for the logs.
+            assert "weight update" not in str(refused.value) and "level" not in str(refused.value)
+            assert refused.value.retry_after_s is not None
 
     asyncio.run(scenario())
 

@@ -239,17 +239,20 @@ class LifecycleManager:
                 try:
                     await self._timed("wake_up", self._loaded().wake, ALL_TAGS)
                 except Exception as err:
-                    raise EngineNotRunningError(f"the model is asleep and could not be woken: {err}", "asleep") from err
+                    # The reason names files and control routes: it is for the logs, not for the client.
+                    log.warning("a request could not wake the model: %s: %s", type(err).__name__, err)
+                    raise EngineNotRunningError(
+                        "the model is asleep and could not be woken; try again later", "asleep",
+                        retry_after_s=self.config.asleep_retry_after_s,
+                    ) from err  # fmt: skip
 
     def _is_asleep(self) -> bool:
         return self.residency is not None and self.residency.sleep_level is not None
 
     def _asleep_error(self) -> EngineNotRunningError:
-        level = self.residency.sleep_level if self.residency is not None else None
+        # Clients see this (a 503 with Retry-After): how the model is woken (the control API) is not theirs to know.
         return EngineNotRunningError(
-            f"the model is asleep (level {level or 'pending'}); it serves again after POST /wake_up",
-            code="asleep",
-            retry_after_s=self.config.asleep_retry_after_s,
+            "the model is asleep; try again later", code="asleep", retry_after_s=self.config.asleep_retry_after_s
         )
 
     # ----- operations -----

@@ -96,7 +96,7 @@ def _validate_object(schema: dict[str, Any], value: dict[str, Any], path: str) -
             errors += validate(props[name], sub, f"{path}.{name}")
         elif isinstance(extra, dict):
             errors += validate(extra, sub, f"{path}.{name}")
-        elif props is not None:
+        elif props is not None and path != ".metadata":  # the API server checks ObjectMeta itself
             errors.append(f'{path}: unknown field "{path.lstrip(".")}.{name}"')
     return errors
 
@@ -110,8 +110,23 @@ def _cel(schema: dict[str, Any], value: Any, path: str) -> list[str]:
         except celpy.CELEvalError as err:  # e.g. a rule reading an absent field: the API server refuses too
             result = err
         if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):  # an evaluation error fails too
-            errors.append(f"{path}{rule.get('fieldPath', '')}: Invalid value: {rule['message']}")
+            field_path = rule.get("fieldPath", "")
+            resolve_field_path(schema, field_path)
+            # A rule on the whole object without a fieldPath has no path at all: the API server prints "<nil>".
+            errors.append(f"{path + field_path or '<nil>'}: Invalid value: {rule['message']}")
     return errors
+
+
+def resolve_field_path(schema: dict[str, Any], field_path: str) -> dict[str, Any]:
+    """The schema node a rule's fieldPath names, from the node the rule sits on; ValueError when there is none (the
+    API server refuses such a CRD). Only `.name` steps: the generated rules use no other form."""
+    node = schema
+    for name in field_path.split(".")[1:] if field_path else []:
+        properties = node.get("properties", {})
+        if name not in properties:
+            raise ValueError(f"fieldPath {field_path!r} does not refer to a valid field")
+        node = properties[name]
+    return node
 
 
 def check_object(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:

@@ -3,7 +3,8 @@ schema) and the e2e tests (the real API server). Each case changes a valid objec
 
 `pydantic_error` is a substring of str(ValidationError); `apiserver_error` a substring of the API server's answer
 (what `kubectl create -f` prints on stderr; every case was checked against kube-apiserver v1.36.3 with the generated
-CRD); `field` is the path the API server names ("" for rules on the whole object).
+CRD); `field` is the path the API server names (every rule names one: kubectl prints a rule without a path as
+"<nil>: Invalid value").
 
 From another test folder (pytest puts each test folder without __init__.py on sys.path, so insert this one):
 
@@ -166,6 +167,14 @@ CASES: list[InvalidCase] = [
         "spec.expertParallel",
     ),
     InvalidCase(
+        "expert-parallel-negative",
+        "a replica has at least one rank, and expert parallelism is supported above 1",
+        {"spec.expertParallel": -2},
+        "greater than or equal to 1",
+        "greater than or equal to 1",
+        "spec.expertParallel",
+    ),
+    InvalidCase(
         "same-ports",
         "serving and control ports conflict",
         {"spec.serving": {"port": 9000, "controlPort": 9000}},
@@ -291,7 +300,7 @@ CASES: list[InvalidCase] = [
         {"metadata.name": "m" * 51},
         "metadata.name must be at most 50 characters",
         "metadata.name must be at most 50 characters",
-        "",
+        "metadata.name",
     ),
     InvalidCase(
         "name-ending-in-group",
@@ -299,7 +308,7 @@ CASES: list[InvalidCase] = [
         {"metadata.name": "tiny-group"},
         "metadata.name must not end in '-group'",
         "metadata.name must not end in '-group'",
-        "",
+        "metadata.name",
     ),
     InvalidCase(
         "name-with-dot",
@@ -307,6 +316,6 @@ CASES: list[InvalidCase] = [
         {"metadata.name": "tiny.v1"},
         "metadata.name must be a DNS label",
         "metadata.name must be a DNS label",
-        "",
+        "metadata.name",
     ),
 ]

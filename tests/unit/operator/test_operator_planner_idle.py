@@ -51,6 +51,7 @@ def test_a_rank_restarting_while_the_model_sleeps_for_idleness_does_not_wake_it(
     model = make_model(spec)
     pods, _ = healthy(model)
     first, second = pods[0].name, pods[1].name
+    model = with_status(model, run(model, pods, {p.name: worker(seconds_since_last_request=540.0) for p in pods}))
     result = run(model, pods, {p.name: worker(seconds_since_last_request=600.0) for p in pods}, minutes=10)
     assert _sleeps(result) == 2
     model = with_status(model, result)
@@ -73,3 +74,34 @@ def test_a_rank_restarting_while_the_model_sleeps_for_idleness_does_not_wake_it(
     # A request still wakes it.
     asked = {first: worker(asleep=True, seconds_since_last_request=3.0), second: worker(asleep=True)}
     assert _wakes(run(model, pods, asked, minutes=14)) == 2
+
+
+def _patched(model, spec, generation):
+    """The model after `kubectl patch`: another spec and generation, the status as the last pass left it."""
+    return make_model(spec, generation=generation).model_copy(update={"status": model.status})
+
+
+def test_a_timeout_set_on_an_idle_model_waits_a_whole_timeout_from_then():
+    # Awake and idle for an hour when the timeout is set: every clock the planner had (the workers', the Sleeping
+    # condition's) is long past it, but the user just set it. It used to sleep in that very pass.
+    model = make_model()
+    pods, _ = healthy(model)
+    idle = {pods[0].name: worker(seconds_since_last_request=3600.0)}
+    model = with_status(model, run(model, pods, idle))
+    timed = _patched(model, {"sleep": {"idleTimeoutSeconds": 600}}, generation=2)
+    result = run(timed, pods, idle, minutes=60)
+    assert _sleeps(result) == 0
+    assert result.status.idle_clock is not None and result.status.idle_clock.seconds == 600
+    model = with_status(timed, result)
+    assert _sleeps(run(model, pods, idle, minutes=69)) == 0
+    assert _sleeps(run(model, pods, idle, minutes=70)) == 1  # a whole timeout after it was set
+
+    # Changing it counts again from the change; a request meanwhile counts as usual.
+    model = with_status(model, run(model, pods, idle, minutes=65))
+    shorter = _patched(model, {"sleep": {"idleTimeoutSeconds": 120}}, generation=3)
+    result = run(shorter, pods, idle, minutes=66)
+    assert _sleeps(result) == 0
+    model = with_status(shorter, result)
+    assert _sleeps(run(model, pods, idle, minutes=67)) == 0
+    assert _sleeps(run(model, pods, idle, minutes=68)) == 1
+    assert _sleeps(run(model, pods, {pods[0].name: worker(seconds_since_last_request=30.0)}, minutes=68)) == 0

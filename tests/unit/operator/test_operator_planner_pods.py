@@ -168,3 +168,19 @@ def test_pods_whose_worker_rejects_the_control_token_are_replaced_within_max_una
     deletes = [a for a in result.actions if isinstance(a, DeletePod)]
     assert [d.name for d in deletes] == ["tiny-r0-0"]  # one replica at a time (maxUnavailable 1)
     assert "control token" in deletes[0].reason
+
+
+def test_ranks_that_reject_the_token_show_so_and_keep_their_last_version_while_they_serve():
+    model = make_model({"replicas": 2})
+    pods, ranks = healthy(model, version="v1")
+    model = with_status(model, run(model, pods, ranks))
+    locked_out = {p.name: RankObservation(token_rejected=True) for p in pods}
+    result = run(model, pods, locked_out)
+    rows = {r.pod: r for r in result.status.ranks}
+    # Not "Loading" with no version: both still serve v1, and one waits for its turn to be replaced.
+    assert [(r.state, r.weights_version) for r in rows.values()] == [("Uncontrolled", "v1")] * 2
+    assert result.status.ready == "2/2"
+    again = run(with_status(model, result), pods, locked_out)  # the version outlives the pass that first lost it
+    assert [r.weights_version for r in again.status.ranks] == ["v1", "v1"]
+    fresh = run(model, pods, {p.name: RankObservation() for p in pods})  # silent, not refusing: nothing is known
+    assert [(r.state, r.weights_version) for r in fresh.status.ranks] == [("Loading", None)] * 2

@@ -126,18 +126,22 @@ def test_idle_timeout_sleeps_and_a_request_wakes():
     model = make_model({"replicas": 2, "sleep": {"idleTimeoutSeconds": 600}})
     pods, _ = healthy(model)
     busy = {p.name: worker(seconds_since_last_request=30.0) for p in pods}
-    assert not any(isinstance(a, SleepRank) for a in run(model, pods, busy).actions)
+    first = run(model, pods, busy)
+    assert not any(isinstance(a, SleepRank) for a in first.actions)
+    model = with_status(model, first)  # the timeout counts from this pass on
     idle = {p.name: worker(seconds_since_last_request=900.0) for p in pods}
     idle[pods[1].name] = worker(seconds_since_last_request=900.0, in_flight_requests=1)
-    assert not any(isinstance(a, SleepRank) for a in run(model, pods, idle).actions)
+    assert not any(isinstance(a, SleepRank) for a in run(model, pods, idle, minutes=11).actions)
     idle[pods[1].name] = worker(seconds_since_last_request=900.0)
-    assert len([a for a in run(model, pods, idle).actions if isinstance(a, SleepRank)]) == 2
+    falling = run(model, pods, idle, minutes=11)
+    assert len([a for a in falling.actions if isinstance(a, SleepRank)]) == 2
+    model = with_status(model, falling)
     dozing = {p.name: worker(asleep=True, seconds_since_last_request=1200.0) for p in pods}
-    result = run(model, pods, dozing)
+    result = run(model, pods, dozing, minutes=12)
     assert not any(isinstance(a, WakeRank) for a in result.actions)
     assert _cond(result, "Sleeping").reason == "IdleTimeout"
     dozing[pods[0].name] = worker(asleep=True, seconds_since_last_request=2.0)  # a request arrived
-    assert len([a for a in run(model, pods, dozing).actions if isinstance(a, WakeRank)]) == 2
+    assert len([a for a in run(model, pods, dozing, minutes=13).actions if isinstance(a, WakeRank)]) == 2
 
 
 def test_roll_waits_while_asleep():
@@ -145,3 +149,32 @@ def test_roll_waits_while_asleep():
     sleeping = {p.name: worker(asleep=True) for p in pods}
     result = run(model, pods, sleeping)
     assert _updates(result) == [] and _cond(result, "WeightsSynced").reason == "PausedWhileAsleep"
+
+
+def test_a_level_two_sleeper_behind_the_desired_version_gets_it_before_it_wakes():
+    # Level 2 dropped the weights: a plain wake would re-read the old version from disk, then roll the new one in.
+    model, pods, _ = _served_base(2)
+    deep = {p.name: worker(asleep=True, level=2) for p in pods}
+    result = run(model, pods, deep)
+    assert not any(isinstance(a, WakeRank) for a in result.actions)
+    assert [(u.pod, u.version, u.source) for u in _updates(result)] == [
+        ("tiny-r0-0", "v2", "/srv/models/ckpt/v2"),
+        ("tiny-r1-0", "v2", "/srv/models/ckpt/v2"),
+    ]
+    # The worker staged v2 while asleep: the next pass wakes it, with nothing left to roll.
+    staged = {p.name: worker("v2", "sum-v2", asleep=True, level=2) for p in pods}
+    result = run(model, pods, staged)
+    assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
+    # Level 1 keeps the weights in host memory: a wake is a copy, and the roll follows as usual.
+    light = {p.name: worker(asleep=True, level=1) for p in pods}
+    result = run(model, pods, light)
+    assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
+
+
+def test_a_level_two_sleeper_wakes_on_its_weights_once_the_new_version_failed():
+    model, pods, _ = _served_base(1)
+    failed = UpdateFailure(version="v2", message="bad_checkpoint: shapes")
+    deep = {pods[0].name: worker(asleep=True, level=2, update_failure=failed)}
+    result = run(model, pods, deep)
+    assert _updates(result) == [] and [a.pod for a in result.actions if isinstance(a, WakeRank)] == ["tiny-r0-0"]
+    assert _cond(result, "WeightsSynced").reason == "UpdateFailed"

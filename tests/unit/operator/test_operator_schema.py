@@ -7,7 +7,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
-from crd_schema_check import check_object, validate
+from crd_schema_check import check_object, resolve_field_path, validate
 from pydantic import ValidationError
 
 from tidal.operator import crdgen
@@ -74,7 +74,8 @@ def test_schema_is_structural():
         if node["type"] == "array" and path.startswith(".spec"):
             assert "maxItems" in node, f"{path}: CEL cost estimation needs bounded lists"
     assert preserved == [".spec.worker.podTemplate.spec"]
-    assert SCHEMA["properties"]["metadata"] == {"type": "object"}
+    # A CRD may say nothing about metadata but the types of name and generateName.
+    assert SCHEMA["properties"]["metadata"] == {"type": "object", "properties": {"name": {"type": "string"}}}
 
 
 def test_every_cel_rule_compiles_and_defaults_validate():
@@ -89,6 +90,17 @@ def test_every_cel_rule_compiles_and_defaults_validate():
             # The API server validates a default as written (CEL rules too), without defaulting inside it.
             assert validate(node, node["default"], path) == [], path
     assert rules >= 10
+
+
+def test_every_cel_rule_on_the_whole_object_names_a_field_that_exists():
+    # Without a fieldPath the API server reports a root rule at no path, which kubectl prints as "<nil>: Invalid
+    # value"; a fieldPath that is not in the schema makes the API server refuse the CRD.
+    root_rules = SCHEMA["x-kubernetes-validations"]
+    assert root_rules and all(rule.get("fieldPath") for rule in root_rules)
+    for path, node in _walk(SCHEMA):
+        for rule in node.get("x-kubernetes-validations", []):
+            if "fieldPath" in rule:
+                assert resolve_field_path(node, rule["fieldPath"])["type"], path
 
 
 def test_exclusive_bounds_become_openapi_v3_0_flags():
