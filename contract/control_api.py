@@ -106,6 +106,12 @@ class WorkerState(_Response):
     sleep_level: SleepLevel | None = Field(None, description="level of the current sleep; null while awake")
     resident: list[ResidentTag] = Field(description="what currently occupies device memory")
     weights_version: str | None = Field(description="version of the weights being served; null before the first load")
+    weights_source: str | None = Field(
+        None,
+        description="directory the served version was read from (as given at start or in /weights/update); null "
+        "before the first load, for weights that came from a stream or a broadcast, and from a worker older than "
+        "the field",
+    )
     model_loaded: bool
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1, description="the group size this worker was started for (now: group.group_size)")

@@ -103,6 +103,8 @@ class WeightsRolloutStatus(StatusModel):
 
     failed_version: str = Field(max_length=63)
     """Version whose update failed."""
+    failed_source: str | None = Field(None, max_length=4096)
+    """Directory (in the pods) it was read from; the same version from another directory is tried again."""
     message: str = Field("", max_length=32768)
     """The failure, as reported by the worker."""
 
@@ -140,6 +142,8 @@ class InferenceModelStatus(StatusModel):
     """Per-rank table."""
     weights_version: str | None = Field(None, max_length=63)
     """Version every rank serves with agreeing checksums; unchanged while a roll is in progress or failed."""
+    weights_source: str | None = Field(None, max_length=4096)
+    """Directory (in the pods) weightsVersion was read from: a pod created while a roll is held starts on it."""
     weights_rollout: WeightsRolloutStatus | None = None
     """Set while a failed roll is held."""
     sleep_state: SleepState = "None"

@@ -1,18 +1,17 @@
 """One worker pod per rank: `<model>-r<replica>-<rank>`, running `tidal-worker --model ... --port ...`."""
 
-import posixpath
 from typing import Any
 
 from tidal.operator.api import worker_env as env
-from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, GROUP_PORT, LABEL_LEADER, LABEL_SERVING
+from tidal.operator.api.constants import GROUP_PORT, LABEL_LEADER, LABEL_SERVING
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.api.spec import InferenceModelSpec, ModelVolume
 from tidal.operator.builders import names
 from tidal.operator.builders.merge import GROUP_PORT_NAME, WORKER_CONTAINER, apply_pod_template
 from tidal.operator.builders.owner import object_meta, stamp_hash
+from tidal.operator.builders.weights import Weights, desired_weights, model_dir, mount_path
 
 MODEL_VOLUME = "model"
-DEFAULT_PVC_MOUNT = "/models"
 # Labels the operator moves on a live pod; they describe the pod's role now, not what it was built from.
 MUTABLE_LABELS = frozenset({LABEL_LEADER, LABEL_SERVING})
 # Kubernetes' default path of a container's termination message. The worker writes its fatal error there (told by
@@ -23,27 +22,6 @@ TERMINATION_POLICY = "FallbackToLogsOnError"
 # Pods built before these settings existed are not outdated for lacking them (upgrading the operator replaces no
 # pod); a pod template's other choice of policy counts as usual.
 _UNHASHED_WHEN_DEFAULT = {"terminationMessagePath": TERMINATION_LOG, "terminationMessagePolicy": TERMINATION_POLICY}
-
-
-def mount_path(volume: ModelVolume) -> str:
-    """A hostPath is mounted at its own path, so the same path works on the node and in the pod (on the dev
-    cluster pods are host processes and the mount does not happen at all)."""
-    if volume.mount_path is not None:
-        return volume.mount_path
-    if volume.host_path is not None:
-        return volume.host_path.path
-    return DEFAULT_PVC_MOUNT
-
-
-def model_dir(spec: InferenceModelSpec) -> str:
-    return posixpath.join(mount_path(spec.model.volume), spec.model.path)
-
-
-def desired_weights(spec: InferenceModelSpec) -> tuple[str, str]:
-    """(path in the pod, version) of the weights the spec asks for; without spec.weights, model.path's as `base`."""
-    if spec.weights is None:
-        return model_dir(spec), BASE_WEIGHTS_VERSION
-    return posixpath.join(mount_path(spec.model.volume), spec.weights.source), spec.weights.version
 
 
 def _value(name: str, value: str | int) -> dict[str, Any]:
@@ -70,11 +48,14 @@ def _group_env(spec: InferenceModelSpec, slots_per_rank: int | None) -> list[dic
 
 
 def worker_env(
-    model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None = None
+    model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None = None, weights: Weights | None = None
 ) -> list[dict[str, Any]]:
+    """`weights`: what the worker loads at start (see `build_pod`)."""
     spec = model.spec
     name = model.metadata.name
-    weights_path, weights_version = desired_weights(spec)
+    start = weights if weights is not None else desired_weights(spec)
+    if start.source is None:
+        raise ValueError(f"a pod cannot start on weights {start.version} without knowing their directory")
     out = [
         _value(env.MODEL, model_dir(spec)),
         _value(env.PORT, spec.serving.port),
@@ -86,8 +67,8 @@ def worker_env(
             "name": env.CONTROL_TOKEN,
             "valueFrom": {"secretKeyRef": {"name": names.token_secret_name(name), "key": names.TOKEN_SECRET_KEY}},
         },
-        _value(env.WEIGHTS_PATH, weights_path),
-        _value(env.WEIGHTS_VERSION, weights_version),
+        _value(env.WEIGHTS_PATH, start.source),
+        _value(env.WEIGHTS_VERSION, start.version),
         _value(env.REPLICA, replica),
         _value(env.RANK, rank),
         _value(env.WORLD_SIZE, spec.expert_parallel),
@@ -145,14 +126,16 @@ def _ports(spec: InferenceModelSpec) -> list[dict[str, Any]]:
     return ports
 
 
-def _container(model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None) -> dict[str, Any]:
+def _container(
+    model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None, weights: Weights | None
+) -> dict[str, Any]:
     spec = model.spec
     return {
         "name": WORKER_CONTAINER,
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy,
         "command": ["tidal-worker", "--model", model_dir(spec), "--port", str(spec.serving.port)],
-        "env": worker_env(model, replica, rank, slots_per_rank),
+        "env": worker_env(model, replica, rank, slots_per_rank, weights),
         "ports": _ports(spec),
         "resources": _resources(spec),
         "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": mount_path(spec.model.volume), "readOnly": True}],
@@ -185,9 +168,17 @@ def spec_identity(pod: dict[str, Any]) -> dict[str, Any]:
     return {"spec": {**spec, "containers": containers}, "labels": labels, "annotations": annotations}
 
 
-def build_pod(model: InferenceModel, replica: int, rank: int, slots_per_rank: int | None = None) -> dict[str, Any]:
+def build_pod(
+    model: InferenceModel,
+    replica: int,
+    rank: int,
+    slots_per_rank: int | None = None,
+    weights: Weights | None = None,
+) -> dict[str, Any]:
     """The rank's pod. `slots_per_rank`: the expert slots the replica's running members hold (expert parallelism,
-    when any runs), which a rank created later must match; it does not enter the spec hash."""
+    when any runs), which a rank created later must match. `weights`: what the worker loads at start, which the
+    planner chooses (`planner/weights.py`: the spec's, or the last that served after a roll to the spec's failed);
+    None: the spec's own. Neither enters the spec hash."""
     name = model.metadata.name
     pod_name = names.pod_name(name, replica, rank)
     labels = names.pod_labels(name, replica, rank, leader=rank == 0, serving=serving_at_creation(model.spec))
@@ -203,7 +194,7 @@ def build_pod(model: InferenceModel, replica: int, rank: int, slots_per_rank: in
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 30,
-            "containers": [_container(model, replica, rank, slots_per_rank)],
+            "containers": [_container(model, replica, rank, slots_per_rank, weights)],
             "volumes": [_volume(model.spec.model.volume)],
         },
     }

@@ -40,6 +40,12 @@ def crashing(pod: ObservedPod) -> bool:
     return pod.crash_looping or (pod.terminated and pod.last_exit_code not in (None, 0))
 
 
+def failing(pod: ObservedPod, degraded: Condition | None) -> bool:
+    """In a crash loop and not serving: crashing now, or, while the last pass saw a loop (`degraded`), restarted
+    and not ready since (between two crashes of the loop, as far as anyone can tell)."""
+    return crashing(pod) or (in_crash_loop(degraded) and pod.restart_count > 0 and not pod.ready)
+
+
 def recovering(pod: ObservedPod, now: datetime) -> bool:
     """Restarted and not yet run ready for SETTLE_S: a loop it was in goes on."""
     return pod.restart_count > 0 and healthy_for_s(pod, now) < SETTLE_S

@@ -6,9 +6,12 @@ from datetime import datetime
 from pydantic import BaseModel, Field, SecretStr
 
 from tidal.contract.control_api import SleepState, WorkerState
+from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.builders.networkpolicy import OperatorIdentity
+from tidal.operator.builders.weights import Weights
+from tidal.operator.planner.crashloop import failing
 from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation, SentEpoch
 
 
@@ -68,6 +71,19 @@ class RankSlot:
     def asleep(self) -> bool:
         return self.state is not None and self.state.sleep_state == SleepState.ASLEEP
 
+    @property
+    def weights(self) -> Weights | None:
+        """What the worker reports serving (None: it does not answer, or has loaded nothing yet)."""
+        state = self.state
+        if state is None or state.weights_version is None:
+            return None
+        return Weights(state.weights_version, state.weights_source)
+
+    @property
+    def serving(self) -> bool:
+        """Ready with its model loaded: taking it out would cost capacity."""
+        return self.ready and self.loaded
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -94,6 +110,18 @@ class Facts:
 
     def unavailable_replicas(self) -> list[int]:
         return [r for r in range(self.replicas) if not self.replica_available(r)]
+
+    def broken_replicas(self) -> list[int]:
+        """Replicas out of service because a pod of theirs keeps failing (a crash loop, or it ended). They do not
+        count against maxUnavailable: they serve nothing, so they neither lose capacity to a roll nor give any back
+        by waiting, and counting them would keep a new spec (often their fix) from the replicas that serve."""
+        degraded = find_condition(self.model.status.conditions, "Degraded") if self.model.status is not None else None
+
+        def broken(slot: RankSlot) -> bool:
+            pod = slot.pod
+            return pod is not None and not pod.terminating and (pod.finished or failing(pod, degraded))
+
+        return [r for r in range(self.replicas) if any(broken(s) for s in self.replica_slots(r))]
 
 
 def gather(inp: PlanInput) -> Facts:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, Field
 
 from tidal.contract.control_api import WorkerState
 from tidal.operator.api import constants as c
+from tidal.operator.api import worker_env as env
+from tidal.operator.builders.weights import Weights
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 CRASH_LOOP_REASON = "CrashLoopBackOff"
@@ -44,6 +46,14 @@ class ObservedPod(BaseModel):
     started_at: datetime | None = None
     # When the pod last turned Ready (None: not ready).
     ready_since: datetime | None = None
+    # The weights its worker loads at start (its TIDAL_WEIGHTS_VERSION and TIDAL_WEIGHTS_PATH; None: not set). An
+    # update in place does not change them: they say what the pod serves only until its first update.
+    start_version: str | None = None
+    start_source: str | None = None
+
+    @property
+    def start_weights(self) -> Weights | None:
+        return None if self.start_version is None else Weights(self.start_version, self.start_source)
 
     @property
     def group_address(self) -> str | None:
@@ -67,6 +77,7 @@ class UpdateFailure(BaseModel):
 
     version: str
     message: str
+    source: str | None = None  # the directory it was asked to read (None: from an older operator process)
 
 
 class RankObservation(BaseModel):
@@ -165,8 +176,10 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     running = state.get("running") or {}
     terminated = state.get("terminated") or (worker.get("lastState") or {}).get("terminated") or {}
     containers = (pod.get("spec") or {}).get("containers") or []
-    ports = next((c_.get("ports") or [] for c_ in containers if c_.get("name") == "worker"), [])
+    container: dict[str, Any] = next((c_ for c_ in containers if c_.get("name") == "worker"), {})
+    ports = container.get("ports") or []
     group_port = next((p.get("containerPort") for p in ports if p.get("name") == GROUP_PORT_NAME), None)
+    start = start_weights_env(container)
     return ObservedPod(
         name=meta["name"],
         replica=int(replica),
@@ -186,4 +199,15 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
         serving_label=labels.get(c.LABEL_SERVING),
         started_at=running.get("startedAt"),
         ready_since=ready_cond.get("lastTransitionTime") if ready_cond is not None else None,
+        start_version=start.get(env.WEIGHTS_VERSION),
+        start_source=start.get(env.WEIGHTS_PATH),
     )
+
+
+def start_weights_env(container: dict[str, Any]) -> dict[str, str]:
+    """The worker container's literal in-place weights variables (name -> value)."""
+    return {
+        e["name"]: e["value"]
+        for e in container.get("env") or []
+        if e.get("name") in env.IN_PLACE_ENV_NAMES and isinstance(e.get("value"), str)
+    }

@@ -24,6 +24,7 @@ from tidal.operator.planner.pods import plan_pods, refusal_message
 from tidal.operator.planner.rollout import RolloutPlan, plan_rollout
 from tidal.operator.planner.sleep import decide_sleep, plan_sleep
 from tidal.operator.planner.status import REFUSED_REASON, Progress, compute_status
+from tidal.operator.planner.weights import weights_view
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,14 @@ def plan(inp: PlanInput) -> Plan:
     previous = inp.model.status
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
     foreign = foreign_children_message(inp.children)
-    pods = plan_pods(facts, inp.pod_refusals)
+    weights = weights_view(facts, previous)
+    pods = plan_pods(facts, inp.pod_refusals, weights.start)
     if any(key.startswith("Secret/") for key in inp.children.foreign):
         # New pods would mount someone else's Secret as their control token: none is created until it is gone.
         pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
     sleep = decide_sleep(facts, inp.now)
     sleep_actions = plan_sleep(facts, sleep)
-    rollout = plan_rollout(facts, sleep.asleep, pods.budget_left, pods.replaced_replicas, previous)
+    rollout = plan_rollout(facts, weights, sleep.asleep, pods.budget_left, pods.replaced_replicas)
     decisions = decide_groups(facts, inp.groups, sleep.asleep, inp.clock)
     groups = group_view(facts, decisions, previous, inp.clock)
     deleting = {a.name for a in pods.actions if isinstance(a, DeletePod)}

@@ -1,5 +1,14 @@
 """Pods: create missing ranks, replace finished or outdated ones, delete what the spec no longer asks for.
 
+A pod is outdated when its spec hash changed, when its worker rejects the control token, or when it does not serve
+(not ready, model not loaded: pending, loading, crash-looping) and would load other weights at start than a new pod
+would (`WeightsView.start`): it cannot take an update in place (only ranks that serve get one), and waiting for it
+could be forever (a bad source crash-loops), so it is replaced by a pod that starts on the right weights.
+
+Outdated replicas are replaced within maxUnavailable: replacing one that does not serve costs nothing, and replicas
+whose pods keep failing (`Facts.broken_replicas`) do not count as taken, so a broken replica neither blocks its own
+fix nor the roll of the others.
+
 A new pod the API server refuses (`PlanInput.pod_refusals`: the runtime dry-runs what `pods_to_check` lists before
 planning, and remembers a create it refused) is not created, and no running pod is deleted to make room for it: the
 replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message.
@@ -11,8 +20,10 @@ from typing import Any
 
 from tidal.operator.builders.owner import spec_hash_of
 from tidal.operator.builders.pod import build_pod
+from tidal.operator.builders.weights import Weights
 from tidal.operator.planner.actions import Action, CreatePod, DeletePod
 from tidal.operator.planner.facts import Facts, PlanInput, RankSlot, gather
+from tidal.operator.planner.weights import weights_view
 
 MISSING = "missing"
 NAMED_REFUSALS = 3
@@ -45,12 +56,13 @@ class PodPlan:
     refused: list[PodRefusal]
 
 
-def _new_pod(facts: Facts, slot: RankSlot) -> tuple[dict[str, Any], str] | None:
-    """The pod the slot needs and why (`missing`, or why its running pod goes); None when it needs none now."""
+def _new_pod(facts: Facts, slot: RankSlot, start: Weights) -> tuple[dict[str, Any], str] | None:
+    """The pod the slot needs and why (`missing`, or why its running pod goes); None when it needs none now.
+    `start`: the weights a pod created now loads at start."""
     pod = slot.pod
     if pod is not None and (pod.terminating or pod.finished):
         return None  # a terminating pod holds the name; a finished one is deleted first (it serves nothing)
-    manifest = build_pod(facts.model, slot.replica, slot.rank, facts.running_slots_per_rank(slot.replica))
+    manifest = build_pod(facts.model, slot.replica, slot.rank, facts.running_slots_per_rank(slot.replica), start)
     if pod is None:
         return manifest, MISSING
     if pod.spec_hash != spec_hash_of(manifest):
@@ -58,6 +70,9 @@ def _new_pod(facts: Facts, slot: RankSlot) -> tuple[dict[str, Any], str] | None:
     if slot.observation.token_rejected:
         # Started with a token the Secret no longer holds: only a new pod reads the current one.
         return manifest, "its worker rejects the current control token"
+    started_on = pod.start_weights
+    if not (pod.ready or slot.loaded) and started_on is not None and not started_on.same_as(start):
+        return manifest, f"it does not serve and starts on weights {started_on.describe()}, not {start.describe()}"
     return None
 
 
@@ -65,15 +80,17 @@ def pods_to_check(inp: PlanInput) -> list[PodToCheck]:
     """The pods `plan` may create in this pass or once the pods they replace are gone: the runtime asks the API
     server about each (a dry run) and passes its refusals back in `PlanInput.pod_refusals`."""
     facts = gather(inp)
+    start = weights_view(facts, inp.model.status).start
     out = []
     for slot in facts.slots:
-        new = _new_pod(facts, slot)
+        new = _new_pod(facts, slot, start)
         if new is not None:
             out.append(PodToCheck(manifest=new[0], replaces=new[1] != MISSING))
     return out
 
 
-def plan_pods(facts: Facts, refusals: Mapping[str, str]) -> PodPlan:
+def plan_pods(facts: Facts, refusals: Mapping[str, str], start: Weights) -> PodPlan:
+    """`start`: the weights a pod created now loads at start (`WeightsView.start`)."""
     model = facts.model
     actions: list[Action] = []
     refused: list[PodRefusal] = []
@@ -83,7 +100,7 @@ def plan_pods(facts: Facts, refusals: Mapping[str, str]) -> PodPlan:
         if pod is not None and pod.finished and not pod.terminating:
             actions.append(DeletePod(name=pod.name, reason=f"pod {pod.phase.lower()}, replacing it"))
             continue
-        new = _new_pod(facts, slot)
+        new = _new_pod(facts, slot, start)
         if new is None:
             continue
         manifest, why = new
@@ -99,11 +116,13 @@ def plan_pods(facts: Facts, refusals: Mapping[str, str]) -> PodPlan:
             actions.append(DeletePod(name=pod.name, reason="not in the spec any more (scaled down)"))
 
     # Outdated replicas are replaced whole (ranks of one replica must match), in index order. One that is already
-    # out of service costs nothing; a serving one takes a unit of maxUnavailable. A replica any of whose new pods
-    # is refused keeps all its pods.
+    # out of service costs nothing; a serving one takes a unit of maxUnavailable, of which the replicas out of
+    # service already hold one each, except the broken ones. A replica any of whose new pods is refused keeps all
+    # its pods.
     blocked = {slot.replica for slot in facts.slots if any(r.pod == slot.name for r in refused)}
     unavailable = set(facts.unavailable_replicas())
-    budget = max(0, model.spec.update_strategy.max_unavailable - len(unavailable))
+    taken = unavailable - set(facts.broken_replicas())
+    budget = max(0, model.spec.update_strategy.max_unavailable - len(taken))
     replaced = set()
     for replica in sorted(outdated_by_replica):
         if replica in blocked:

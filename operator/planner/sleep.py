@@ -7,7 +7,7 @@ from typing import Literal
 from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.status import Condition, IdleClockStatus
-from tidal.operator.builders.pod import desired_weights
+from tidal.operator.builders.weights import Weights, desired_weights
 from tidal.operator.planner.actions import Action, SleepRank, UpdateWeights, WakeRank
 from tidal.operator.planner.facts import Facts, RankSlot
 
@@ -111,11 +111,13 @@ def _wake(facts: Facts, slot: RankSlot, state: WorkerState) -> Action:
     version, it gets the update first instead: the worker stages it into its host buffer while it sleeps, and the
     wake of the next pass brings back the new weights, one read instead of the old version's and then a roll's.
     Once that version's update failed, the rank wakes on what it has (the roll holds the failure)."""
-    source, version = desired_weights(facts.model.spec)
-    if state.sleep_level != 2 or ResidentTag.WEIGHTS in state.resident or state.weights_version == version:
+    desired = desired_weights(facts.model.spec)
+    served = Weights(state.weights_version or "", state.weights_source)
+    if state.sleep_level != 2 or ResidentTag.WEIGHTS in state.resident or served.same_as(desired):
         return WakeRank(pod=slot.name)
     failed = slot.observation.update_failure
     held = facts.model.status.weights_rollout if facts.model.status is not None else None
+    version = desired.version
     if (failed is not None and failed.version == version) or (held is not None and held.failed_version == version):
         return WakeRank(pod=slot.name)
-    return UpdateWeights(pod=slot.name, replica=slot.replica, source=source, version=version)
+    return UpdateWeights(pod=slot.name, replica=slot.replica, source=desired.source or "", version=version)

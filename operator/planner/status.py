@@ -51,7 +51,7 @@ def rank_state(slot: RankSlot, rollout: RolloutPlan) -> RankState:
         return "Loading"
     if slot.asleep:
         return "Asleep"
-    if rollout.sync == "RollingOut" and slot.state.weights_version != rollout.desired_version:
+    if rollout.sync == "RollingOut" and not rollout.view.serves_desired(slot):
         return "Updating"
     return "Ready" if pod.ready else "Loading"
 
@@ -92,7 +92,8 @@ def _degraded(
         served = rollout.served_version or "the previous weights"
         return "WeightsUpdateFailed", (
             f"updating weights to {rollout.failure.failed_version} failed ({rollout.failure.message}); the roll is "
-            f"stopped and ranks keep serving {served}. Point spec.weights at a fixed checkpoint with a new version."
+            f"stopped and ranks keep serving {served} (new pods start on it). Point spec.weights at a fixed "
+            "checkpoint (a new version, or a new source)."
         )
     if rollout.sync == "ChecksumMismatch":
         return "ChecksumMismatch", "ranks report the same weights version with different checksums"
@@ -206,6 +207,7 @@ def compute_status(
             for s, state in zip(facts.slots, states, strict=True)
         ],
         weights_version=rollout.served_version,
+        weights_source=rollout.view.served.source if rollout.view.served is not None else None,
         weights_rollout=rollout.failure if rollout.sync == "UpdateFailed" else None,
         sleep_state=sleep_state,
         idle_clock=sleep.idle_clock,

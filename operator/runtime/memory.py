@@ -102,9 +102,10 @@ class ModelMemory:
     error_streak: int = 0  # passes in a row that raised
     unavailable_streak: int = 0  # passes in a row whose every worker call was answered "not now"
     roll: RollStart | None = None
-    # (pod UID, weights version) -> checksum: the digest of one version in one process cannot change, and hashing a
-    # large checkpoint on every pass would be wasteful.
-    checksums: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (pod UID, weights version, source) -> checksum: the digest of one version read from one directory in one
+    # process cannot change, and hashing a large checkpoint on every pass would be wasteful. (The same version from
+    # another directory is other weights; a worker that reports no source has None.)
+    checksums: dict[tuple[str, str, str | None], str] = field(default_factory=dict)
     # pod -> the last weight update it refused (cleared by its next successful update).
     update_failures: dict[str, UpdateFailure] = field(default_factory=dict)
     # pod UID -> time.monotonic() of the first `/state` call in a row that got no answer.

@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import PurePosixPath
 
 import httpx
 from pydantic import SecretStr
@@ -121,7 +122,7 @@ class WorkerFleet:
             # and a long hash must not hold up the pass that sends that epoch.
             hashable = state.group.health in (GroupHealth.SOLO, GroupHealth.SERVING)
             if state.model_loaded and state.weights_version is not None and hashable:
-                cache_key = (target.uid, state.weights_version)
+                cache_key = (target.uid, state.weights_version, state.weights_source)
                 checksum = checksums.get(cache_key)
                 if checksum is None:
                     try:
@@ -183,9 +184,11 @@ class WorkerFleet:
                 # previous operator process asked for), not loaded, asleep or draining is asked again next pass.
                 if exc.code not in TRANSIENT_CODES:
                     message = f"{exc.code}: {exc.message}"
-                    memory.update_failures[action.pod] = UpdateFailure(version=action.version, message=message)
+                    failure = UpdateFailure(version=action.version, message=message, source=action.source)
+                    memory.update_failures[action.pod] = failure
                 return CallFailure(action.pod, WorkerCall.WEIGHTS_UPDATE, exc.message, exc.code)
-            memory.checksums[(target.uid, result.version)] = result.checksum
+            # Keyed as `/state` reports the source: the directory as the worker holds it (a Path's spelling).
+            memory.checksums[(target.uid, result.version, str(PurePosixPath(action.source)))] = result.checksum
             memory.update_failures.pop(action.pod, None)
             return None
 

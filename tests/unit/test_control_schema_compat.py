@@ -26,6 +26,12 @@ def test_operator_reads_the_state_of_a_newer_worker_that_reports_more_fields():
     assert checksum.overall == "x"
 
 
+def test_operator_reads_the_state_of_an_older_worker_that_does_not_report_its_weights_source():
+    # The planner then takes the worker at its version's word (tidal.operator.planner.weights).
+    assert WorkerState.model_validate(STATE).weights_source is None
+    assert WorkerState.model_validate({**STATE, "weights_source": "/m/b"}).weights_source == "/m/b"
+
+
 def test_known_response_fields_are_still_validated():
     with pytest.raises(ValidationError):
         WorkerState.model_validate({**STATE, "rank": -1})

@@ -162,6 +162,7 @@ class LifecycleManager:
             sleep_level=level,  # type: ignore[arg-type]
             resident=r.resident if r is not None else [],
             weights_version=self.version,
+            weights_source=str(r.version_source) if r is not None and r.version_source is not None else None,
             model_loaded=self.is_loaded,
             rank=self.group.rank,
             world_size=self.group.world_size,

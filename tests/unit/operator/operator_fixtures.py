@@ -8,6 +8,7 @@ from pydantic import SecretStr
 
 from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
 from tidal.operator.api import constants as c
+from tidal.operator.api import worker_env as env
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
 from tidal.operator.builders.networkpolicy import OperatorIdentity, build_network_policy
@@ -15,7 +16,13 @@ from tidal.operator.builders.pod import build_pod
 from tidal.operator.builders.secret import build_token_secret
 from tidal.operator.builders.services import build_group_service, build_serving_service
 from tidal.operator.planner.facts import PlanInput
-from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankObservation, observe_child
+from tidal.operator.planner.observed import (
+    ObservedChildren,
+    ObservedPod,
+    RankObservation,
+    observe_child,
+    start_weights_env,
+)
 from tidal.operator.planner.plan import Plan, plan
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -37,8 +44,10 @@ def make_model(spec: dict[str, Any] | None = None, name: str = "tiny", generatio
 
 
 def pod_for(model: InferenceModel, replica: int, rank: int = 0, **over: Any) -> ObservedPod:
-    """A running, ready pod built from the current spec (so its hash is current) unless overridden."""
+    """A running, ready pod built from the current spec (so its hash and start weights are current) unless
+    overridden."""
     built = build_pod(model, replica, rank)
+    start = start_weights_env(built["spec"]["containers"][0])
     fields = {
         "name": built["metadata"]["name"],
         "replica": replica,
@@ -50,6 +59,8 @@ def pod_for(model: InferenceModel, replica: int, rank: int = 0, **over: Any) -> 
         "serving_label": built["metadata"]["labels"].get(
             c.LABEL_SERVING, "true" if model.spec.expert_parallel == 1 else "false"
         ),
+        "start_version": start[env.WEIGHTS_VERSION],
+        "start_source": start[env.WEIGHTS_PATH],
     }
     return ObservedPod(**{**fields, **over})
 

@@ -23,6 +23,6 @@ def test_forget_drops_the_whole_object_and_a_held_one_stays_detached():
 def test_streaks_stop_at_their_cap_and_checksums_follow_the_pods():
     memory = ModelMemories().of(("ns", "m"))
     assert [memory.count_error() for _ in range(MAX_STREAK + 3)][-1] == MAX_STREAK
-    memory.checksums = {("uid-1", "v1"): "a", ("uid-2", "v1"): "b"}
+    memory.checksums = {("uid-1", "v1", "/m/v1"): "a", ("uid-2", "v1", "/m/v1"): "b"}
     memory.keep_checksums_of({"uid-2"})
-    assert memory.checksums == {("uid-2", "v1"): "b"}
+    assert memory.checksums == {("uid-2", "v1", "/m/v1"): "b"}

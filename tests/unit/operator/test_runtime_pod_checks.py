@@ -75,7 +75,7 @@ def test_a_refused_template_keeps_the_serving_pod_and_the_old_spec_back_clears_i
         await reconcile(KEY)
         assert kube.dry_runs == ["tiny-r0-0", "tiny-r0-0"]
         assert not any(w.startswith(("delete", "create")) for w in kube.writes)
-        assert kube.writes == ["status", "event PodTemplateRefused"]
+        assert kube.writes == ["event PodTemplateRefused", "status"]  # Events first (execute.write_status)
         degraded = _degraded(kube)
         assert degraded["status"] == "True" and degraded["reason"] == "PodTemplateRefused"
         assert DECODE in degraded["message"] and kube.model["status"]["observedGeneration"] == 2
@@ -90,7 +90,7 @@ def test_a_refused_template_keeps_the_serving_pod_and_the_old_spec_back_clears_i
         _set_template(kube, None, generation=3)
         await reconcile(KEY)
         assert len(kube.dry_runs) == 3  # the pod is what the spec asks for: nothing to ask
-        assert kube.writes == ["status", "event AsExpected"] and _degraded(kube)["status"] == "False"
+        assert kube.writes == ["event AsExpected", "status"] and _degraded(kube)["status"] == "False"
 
     _passes(kube, script)
 
@@ -104,7 +104,7 @@ def test_a_new_model_with_a_refused_template_is_degraded_on_its_first_pass():
         assert await reconcile(KEY) == 1.0
         assert kube.writes == [
             "create Secret/tiny-control-token", "create Service/tiny-group", "create Service/tiny",
-            "create NetworkPolicy/tiny-control", "status", "event PodTemplateRefused",
+            "create NetworkPolicy/tiny-control", "event PodTemplateRefused", "status",
         ]  # fmt: skip
         assert _degraded(kube)["reason"] == "PodTemplateRefused"
 
@@ -123,7 +123,7 @@ def test_a_create_refused_for_real_is_surfaced_by_the_next_pass(monkeypatch):
         assert "refused Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
         kube.writes.clear()
         await reconcile(KEY)
-        assert kube.writes == ["status", "event PodTemplateRefused"]
+        assert kube.writes == ["event PodTemplateRefused", "status"]  # Events first (execute.write_status)
         assert DECODE in _degraded(kube)["message"]
         monkeypatch.setattr(pod_checks, "REFUSAL_RECHECK_S", 0.0)
         kube.refuse_create = lambda manifest: None

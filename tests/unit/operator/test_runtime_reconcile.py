@@ -132,7 +132,7 @@ def test_a_deleted_model_leaves_nothing_behind():
             list_model_pods, kube.list_model_pods = kube.list_model_pods, _broken
             await reconcile(key)
             kube.list_model_pods = list_model_pods
-            assert memory.checksums == {("uid-4", "base"): "sum-base"}
+            assert memory.checksums == {("uid-4", "base", None): "sum-base"}
             assert memory.update_failures["tiny-r0-0"].version == "v2"
             assert memory.roll is not None and memory.error_streak == 1
             kube.model = None

@@ -42,10 +42,11 @@ from tidal.operator.workerclient import WorkerCallError, WorkerClient
 TOKEN = SecretStr("s" * 40)
 
 
-def _state(version: str = "base", asleep: bool = False) -> dict:
+def _state(version: str = "base", asleep: bool = False, source: str | None = None) -> dict:
     return {
         "sleep_state": "asleep" if asleep else "awake", "sleep_level": 1 if asleep else None,
-        "resident": [] if asleep else ["weights", "kv_cache"], "weights_version": version, "model_loaded": True,
+        "resident": [] if asleep else ["weights", "kv_cache"], "weights_version": version, "weights_source": source,
+        "model_loaded": True,
         "rank": 0, "world_size": 1, "group_epoch": 0, "coordinator_rank": 0, "group_formed": True,
         "in_flight_requests": 0, "seconds_since_last_request": None,
     }  # fmt: skip
@@ -54,6 +55,7 @@ def _state(version: str = "base", asleep: bool = False) -> dict:
 class FakeWorker:
     def __init__(self) -> None:
         self.version = "base"
+        self.source = "/m/base"
         self.calls: list[str] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
@@ -61,7 +63,7 @@ class FakeWorker:
         if request.headers.get("Authorization") != f"Bearer {TOKEN.get_secret_value()}":
             return httpx.Response(401, json={"code": "unauthorized", "message": "bad token"})
         if request.url.path == "/state":
-            return httpx.Response(200, json=_state(self.version))
+            return httpx.Response(200, json=_state(self.version, source=self.source))
         if request.url.path == "/weights/checksum":
             return httpx.Response(200, json={"version": self.version, "overall": f"sum-{self.version}", "tensors": {}})
         if request.url.path == "/weights/update":
@@ -70,7 +72,7 @@ class FakeWorker:
                 return httpx.Response(409, json={"code": "busy", "message": "another operation is running"})
             if body["source"].endswith("broken"):
                 return httpx.Response(400, json={"code": "bad_checkpoint", "message": "truncated file"})
-            self.version = body["version"]
+            self.version, self.source = body["version"], body["source"]
             return httpx.Response(
                 200, json={"version": self.version, "checksum": f"sum-{self.version}", "duration_s": 0.1,
                            "bytes_loaded": 10},
@@ -128,8 +130,8 @@ def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
             first = await fleet.observe(key, memory, targets, 8001, TOKEN)
             await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert first["m-r0-0"].checksum == "sum-base"
-            assert worker.calls.count("GET /weights/checksum") == 1  # cached for (uid, version)
-            assert memory.checksums == {("uid-1", "base"): "sum-base"}
+            assert worker.calls.count("GET /weights/checksum") == 1  # cached for (uid, version, source)
+            assert memory.checksums == {("uid-1", "base", "/m/base"): "sum-base"}
             busy = await fleet.update_weights(
                 memory, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/busy", version="v2")], targets, 8001, TOKEN
             )
@@ -142,6 +144,7 @@ def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
             assert [f.message for f in failed] == ["truncated file"]
             seen = await fleet.observe(key, memory, targets, 8001, TOKEN)
             assert seen["m-r0-0"].update_failure.version == "v2"
+            assert seen["m-r0-0"].update_failure.source == "/m/broken"
             assert "bad_checkpoint" in seen["m-r0-0"].update_failure.message
             ok = await fleet.update_weights(
                 memory, [UpdateWeights(pod="m-r0-0", replica=0, source="/m/good", version="v3")], targets, 8001, TOKEN
@@ -152,7 +155,7 @@ def test_fleet_caches_checksums_per_pod_and_remembers_failed_updates():
             assert worker.calls.count("GET /weights/checksum") == 1  # the update's answer carried it
             # The pod is replaced: the old process's checksums go with it.
             await fleet.observe(key, memory, {"m-r0-0": Target("10.0.0.1", "uid-2")}, 8001, TOKEN)
-            assert set(memory.checksums) == {("uid-2", "v3")}
+            assert set(memory.checksums) == {("uid-2", "v3", "/m/good")}
 
     _run(main())
 
@@ -182,7 +185,8 @@ def test_status_patch_removes_cleared_fields_but_keeps_lists_free_of_nulls():
     assert patch["weightsRollout"] is None and patch["weightsVersion"] is None
     assert patch["ranks"] == [{"pod": "p", "replica": 0, "rank": 0, "state": "Pending"}]
     held = status.model_copy(update={"weights_rollout": WeightsRolloutStatus(failed_version="x", message="m")})
-    assert status_patch(held)["weightsRollout"] == {"failedVersion": "x", "message": "m"}
+    # Inside an object a null removes the field too (merge patch), so a source held before is not kept.
+    assert status_patch(held)["weightsRollout"] == {"failedVersion": "x", "failedSource": None, "message": "m"}
 
 
 class FakeKube:
