@@ -29,6 +29,10 @@ def test_api_server_refuses(devcluster, case, tmp_path):
     assert result.returncode != 0, f"{case.id} was accepted: {result.stdout}"
     assert case.apiserver_error in result.stderr, result.stderr
     assert case.field in result.stderr, result.stderr
-    assert "<nil>" not in result.stderr, result.stderr  # every error names its field
+    # Every error of ours names its field. The API server's own note that it skipped the CEL rules of an object with
+    # schema errors has no field (it prints `<nil>:` too); it is not a rule of ours.
+    skipped_rules = "some validation rules were not checked"
+    unnamed = [line for line in result.stderr.splitlines() if "<nil>" in line and skipped_rules not in line]
+    assert not unnamed, result.stderr
     listed = devcluster.kubectl("get", "inferencemodels.tidal.dev", "-n", "default", "-o", "name").stdout
     assert listed.strip() == ""
