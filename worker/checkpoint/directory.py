@@ -3,24 +3,27 @@ the tensors their headers declare."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tidal.worker.checkpoint.errors import CheckpointError, CheckpointFilesMissingError
-from tidal.worker.checkpoint.header import StoredTensor, read_header
+from tidal.worker.checkpoint.errors import CheckpointError, CheckpointFilesMissingError, some_of
+from tidal.worker.checkpoint.header import StoredTensor, read_header, regular_file_size
+from tidal.worker.checkpoint.json_doc import loads_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+MAX_INDEX_BYTES = 100 * 2**20  # a name -> file map; far above what the largest models list
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise CheckpointFilesMissingError([f"{directory} is not a directory"])
+    # exists(), not is_file(): an index or file that is there but not a regular file (a FIFO) is refused when it
+    # is read (see header.regular_file_size), rather than silently passed over for other files.
     index = directory / INDEX_FILE
-    if index.is_file():
+    if index.exists():
         return _shards(index)
     single = directory / SINGLE_FILE
-    if single.is_file():
+    if single.exists():
         return [single]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -56,11 +59,11 @@ def _shards(index: Path) -> list[Path]:
     names = {n for n in weight_map.values() if isinstance(n, str) and Path(n).name == n and n not in ("", ".", "..")}
     bad = sorted({str(n) for n in weight_map.values() if not (isinstance(n, str) and n in names)})
     if bad:
-        raise CheckpointError([f"{index} names shards that are not a plain file name: {', '.join(bad)}"])
+        raise CheckpointError([f"{index} names shards that are not a plain file name: {some_of(bad)}"])
     files = [index.parent / name for name in sorted(names)]
     if not files:
         raise CheckpointError([f"{index} lists no tensors"])
-    missing = [str(f) for f in files if not f.is_file()]
+    missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise CheckpointFilesMissingError([f"{index} lists shards that are missing: {', '.join(missing)}"])
     return files
@@ -69,11 +72,14 @@ def _shards(index: Path) -> list[Path]:
 def _weight_map(index: Path) -> dict[str, object]:
     invalid = f"{index} is not a valid safetensors index"
     try:
-        document = json.loads(index.read_text())
-    # ValueError covers bad JSON and bad UTF-8; a deeply nested document exhausts the parser's recursion.
-    except (OSError, ValueError, RecursionError) as err:
+        size = regular_file_size(index)
+        if size > MAX_INDEX_BYTES:
+            raise ValueError(f"{size} bytes, more than {MAX_INDEX_BYTES}")
+        document = loads_object(index.read_bytes())
+    # ValueError covers bad JSON, bad UTF-8, and a document that is not an object or nests too deep.
+    except (OSError, ValueError) as err:
         raise CheckpointError([f"{invalid}: {err}"]) from err
-    if not isinstance(document, dict) or "weight_map" not in document:
+    if "weight_map" not in document:
         raise CheckpointError([f"{invalid}: it is not a JSON object with a weight_map"])
     weight_map = document["weight_map"]
     if not isinstance(weight_map, dict):

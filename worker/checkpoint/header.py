@@ -7,8 +7,9 @@ so a checkpoint can be judged whole (a truncated file included) before one byte 
 
 from __future__ import annotations
 
-import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import TypeGuard
 import torch
 
 from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.json_doc import loads_object, short
 
 # The safetensors dtype codes torch can hold; a file with any other code is refused (safetensors itself reads only
 # the codes it knows, so such a file is not one it wrote).
@@ -87,7 +89,7 @@ def read_header(path: Path) -> list[StoredTensor]:
 def _header_json(path: Path) -> tuple[dict[str, object], int, int]:
     """-> (the header object, where the data starts, the file's size)."""
     try:
-        size = path.stat().st_size
+        size = regular_file_size(path)
         with path.open("rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -95,13 +97,20 @@ def _header_json(path: Path) -> tuple[dict[str, object], int, int]:
             (length,) = struct.unpack("<Q", prefix)
             if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
                 raise CheckpointError([f"{path.name}: not a safetensors file (header length {length})"])
-            header = json.loads(f.read(length))
-    # ValueError covers bad JSON and bad UTF-8; a deeply nested document exhausts the parser's recursion.
-    except (OSError, ValueError, RecursionError) as err:
+            header = loads_object(f.read(length))
+    # ValueError covers bad JSON, bad UTF-8, and a document that is not an object or nests too deep.
+    except (OSError, ValueError) as err:
         raise CheckpointError([f"{path.name}: cannot read the safetensors header: {err}"]) from err
-    if not isinstance(header, dict):
-        raise CheckpointError([f"{path.name}: the safetensors header is not a JSON object"])
     return header, 8 + length, size
+
+
+def regular_file_size(path: Path) -> int:
+    """The size of `path`, checked before it is opened to be a regular file: opening a FIFO blocks until a writer
+    comes, and a device or socket has no size to check a header against. OSError otherwise."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise OSError(f"{path} is not a regular file")
+    return info.st_size
 
 
 def _parse_entry(path: Path, name: str, entry: object, data_start: int, size: int) -> StoredTensor | str:
@@ -111,11 +120,11 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, size: in
         return f"{where}: its header entry is not an object"
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(code, str) or code not in DTYPES:
-        return f"{where}: unknown dtype {code!r} (known: {', '.join(DTYPES)})"
+        return f"{where}: unknown dtype {short(code)} (known: {', '.join(DTYPES)})"
     if not _is_list_of_naturals(shape):
-        return f"{where}: malformed shape {shape!r}"
+        return f"{where}: malformed shape {short(shape)}"
     if not (_is_list_of_naturals(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-        return f"{where}: malformed data_offsets {offsets!r}"
+        return f"{where}: malformed data_offsets {short(offsets)}"
     begin, end = offsets
     dtype = DTYPES[code]
     needed = math.prod(shape) * dtype.itemsize

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -175,13 +176,22 @@ def _read_pieces(pieces: list[tuple[Path, int, memoryview]], num_threads: int | 
     try:
         for path, _, _ in pieces:
             if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
+                fds[path] = _open_regular(path)
         workers = min(num_threads or min(16, os.cpu_count() or 1), len(pieces))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-read") as pool:
             return sum(pool.map(lambda piece: _read_fully(fds[piece[0]], piece[1], piece[2]), pieces))
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _open_regular(path: Path) -> int:
+    """O_NONBLOCK: a file replaced by a FIFO since its header was read must not block the open; it is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
 
 
 def _takes_bytes(tensor: StoredTensor, dest: torch.Tensor) -> bool:
