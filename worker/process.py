@@ -57,9 +57,10 @@ def assemble_worker(config: WorkerConfig, registry: CollectorRegistry | None = N
         log.warning("no control token (TIDAL_CONTROL_TOKEN / TIDAL_CONTROL_TOKEN_FILE): the control API is off")
     else:
         control_app = control_api.build_control_app(lifecycle, token)
+        control_host = config.control.control_host or server.host
         control_port = config.control.control_port
         listeners.append(
-            Listener("control", control_app, server.host, control_port, limits, control_api.connection_error_response)
+            Listener("control", control_app, control_host, control_port, limits, control_api.connection_error_response)
         )
     servers = WorkerServers(runtime, listeners, log_level=server.log_level, on_stop=[prompt_builder.close])
     return WorkerProcess(config, lifecycle, servers)

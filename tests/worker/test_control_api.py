@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 from pathlib import Path
@@ -224,3 +225,38 @@ def _status_and_body(sock: socket.socket) -> tuple[int, bytes]:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
+
+
+def test_the_control_api_binds_its_own_address_else_the_serving_host(tiny_model):
+    from tidal.worker.config import WorkerConfig
+    from tidal.worker.process import assemble_worker
+
+    def hosts(**flags: object) -> dict[str, str]:
+        config = WorkerConfig.from_flat(model_path=tiny_model("llama"), device="cpu", control_token=TEST_TOKEN, **flags)
+        return {listener.name: listener.host for listener in assemble_worker(config).servers.listeners}
+
+    assert hosts(host="10.0.0.5") == {"serving": "10.0.0.5", "control": "10.0.0.5"}
+    assert hosts(host="0.0.0.0", control_host="127.0.0.1") == {"serving": "0.0.0.0", "control": "127.0.0.1"}
+
+
+def test_a_token_in_the_query_string_is_refused_and_blanked_before_it_is_logged():
+    from tidal.worker.control.app import build_control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    app = build_control_app(LifecycleManager(LifecycleConfig(weights_version="a")), SecretStr(TEST_TOKEN))
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    for query in (f"access_token={TEST_TOKEN}", f"recompute=1&Token={TEST_TOKEN}"):
+        # uvicorn's access log writes the path and query of this very scope once the answer starts.
+        scope = {"type": "http", "method": "GET", "path": "/state", "query_string": query.encode(), "headers": []}
+        sent.clear()
+        asyncio.run(app(scope, receive, send))
+        assert sent[0]["status"] == 400 and scope["query_string"] == b""
+        assert b"Authorization header" in sent[1]["body"]  # type: ignore[operator]

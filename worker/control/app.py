@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from typing import Annotated
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -68,6 +69,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_LOADED: 503,
 }
 
+# Query parameters a client might put a token in.
+_TOKEN_PARAMS = frozenset({"token", "access_token", "control_token"})
+
 # Refusals starlette makes itself, before a route runs.
 _ROUTING_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
 
@@ -95,6 +99,13 @@ class _RequireToken:
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _has_token_param(scope):
+            # The access log writes the path with its query: blank it (the log reads this scope) and refuse, so a
+            # token sent in the URL is neither logged nor taken.
+            scope["query_string"] = b""
+            message = "send the token in the Authorization header (Bearer), never in the URL"
+            await _error(ErrorCode.INVALID_REQUEST, message)(scope, receive, send)
+            return
         if scope["type"] == "http":
             header = Headers(scope=scope).get("authorization")
             if not is_authorized(header, self.token):
@@ -103,6 +114,11 @@ class _RequireToken:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _has_token_param(scope: Scope) -> bool:
+    query = scope.get("query_string", b"").decode("latin-1")
+    return any(name.lower() in _TOKEN_PARAMS for name, _ in parse_qsl(query, keep_blank_values=True))
 
 
 def build_control_app(manager: LifecycleManager, token: SecretStr) -> FastAPI:
