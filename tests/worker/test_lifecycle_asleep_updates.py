@@ -59,10 +59,10 @@ def _files_shrink_once_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     place, a spool disk failing): the real read then fails part way, after the first tensors were written."""
     read_into = reader.read_into
 
-    def shrink_then_read(jobs, num_threads=None):  # type: ignore[no-untyped-def]
+    def shrink_then_read(jobs, num_threads=None, deadline=None):  # type: ignore[no-untyped-def]
         for path in {tensor.path for tensor, _ in jobs}:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-        return read_into(jobs, num_threads)
+        return read_into(jobs, num_threads, deadline)
 
     monkeypatch.setattr(reader, "read_into", shrink_then_read)
 

@@ -7,18 +7,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidal.contract.control_api import StreamFinishRequest, WeightsUpdateRequest
+from tidal.contract.control_api import SleepRequest, StreamFinishRequest, WeightsUpdateRequest
+from tidal.worker.checkpoint import reader
 from tidal.worker.engine.sampling_params import SamplingParams
-from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError
+from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
 from tidal.worker.testing.in_process import ControlledWorker, greedy, running_manager
 from tidal.worker.testing.tiny_models import write_tiny_model
@@ -219,5 +222,55 @@ def test_a_streamed_update_that_times_out_draining_can_be_finished_again(tiny_mo
             assert finished.version == "b" and manager.version == "b"
             assert not upload.directory.exists()
             await running.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_fifo_for_weights_is_refused_without_blocking(tiny_model, tmp_path):
+    source = tmp_path / "fifo"
+    source.mkdir()
+    os.mkfifo(source / "model.safetensors")  # opening it to read would wait for a writer forever
+
+    async def scenario() -> None:
+        async with running_manager(tiny_model("llama")) as manager:
+            with pytest.raises(CheckpointRejectedError, match="not a regular file"):
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(source), version="f"))
+            assert manager.version == "a" and manager.state().weights_version == "a"
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_read_fails_the_update_in_time_and_frees_the_worker(tiny_model, version_b, monkeypatch):
+    unblock = threading.Event()
+    real_read = reader._read_fully
+
+    def stalled(fd: int, offset: int, buf: memoryview) -> int:
+        unblock.wait()  # a stalled network file system: the read cannot be interrupted
+        return real_read(fd, offset, buf)
+
+    async def scenario() -> None:
+        async with running_manager(tiny_model("llama"), checkpoint_read_timeout_s=0.5) as manager:
+            before = await manager.checksum()
+            monkeypatch.setattr(reader, "_read_fully", stalled)
+            start = time.monotonic()
+            with pytest.raises(CheckpointRejectedError, match="did not finish in time"):
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
+            assert time.monotonic() - start < 10 and manager.version == "a"
+            # Not busy; but the host buffer may still be written by the blocked read, so what uses it waits.
+            with pytest.raises(WeightsUnavailableError, match="still blocked"):
+                await manager.sleep(SleepRequest(level=1))
+            unblock.set()  # the read returns at last; once its threads end, the host buffer is the worker's again
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await manager.checksum(recompute=True)
+                    break
+                except WeightsUnavailableError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            assert (await manager.checksum(recompute=True)).overall == before.overall
+            monkeypatch.setattr(reader, "_read_fully", real_read)
+            result = await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
+            assert result.version == "b" == manager.version
 
     asyncio.run(scenario())

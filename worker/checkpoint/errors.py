@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 
 class CheckpointError(Exception):
     """The checkpoint cannot be read as it is: a malformed index or header, a truncated or unreadable file."""
@@ -17,6 +19,15 @@ class CheckpointFilesMissingError(CheckpointError):
 
 class CheckpointUnfitError(CheckpointError):
     """The checkpoint is readable, but its tensors do not fit what the caller expects (names, shapes, dtypes)."""
+
+
+class ReadTimeoutError(CheckpointError):
+    """Reading the checkpoint passed its deadline. `settled` is set once every read thread has returned: until
+    then a read blocked in the kernel may still write into the destinations."""
+
+    def __init__(self, settled: threading.Event) -> None:
+        super().__init__(["reading the checkpoint did not finish in time (a stalled file system?)"])
+        self.settled = settled
 
 
 def some_of(items: list[str], limit: int = 8) -> str:

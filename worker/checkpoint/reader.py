@@ -12,15 +12,15 @@ import itertools
 import math
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
 from tidal.worker.checkpoint.header import StoredTensor
 from tidal.worker.checkpoint.host_bytes import byte_view
 
@@ -42,11 +42,14 @@ class LoadReport:
 
 
 def read_tensors(
-    tensors: Sequence[StoredTensor], destinations: Mapping[str, torch.Tensor], num_threads: int | None = None
+    tensors: Sequence[StoredTensor],
+    destinations: Mapping[str, torch.Tensor],
+    num_threads: int | None = None,
+    deadline: float | None = None,
 ) -> LoadReport:
     """Copy each tensor into `destinations[name]` (same shape; the dtype is converted). A file that cannot be read
     to the end (an I/O error, shrunk since its header was read) is a CheckpointError; the destinations may then
-    hold part of the checkpoint."""
+    hold part of the checkpoint. `deadline` (time.monotonic()): past it, ReadTimeoutError."""
     start = time.monotonic()
     jobs = [(t, destinations[t.name]) for t in tensors]
     for tensor, dest in jobs:
@@ -55,13 +58,15 @@ def read_tensors(
     direct = [(t, dest) for t, dest in jobs if _takes_bytes(t, dest)]
     staged = [(t, dest) for t, dest in jobs if not _takes_bytes(t, dest)]
     try:
-        num_bytes = read_into(direct, num_threads) + _read_staged(staged, num_threads)
+        num_bytes = read_into(direct, num_threads, deadline) + _read_staged(staged, num_threads, deadline)
     except OSError as err:
         raise CheckpointError([f"reading the checkpoint failed part way: {err}"]) from err
     return LoadReport(len(jobs), num_bytes, time.monotonic() - start)
 
 
-def read_into(jobs: Sequence[tuple[StoredTensor, torch.Tensor]], num_threads: int | None = None) -> int:
+def read_into(
+    jobs: Sequence[tuple[StoredTensor, torch.Tensor]], num_threads: int | None = None, deadline: float | None = None
+) -> int:
     """Copy each tensor's bytes into its destination (a contiguous CPU tensor of the same byte size). -> bytes read."""
     pieces: list[tuple[Path, int, memoryview]] = []  # (file, offset, destination bytes)
     for tensor, dest in jobs:
@@ -69,7 +74,7 @@ def read_into(jobs: Sequence[tuple[StoredTensor, torch.Tensor]], num_threads: in
         if len(buf) != tensor.nbytes:
             raise ValueError(f"{tensor.name}: destination holds {len(buf)} bytes, the file {tensor.nbytes}")
         pieces += _pieces(tensor.path, tensor.start, buf, PIECE_BYTES)
-    return _read_pieces(pieces, num_threads)
+    return _read_pieces(pieces, [dest for _, dest in jobs], num_threads, deadline)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class _Part:
         return (self.end - self.begin) * self.tensor.dtype.itemsize
 
 
-def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int | None) -> int:
+def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int | None, deadline: float | None) -> int:
     if not jobs:
         return 0
     on_gpu = any(dest.device.type == "cuda" for _, dest in jobs)
@@ -111,7 +116,7 @@ def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int
                 STAGING_PIECE_BYTES,
             )
         ]
-        num_bytes += _read_pieces(pieces, num_threads)
+        num_bytes += _read_pieces(pieces, [buffer], num_threads, deadline)
         for part, offset in zip(fill, offsets, strict=False):
             staged = buffer[offset : offset + part.nbytes].view(part.tensor.dtype)  # [end - begin]
             _destination(part).copy_(staged.view(_shape(part)), non_blocking=True)
@@ -168,21 +173,89 @@ def _pieces(path: Path, start: int, buf: memoryview, piece_bytes: int) -> list[t
     return [(path, start + at, buf[at : at + piece_bytes]) for at in range(0, len(buf), piece_bytes)]
 
 
-def _read_pieces(pieces: list[tuple[Path, int, memoryview]], num_threads: int | None) -> int:
-    """Positional reads from several threads: page-cache or disk bound, not bound by one core's memcpy."""
+def _read_pieces(
+    pieces: list[tuple[Path, int, memoryview]],
+    owners: list[torch.Tensor],
+    num_threads: int | None,
+    deadline: float | None,
+) -> int:
+    """Positional reads from several threads: page-cache or disk bound, not bound by one core's memcpy. `owners`:
+    the tensors whose memory the pieces' views are (the views do not keep them alive)."""
     if not pieces:
         return 0
-    fds: dict[Path, int] = {}
-    try:
-        for path, _, _ in pieces:
-            if path not in fds:
-                fds[path] = _open_regular(path)
-        workers = min(num_threads or min(16, os.cpu_count() or 1), len(pieces))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidal-read") as pool:
-            return sum(pool.map(lambda piece: _read_fully(fds[piece[0]], piece[1], piece[2]), pieces))
-    finally:
-        for fd in fds.values():
+    return _PieceReads(pieces, owners, min(num_threads or min(16, os.cpu_count() or 1), len(pieces))).run(deadline)
+
+
+class _PieceReads:
+    """One batch of pieces read by daemon threads, waited for until a deadline.
+
+    A read blocked in the kernel (a stalled network file system) cannot be interrupted: past the deadline the
+    caller gets ReadTimeoutError while such a thread stays blocked; it reads no further piece once it returns, and
+    the files are closed only then. Daemon threads: a stuck one does not hold up the process's exit."""
+
+    def __init__(
+        self, pieces: list[tuple[Path, int, memoryview]], owners: list[torch.Tensor], num_threads: int
+    ) -> None:
+        self._pending = list(reversed(pieces))
+        # Held while a thread runs (it holds this object): a read that returns after the deadline still writes into
+        # memory that exists. (Memory released by other means, a region's, is the caller's to keep: `settled`.)
+        self._owners = owners
+        self._num_threads = num_threads
+        self._lock = threading.Lock()
+        self._running = num_threads
+        self._stopped = False
+        self._error: OSError | None = None
+        self._num_bytes = 0
+        self._fds: dict[Path, int] = {}
+        self.settled = threading.Event()  # every thread returned and the files are closed
+
+    def run(self, deadline: float | None) -> int:
+        try:
+            for path, _, _ in self._pending:
+                if path not in self._fds:
+                    self._fds[path] = _open_regular(path)
+        except OSError:
+            self._close()
+            raise
+        for i in range(self._num_threads):
+            threading.Thread(target=self._work, name=f"tidal-read-{i}", daemon=True).start()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.settled.wait(timeout):
+            with self._lock:
+                self._stopped = True
+            raise ReadTimeoutError(self.settled)
+        if self._error is not None:
+            raise self._error
+        return self._num_bytes
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._stopped or not self._pending:
+                        return
+                    path, offset, buf = self._pending.pop()
+                try:
+                    n = _read_fully(self._fds[path], offset, buf)
+                except OSError as err:
+                    with self._lock:
+                        self._error, self._stopped = self._error or err, True
+                    return
+                with self._lock:
+                    self._num_bytes += n
+        finally:
+            with self._lock:
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                self._close()
+
+    def _close(self) -> None:
+        for fd in self._fds.values():
             os.close(fd)
+        self._fds.clear()
+        self._owners = []
+        self.settled.set()
 
 
 def _open_regular(path: Path) -> int:

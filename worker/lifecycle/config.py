@@ -23,6 +23,12 @@ class LifecycleConfig(BaseModel):
         default="reject", description="Requests while asleep: 'reject' (503 + Retry-After) or 'wake' the model."
     )
     asleep_retry_after_s: int = Field(default=30, ge=1, description="Retry-After of requests refused while asleep.")
+    checkpoint_read_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="Deadline of reading one update's checkpoint (disk or streamed); past it the update fails with "
+        "bad_checkpoint, the worker is no longer busy, and a read still blocked in the kernel keeps host-buffer "
+        "operations refused until it returns.",
+    )  # fmt: skip
     upload_dir: Path | None = Field(default=None, description="Where streamed weight uploads are spooled.")
     stable_device_memory: bool = Field(
         default=True,

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -64,6 +65,9 @@ from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
+# How long past its read deadline a stage may take to notice it and return before it is given up on.
+_STAGE_GRACE_S = 5.0
+
 
 class LifecycleManager:
     def __init__(
@@ -99,6 +103,7 @@ class LifecycleManager:
         memory = memory_provider(stable_addresses=self.config.stable_device_memory)
         llm = LLMEngine.from_config(engine_config, memory)
         residency = Residency(llm, engine_config.model_path, self.config.weights_version)
+        residency.read_timeout_s = self.config.checkpoint_read_timeout_s
         weights_path = self.config.weights_path
         if weights_path is not None and weights_path.resolve() != engine_config.model_path.resolve():
             residency.load_initial(weights_path)
@@ -330,7 +335,7 @@ class LifecycleManager:
     async def update_from_disk(self, request: WeightsUpdateRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
             source = Path(request.source)
-            stage = functools.partial(r.stage_from_disk, source, request.allow_extra_tensors)
+            stage = functools.partial(r.stage_from_disk, source, request.allow_extra_tensors, r.read_deadline())
             return await self._update(r, stage, request.version, source, request.mode, request.drain_timeout_s)
 
     async def stream_start(self, allow_extra_tensors: bool) -> Upload:
@@ -345,7 +350,9 @@ class LifecycleManager:
             upload = self.uploads.finish(upload_id)
             kept = False
             try:
-                stage = functools.partial(r.stage_from_disk, upload.directory, upload.allow_extra_tensors)
+                stage = functools.partial(
+                    r.stage_from_disk, upload.directory, upload.allow_extra_tensors, r.read_deadline()
+                )
                 # The spooled files are removed after: a level-2 sleep cannot re-read this version from disk.
                 return await self._update(r, stage, request.version, None, request.mode, request.drain_timeout_s)
             except DrainTimeoutError:
@@ -397,7 +404,7 @@ class LifecycleManager:
     ) -> WeightsUpdateResult:
         start = time.monotonic()
         try:
-            report = await asyncio.to_thread(stage)
+            report = await self._stage(r, stage)
             paused_s = await asyncio.to_thread(r.apply_staged, version, mode, drain_timeout_s)
         except Exception:  # the served copy was not written (see Residency._staging_target): its checksum holds
             if self.metrics is not None:
@@ -417,6 +424,27 @@ class LifecycleManager:
             version=version, checksum=self._checksum.overall, duration_s=seconds, bytes_loaded=report.num_bytes,
             paused_s=paused_s, checksum_s=time.monotonic() - checksum_start,
         )  # fmt: skip
+
+    async def _stage(self, r: Residency, stage: Callable[[], LoadReport]) -> LoadReport:
+        """Run `stage` on a thread; with a read deadline, give up on it shortly after (a header read blocked in the
+        kernel is not bounded by the reader's own deadline): the update fails and the worker is free, while the
+        thread, until it returns, keeps host-buffer operations refused (StrayReads)."""
+        returned = threading.Event()
+
+        def run() -> LoadReport:
+            try:
+                return stage()
+            finally:
+                returned.set()
+
+        task = asyncio.ensure_future(asyncio.to_thread(run))
+        limit = None if r.read_timeout_s is None else r.read_timeout_s + _STAGE_GRACE_S
+        done, _ = await asyncio.wait({task}, timeout=limit)
+        if not done:
+            r.stray_reads.add(returned)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its error is this one, reported
+            raise CheckpointRejectedError([f"reading the checkpoint did not finish in {r.read_timeout_s:g}s"])
+        return task.result()
 
     def _publish_state(self) -> None:
         if self.metrics is not None:

@@ -21,7 +21,7 @@ import torch
 
 from tidal.contract.control_api import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
 from tidal.worker.checkpoint.directory import stored_tensors
-from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected
 from tidal.worker.checkpoint.reader import LoadReport
@@ -29,10 +29,11 @@ from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
-from tidal.worker.lifecycle.errors import DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
 from tidal.worker.lifecycle.kv_fill import KVFill
 from tidal.worker.lifecycle.resident import ResidentWeights
 from tidal.worker.lifecycle.staging import check_directory, spare_host_buffer, stage_tensors
+from tidal.worker.lifecycle.stray_reads import StrayReads
 from tidal.worker.memory.regions import free_cached_device_memory
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Residency:
         self.kv_fill = KVFill(self.kv, lambda: self._engine().between_steps())
         # Told the version now on the device, inside the quiesced switch (a lockstep group steps on one version).
         self.on_version_installed: Callable[[str], None] | None = None
+        self.read_timeout_s: float | None = None  # a checkpoint read's deadline (LifecycleConfig)
+        self.stray_reads = StrayReads()
 
     def load_initial(self, weights_path: Path) -> None:
         """Serve `weights_path` instead of the model directory's weights (before the engine starts)."""
@@ -80,6 +83,7 @@ class Residency:
     # ----- sleep and wake -----
     def sleep(self, level: int, mode: DrainMode, timeout_s: float) -> int:
         """-> bytes copied or freed."""
+        self.stray_reads.check("sleep")
         self.kv_fill.join()  # the KV region must not be released while the rest of it is being mapped
         if self.sleep_level is not None and level <= self.sleep_level and not self.resident:
             return 0  # already as deep asleep, and nothing was woken since (a wake may restore a part only)
@@ -117,6 +121,7 @@ class Residency:
         thread, joining the block pool when it is all mapped (`kv_fill`)."""
         if self.sleep_level is None:
             return 0
+        self.stray_reads.check("wake up")
         num_bytes = 0
         phases = self.last_wake_phases = {}
         mark = time.perf_counter()
@@ -161,17 +166,31 @@ class Residency:
                 "directory (streamed or broadcast); send a weight update before waking the weights"
             )
         log.info("reloading version %s from %s after a level-2 sleep", self.version, self.version_source)
-        return self.stage_from_disk(self.version_source, allow_extra=True).num_bytes
+        return self.stage_from_disk(self.version_source, allow_extra=True, deadline=self.read_deadline()).num_bytes
 
     # ----- weight updates: stage (checked, into the host buffer), then apply -----
-    def stage_from_disk(self, source: Path, allow_extra: bool) -> LoadReport:
-        """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched)."""
+    def read_deadline(self) -> float | None:
+        return None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
+
+    def stage_from_disk(self, source: Path, allow_extra: bool, deadline: float | None = None) -> LoadReport:
+        """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched).
+        `deadline` (time.monotonic()): the reads' (see StrayReads for one that is blocked past it)."""
+        self.stray_reads.check("stage an update")
         tensors = check_directory(source, self.expected, allow_extra, self.is_ignored)
+        if deadline is not None and time.monotonic() > deadline:
+            # The caller gave up while the headers were read; nothing may be written now.
+            raise CheckpointRejectedError(["reading the checkpoint's headers did not finish in time"])
         with self._staging_target() as views:
-            return stage_tensors(tensors, views)
+            try:
+                return stage_tensors(tensors, views, deadline)
+            except CheckpointRejectedError as err:
+                if isinstance(err.__cause__, ReadTimeoutError):
+                    self.stray_reads.add(err.__cause__.settled)
+                raise
 
     def stage_from_group(self, request: CollectiveUpdateRequest) -> LoadReport:
         """Receive a trainer's broadcast into the host buffer (the request's specs were checked already)."""
+        self.stray_reads.check("stage an update")
         start = time.monotonic()
         with self._staging_target() as views:
             num_bytes = self._receive_broadcast(request, views)
@@ -252,6 +271,7 @@ class Residency:
         self._host_valid = False
 
     def checksum(self) -> WeightsChecksum:
+        self.stray_reads.check("compute the checksum")
         if self.weights.is_resident and not self._host_valid:
             # One fast copy into the (idle) host buffer beats many small device reads from the hashing threads.
             self.weights.to_host()

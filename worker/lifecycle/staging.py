@@ -36,11 +36,13 @@ def check_directory(
         )
 
 
-def stage_tensors(tensors: list[StoredTensor], host_views: dict[str, torch.Tensor]) -> LoadReport:
-    """Read each tensor into its host view. A file that cannot be read to the end is a CheckpointRejectedError; the
-    views may then hold part of the new checkpoint."""
+def stage_tensors(
+    tensors: list[StoredTensor], host_views: dict[str, torch.Tensor], deadline: float | None = None
+) -> LoadReport:
+    """Read each tensor into its host view. A file that cannot be read to the end, or by `deadline`, is a
+    CheckpointRejectedError (caused by the CheckpointError); the views may then hold part of the new checkpoint."""
     with _rejected_on_problems():
-        report = read_tensors(tensors, host_views)
+        report = read_tensors(tensors, host_views, deadline=deadline)
     log.info("staged %d tensors (%.2f GiB) in %.2fs", report.num_tensors, report.num_bytes / 2**30, report.seconds)
     return report
 

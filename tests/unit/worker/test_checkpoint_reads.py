@@ -3,6 +3,8 @@ conversion, strided and typed destinations, a file that shrinks between the chec
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from safetensors.torch import save_file
 
 from tidal.worker.checkpoint import reader
 from tidal.worker.checkpoint.directory import stored_tensors
-from tidal.worker.checkpoint.errors import CheckpointError, CheckpointUnfitError
+from tidal.worker.checkpoint.errors import CheckpointError, CheckpointUnfitError, ReadTimeoutError
 from tidal.worker.checkpoint.judge import Candidate, Expected, find_problems, tensors_to_read
 from tidal.worker.checkpoint.reader import read_into, read_tensors
 
@@ -123,3 +125,23 @@ def test_staged_parts_of_mixed_dtypes_sit_at_aligned_offsets(tmp_path):
     dest = {"a": torch.empty(3), "b": torch.empty(5, dtype=torch.float64), "c": torch.empty(7)}  # all converted
     read_tensors([stored[n] for n in ("a", "b", "c")], dest)
     assert all(torch.equal(dest[n], tensors[n].to(dest[n].dtype)) for n in tensors)
+
+
+def test_a_read_blocked_past_the_deadline_fails_it_and_is_left_to_settle(tmp_path, monkeypatch):
+    tensors = {"w": torch.randn(64), "h": torch.randn(8).half()}  # one read directly, one through staging
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    unblock = threading.Event()
+    real_read = reader._read_fully
+
+    def stalled(fd: int, offset: int, buf: memoryview) -> int:
+        unblock.wait()  # as a read of a stalled network file system: not interruptible
+        return real_read(fd, offset, buf)
+
+    monkeypatch.setattr(reader, "_read_fully", stalled)
+    dest = {"w": torch.empty(64), "h": torch.empty(8)}
+    start = time.monotonic()
+    with pytest.raises(ReadTimeoutError, match="did not finish in time") as err:
+        read_tensors(list(stored.values()), dest, deadline=time.monotonic() + 0.2)
+    assert time.monotonic() - start < 5 and not err.value.settled.is_set()
+    unblock.set()  # the read returns at last: its thread ends and its file is closed
+    assert err.value.settled.wait(5)
