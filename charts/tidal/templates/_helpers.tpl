@@ -34,6 +34,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The watched namespaces, comma-separated for the operator's TIDAL_OPERATOR_WATCH_NAMESPACES (empty: all), after
+checking that they agree with rbac.scope: a namespace list under cluster scope would grant every namespace while
+watching a few, and namespaces scope without a list would watch nothing. */}}
+{{- define "tidal.watchNamespaces" -}}
+{{- if eq .Values.rbac.scope "namespaces" -}}
+{{- if not .Values.watchNamespaces -}}
+{{- fail "rbac.scope=namespaces needs watchNamespaces: the namespaces whose InferenceModels the operator reconciles" -}}
+{{- end -}}
+{{- join "," .Values.watchNamespaces -}}
+{{- else if .Values.watchNamespaces -}}
+{{- fail "watchNamespaces is set but rbac.scope=cluster grants every namespace: set rbac.scope=namespaces" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The rules the operator needs wherever it manages models (ClusterRole, or a Role per watched namespace). */}}
 {{- define "tidal.modelRules" -}}
 # The custom resource: watched by kopf, which patches its own annotations on it; the operator patches the status.

@@ -89,15 +89,6 @@ def test_rbac_is_least_privilege():
         assert binding["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
 
 
-def test_watch_namespaces_uses_roles_only():
-    docs = _template("--set", "watchNamespaces={ml,research}")
-    roles = [r for r in _by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
-    assert [r["metadata"]["name"] for r in _by_kind(docs, "ClusterRole")] == ["tidal-operator-crd-reader"]
-    # Besides the watched namespaces, only the leader-election Role in the release's own namespace.
-    assert [r["metadata"]["name"] for r in _by_kind(docs, "Role")].count("tidal-operator-leader-election") == 1
-
-
 def test_deployment_runs_the_operator_with_a_valid_config():
     docs = _template()
     (deploy,) = _by_kind(docs, "Deployment")
