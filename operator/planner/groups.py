@@ -126,6 +126,20 @@ def broken_in(slot: RankSlot, view: EpochView | None) -> bool:
     )
 
 
+def catching_up_to(slot: RankSlot, view: EpochView | None) -> bool:
+    """A member of the view's epoch that still reports an older one (serving, broken, or between the two while it
+    applies the new one): the pass caught the epoch half applied, its peers first. It serves again within the moment
+    the epoch takes. A rank that reloaded reports epoch 0 and is not one."""
+    state = slot.state
+    return (
+        view is not None
+        and slot.usable
+        and state is not None
+        and 0 < state.group_epoch < view.epoch
+        and slot.rank in view.members
+    )
+
+
 def pod_failure(slot: RankSlot) -> str | None:
     """Why the rank's pod cannot serve at all (None: it runs, or is still starting)."""
     pod = slot.pod
@@ -346,8 +360,12 @@ def group_actions(facts: Facts, decisions: list[GroupDecision]) -> list[Action]:
             # A member whose epoch broke keeps the label until it fails or the next epoch leaves it out: its requests
             # wait for the survivors' epoch (well under a second), where taking it out of the Service would refuse
             # new ones on every survivor at once. A broken group that stays so fails its readiness probe instead.
+            # So does a member of the newest epoch that a pass sees still in the one before: when the returning
+            # rank applies the whole group's epoch first, unlabelling the survivors would leave the Service with no
+            # endpoint at all for a pass.
             decision = views[slot.replica]
-            in_group = serving_in(slot, decision.view) or broken_in(slot, decision.view)
+            view = decision.view
+            in_group = serving_in(slot, view) or broken_in(slot, view) or catching_up_to(slot, view)
             serving = in_group and slot.rank not in decision.failures
         if serving != (pod.serving_label == "true") and (serving or pod.serving_label is not None):
             actions.append(SetServingLabel(pod=slot.name, serving=serving))

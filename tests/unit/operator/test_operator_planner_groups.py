@@ -466,3 +466,23 @@ def test_shrinking_sends_the_smaller_epoch_and_removes_the_last_rank_without_a_f
     assert not epoch.recovery
     assert [a.name for a in result.actions if isinstance(a, DeletePod)] == [f"tiny-r0-{N - 1}"]
     assert events(result, "RankFailed") == []
+
+
+def test_members_caught_in_the_epoch_before_keep_their_serving_labels():
+    # The CI failure this pins: the returning rank applied the whole group's epoch 3 first; a pass then saw the
+    # survivors still in 2. Unlabelling them for that pass left the Service with no endpoint at all.
+    model = ep_model()
+    back_pods, back = group(model, 3, range(N), serving_label="true")
+    _, survivors = group(model, 2, (0, 1, 3), loaded={0, 1, 3})
+    half = {**back, **{k: v for k, v in survivors.items() if k != "tiny-r0-2"}}
+    assert not [a for a in plan_with(model, back_pods, half, seconds=20).actions if isinstance(a, SetServingLabel)]
+    # The same in the survivors' epoch: rank 1 applied epoch 2 first while rank 0 still reports epoch 1 broken.
+    pods, ranks = group(model, 2, (0, 1, 3), serving_label="true")
+    ranks[pods[0].name] = rank_worker(0, 1, range(N), "broken", broken_peer_rank=2)
+    labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
+    assert [(a.pod, a.serving) for a in labels] == [("tiny-r0-2", False)]
+    # A rank left out of the newest epoch loses its label, whatever it still reports.
+    pods, ranks = group(model, 2, (0, 1, 3), serving_label="true")
+    ranks[pods[2].name] = rank_worker(2, 1, range(N), "serving")
+    labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
+    assert [(a.pod, a.serving) for a in labels] == [("tiny-r0-2", False)]
