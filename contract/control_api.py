@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tidal.contract.error_codes import ErrorCode
 
@@ -20,6 +20,8 @@ TOKEN_HEADER = "Authorization"  # "Bearer <token>"
 
 class _Model(BaseModel):
     # Requests: unknown fields are rejected so that a typo in a request is an error, not a silently ignored option.
+    # Their numbers and flags are strict (`strict=True` on each): lax validation would take `false` for rank 0 and
+    # "yes" for true. Not the whole model: strict Python-mode validation would refuse an enum's JSON string.
     model_config = ConfigDict(extra="forbid")
 
 
@@ -136,7 +138,15 @@ class SleepRequest(_Model):
 
     level: SleepLevel = 1
     mode: DrainMode = DrainMode.DRAIN
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600, strict=True)
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _level_is_a_number(cls, level: object) -> object:
+        # A Literal cannot be strict, and lax validation takes `true` for 1.
+        if isinstance(level, bool):
+            raise ValueError("level must be the number 1 or 2")
+        return level
 
 
 class WakeUpRequest(_Model):
@@ -159,8 +169,10 @@ class WeightsUpdateRequest(_Model):
     source: str = Field(min_length=1, description="local directory holding *.safetensors (sharded or not)")
     version: Version
     mode: DrainMode = DrainMode.DRAIN
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
-    allow_extra_tensors: bool = Field(False, description="accept tensors the model does not use instead of refusing")
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600, strict=True)
+    allow_extra_tensors: bool = Field(
+        False, strict=True, description="accept tensors the model does not use instead of refusing"
+    )
 
 
 class StreamStartRequest(_Model):
@@ -168,7 +180,7 @@ class StreamStartRequest(_Model):
     `POST /weights/stream/{upload_id}/chunk?file=NAME&offset=N` with raw bytes (application/octet-stream), in order,
     for each safetensors file (and model.safetensors.index.json when sharded); then `finish`."""
 
-    allow_extra_tensors: bool = False
+    allow_extra_tensors: bool = Field(False, strict=True)
 
 
 class StreamStartResponse(_Response):
@@ -186,12 +198,12 @@ class StreamFinishRequest(_Model):
 
     version: Version
     mode: DrainMode = DrainMode.DRAIN
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600, strict=True)
 
 
 class TensorSpec(_Model):
     name: str = Field(min_length=1)
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Annotated[int, Field(ge=0, strict=True)]]
     dtype: Literal["float32", "float16", "bfloat16"]
 
 
@@ -199,16 +211,16 @@ class CollectiveUpdateRequest(_Model):
     """`POST /weights/collective`: join a process group with a trainer and receive a broadcast of named tensors."""
 
     master_address: str = Field(min_length=1)
-    master_port: int = Field(ge=1, le=65535)
-    rank: int = Field(ge=1, description="this worker's rank in the trainer's group; the trainer is rank 0")
-    world_size: int = Field(ge=2)
+    master_port: int = Field(ge=1, le=65535, strict=True)
+    rank: int = Field(ge=1, strict=True, description="this worker's rank in the trainer's group; the trainer is rank 0")
+    world_size: int = Field(ge=2, strict=True)
     backend: Literal["gloo", "nccl"] = "gloo"
     tensors: list[TensorSpec] = Field(min_length=1, description="what the trainer broadcasts, in order")
-    allow_extra_tensors: bool = Field(False, description="receive and drop tensors the model does not use")
+    allow_extra_tensors: bool = Field(False, strict=True, description="receive and drop tensors the model does not use")
     version: Version
     mode: DrainMode = DrainMode.DRAIN
-    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
-    timeout_s: float = Field(300.0, gt=0, le=3600, description="limit for joining the group and receiving")
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600, strict=True)
+    timeout_s: float = Field(300.0, gt=0, le=3600, strict=True, description="limit for joining the group and receiving")
 
     @model_validator(mode="after")
     def _rank_inside_group(self) -> CollectiveUpdateRequest:
@@ -241,7 +253,7 @@ class WeightsChecksum(_Response):
 
 
 class GroupMember(_Model):
-    rank: int = Field(ge=0)
+    rank: int = Field(ge=0, strict=True)
     address: str = Field(min_length=1, description="host:port of the member's group endpoint")
 
 
@@ -257,16 +269,20 @@ class GroupReconfigureRequest(_Model):
     ranks at or past the new size out, a grow adds ranks started for the new size with the running members' expert
     slots per rank (`GroupStatus.slots_per_rank`), and every member must have the same slot count."""
 
-    epoch: int = Field(ge=1)
+    epoch: int = Field(ge=1, strict=True)
     members: list[GroupMember] = Field(min_length=1)
-    coordinator_rank: int = Field(ge=0, description="the member whose group endpoint hosts this epoch's rendezvous")
+    coordinator_rank: int = Field(
+        ge=0, strict=True, description="the member whose group endpoint hosts this epoch's rendezvous"
+    )
     group_size: int | None = Field(
-        None, ge=1,
+        None, ge=1, strict=True,
         description="ranks of the group in this epoch (every member rank is below it); null: the worker's start "
         "world_size",
     )  # fmt: skip
     expert_map: ExpertMapJson | None = Field(None, description="the epoch's map; default: the coordinator plans it")
-    timeout_s: float = Field(60.0, gt=0, le=3600, description="limit for the rendezvous and installing the map")
+    timeout_s: float = Field(
+        60.0, gt=0, le=3600, strict=True, description="limit for the rendezvous and installing the map"
+    )
 
     @model_validator(mode="after")
     def _members_fit(self) -> GroupReconfigureRequest:

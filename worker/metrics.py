@@ -18,8 +18,11 @@ from prometheus_client.registry import Collector
 
 PREFIX = "tidal"
 
-# Outcomes of a request: the engine's finish reasons, plus what happens around them.
-OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+# Outcomes of a request: the engine's finish reasons, plus what happens around them. "abort": the engine ended it
+# (shutting down); "interrupted": a sleep or weight update in mode abort ended it, so the client got a 503 or an error
+# event; "cancelled": the client went away or stopped reading first. Kept apart so a dashboard can tell the server's
+# doing from the clients'.
+OUTCOMES = ("stop", "length", "abort", "interrupted", "cancelled", "error", "rejected")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -148,7 +148,7 @@ def test_unknown_model_is_a_404(worker):
 def test_disconnect_mid_stream_frees_the_sequence(worker):
     engine = worker.servers.runtime.engine
     base = worker.url()
-    aborted_before = metric(base, "tidal_requests_total", endpoint="completions", outcome="abort")
+    aborted_before = metric(base, "tidal_requests_total", endpoint="completions", outcome="cancelled")
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as client, client.stream("POST", f"{base}/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -164,7 +164,7 @@ def test_disconnect_mid_stream_frees_the_sequence(worker):
     # Leaving the `with` closed the connection mid-stream.
     assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
     assert wait_until(
-        lambda: metric(base, "tidal_requests_total", endpoint="completions", outcome="abort") == aborted_before + 1
+        lambda: metric(base, "tidal_requests_total", endpoint="completions", outcome="cancelled") == aborted_before + 1
     )
     assert metric(base, "tidal_requests_running") == 0
 
@@ -172,7 +172,7 @@ def test_disconnect_mid_stream_frees_the_sequence(worker):
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
     engine = worker.servers.runtime.engine
     base = worker.url()
-    aborted_before = metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="abort")
+    aborted_before = metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="cancelled")
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 220, "ignore_eos": True}
     ).encode()
@@ -186,7 +186,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_sequence(worker):
     # The socket is closed while the server is still collecting the answer.
     assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_waiting == 0)
     assert wait_until(
-        lambda: metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="abort") == aborted_before + 1
+        lambda: (
+            metric(base, "tidal_requests_total", endpoint="chat_completions", outcome="cancelled") == aborted_before + 1
+        )
     )
 
 

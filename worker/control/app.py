@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -42,7 +42,9 @@ from tidal.contract.error_codes import ErrorCode
 from tidal.worker.control.auth import is_authorized
 from tidal.worker.lifecycle.errors import BadRequestError, LifecycleError
 from tidal.worker.lifecycle.manager import LifecycleManager
+from tidal.worker.lifecycle.uploads import FILE_NAME_PATTERN
 from tidal.worker.server.errors import describe_validation_errors
+from tidal.worker.server.openapi_doc import conform_openapi
 
 log = logging.getLogger(__name__)
 
@@ -126,36 +128,72 @@ def build_control_app(manager: LifecycleManager, token: SecretStr) -> FastAPI:
     app.add_middleware(_RequireToken, token=token)
     _install_error_handlers(app)
     app.include_router(_router(manager))
+    conform_openapi(app, ControlError.__name__, bearer=True)
     return app
+
+
+_BAD, _BUSY, _NOT_LOADED = ErrorCode.INVALID_REQUEST, ErrorCode.BUSY, ErrorCode.NOT_LOADED
+# What can refuse a call that swaps weights in: the swap, the drain before it, the checkpoint itself.
+_SWAP = (ErrorCode.BUSY, ErrorCode.DRAIN_TIMEOUT, ErrorCode.WEIGHTS_UNAVAILABLE, ErrorCode.BAD_CHECKPOINT)
+# A chunk's body is the file's raw bytes, read as a stream (see stream_chunk), so FastAPI cannot document it itself.
+_RAW_BYTES: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+def _refusals(*codes: ErrorCode) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of a route's refusals, by status, naming their codes; every route may answer 401."""
+    by_status: dict[int, list[str]] = {}
+    for code in (ErrorCode.UNAUTHORIZED, *codes):
+        names = by_status.setdefault(HTTP_STATUS[code], [])
+        if code.value not in names:
+            names.append(code.value)
+    return {
+        status: {"model": ControlError, "description": f"`code`: {', '.join(names)}"}
+        for status, names in sorted(by_status.items())
+    }
 
 
 def _router(manager: LifecycleManager) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/state")
+    @router.get("/state", responses=_refusals())
     async def state() -> WorkerState:
         return manager.state()
 
-    @router.post("/sleep")
+    @router.post("/sleep", responses=_refusals(_BAD, _BUSY, ErrorCode.DRAIN_TIMEOUT, _NOT_LOADED))
     async def sleep(body: SleepRequest) -> TransitionResult:
         return await manager.sleep(body)
 
-    @router.post("/wake_up")
+    @router.post(
+        "/wake_up",
+        responses=_refusals(_BAD, _BUSY, ErrorCode.NO_HOST_MEMORY, ErrorCode.WEIGHTS_UNAVAILABLE, _NOT_LOADED),
+    )
     async def wake_up(body: WakeUpRequest | None = None) -> TransitionResult:
         return await manager.wake_up(body or WakeUpRequest())
 
-    @router.post("/weights/update")
+    @router.post("/weights/update", responses=_refusals(_BAD, *_SWAP, _NOT_LOADED))
     async def update(body: WeightsUpdateRequest) -> WeightsUpdateResult:
         return await manager.update_from_disk(body)
 
-    @router.post("/weights/stream/start")
+    @router.post("/weights/stream/start", responses=_refusals(_BAD, _BUSY, _NOT_LOADED))
     async def stream_start(body: StreamStartRequest | None = None) -> StreamStartResponse:
         upload = await manager.stream_start((body or StreamStartRequest()).allow_extra_tensors)
         return StreamStartResponse(upload_id=upload.upload_id)
 
-    @router.post("/weights/stream/{upload_id}/chunk")
+    @router.post(
+        "/weights/stream/{upload_id}/chunk",
+        responses=_refusals(_BAD, ErrorCode.UNKNOWN_UPLOAD, ErrorCode.BAD_OFFSET, _BUSY, _NOT_LOADED),
+        openapi_extra=_RAW_BYTES,
+    )
     async def stream_chunk(
-        upload_id: str, request: Request, file: Annotated[str, Query()], offset: Annotated[int, Query(ge=0)]
+        upload_id: str,
+        request: Request,
+        file: Annotated[str, Query(pattern=FILE_NAME_PATTERN)],
+        offset: Annotated[int, Query(ge=0)],
     ) -> StreamChunkResult:
         data = bytearray()
         async for piece in request.stream():  # refused at the limit, not after holding the whole body
@@ -165,24 +203,37 @@ def _router(manager: LifecycleManager) -> APIRouter:
         upload = await manager.stream_chunk(upload_id, file, offset, data)
         return StreamChunkResult(upload_id=upload_id, file=file, received_bytes=upload.received[file])
 
-    @router.post("/weights/stream/{upload_id}/finish")
+    @router.post(
+        "/weights/stream/{upload_id}/finish", responses=_refusals(_BAD, ErrorCode.UNKNOWN_UPLOAD, *_SWAP, _NOT_LOADED)
+    )
     async def stream_finish(upload_id: str, body: StreamFinishRequest) -> WeightsUpdateResult:
         return await manager.stream_finish(upload_id, body)
 
-    @router.delete("/weights/stream/{upload_id}", status_code=204)
+    @router.delete("/weights/stream/{upload_id}", status_code=204, responses=_refusals(ErrorCode.UNKNOWN_UPLOAD, _BUSY))
     async def stream_discard(upload_id: str) -> None:
         await manager.stream_discard(upload_id)
 
-    @router.post("/weights/collective")
+    @router.post("/weights/collective", responses=_refusals(_BAD, *_SWAP, ErrorCode.COLLECTIVE_FAILED, _NOT_LOADED))
     async def collective(body: CollectiveUpdateRequest) -> WeightsUpdateResult:
         return await manager.update_collective(body)
 
-    @router.get("/weights/checksum")
+    @router.get("/weights/checksum", responses=_refusals(_BAD, _BUSY, _NOT_LOADED))
     async def checksum(recompute: bool = False) -> WeightsChecksum:
         """Cached per version unless `recompute` (hashing a large model takes a second or more)."""
         return await manager.checksum(recompute)
 
-    @router.post("/group/reconfigure")
+    @router.post(
+        "/group/reconfigure",
+        responses=_refusals(
+            _BAD,
+            ErrorCode.STALE_EPOCH,
+            _BUSY,
+            ErrorCode.EXPERTS_UNAVAILABLE,
+            ErrorCode.GROUP_UNREACHABLE,
+            ErrorCode.COLLECTIVE_FAILED,
+            _NOT_LOADED,
+        ),
+    )
     async def group_reconfigure(body: GroupReconfigureRequest) -> GroupReconfigureResult:
         """The group's membership for an epoch: newer than the last applied (409 stale_epoch otherwise; the same
         epoch and membership again is a 200 with applied=false), with this worker's rank among the members (400)."""

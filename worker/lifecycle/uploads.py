@@ -21,7 +21,10 @@ from tidal.worker.lifecycle.errors import BadRequestError, UploadNotFoundError, 
 
 log = logging.getLogger(__name__)
 
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(safetensors|json)$")
+# A plain file name: no directory part, so that a chunk can only land in its upload's directory. The control API
+# documents it as the `file` parameter's pattern.
+FILE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.(safetensors|json)$"
+_FILE_NAME = re.compile(FILE_NAME_PATTERN)
 
 
 @dataclass

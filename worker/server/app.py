@@ -27,7 +27,13 @@ from starlette.types import ASGIApp, Scope
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.connections import ConnectionLimits, RenderError, limited_protocol
-from tidal.worker.server.errors import connection_error_response, count_refusal, install_error_handlers
+from tidal.worker.server.errors import (
+    ErrorResponse,
+    connection_error_response,
+    count_refusal,
+    install_error_handlers,
+)
+from tidal.worker.server.openapi_doc import conform_openapi
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.request_body import BoundedBody
 from tidal.worker.server.routes_openai import openai_router
@@ -45,6 +51,7 @@ def build_api_app(
     install_error_handlers(app, metrics)
     app.include_router(probe_router(runtime, metrics))
     app.include_router(openai_router(runtime, metrics, config, prompt_builder))
+    conform_openapi(app, ErrorResponse.__name__)
 
     def on_refused(scope: Scope) -> None:
         count_refusal(metrics, scope["path"])

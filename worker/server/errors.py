@@ -63,6 +63,12 @@ class ApiError(Exception):
         self.headers = headers
 
 
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ErrorResponse:
+    """The error as OpenAI shapes it, the same whether it is a response or a streamed event."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
+
+
 def error_response(
     status: int,
     message: str,
@@ -71,13 +77,8 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = ErrorBody(
-        message=message,
-        type=_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-        param=param,
-        code=code,
-    )
-    return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=status, headers=headers)
+    body = error_body(status, message, param=param, code=code)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def connection_error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -133,8 +134,9 @@ def install_error_handlers(app: FastAPI, metrics: WorkerMetrics) -> None:
         return error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's headers carry what the status needs, e.g. a 405's `Allow` (RFC 9110 requires it).
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, detail)
+        return error_response(exc.status_code, detail, headers=exc.headers)
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)

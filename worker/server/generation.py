@@ -68,7 +68,7 @@ class Generation:
             raise ApiError(503, str(exc), code=exc.code, headers=retry) from exc
         except RequestInterruptedError as exc:  # ended before its first token (sleep or weight update, mode abort)
             self._engine_done = True
-            self._account("abort")
+            self._account("interrupted")
             raise ApiError(503, str(exc), code="interrupted") from exc
         except ValueError as exc:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
@@ -97,7 +97,7 @@ class Generation:
             raise ApiError(500, "the engine ended the request without a finish reason") from None
         except RequestInterruptedError as exc:  # ended on purpose (sleep or weight update, mode abort): say why
             self._engine_done = True
-            self._account("abort")
+            self._account("interrupted")
             raise ApiError(503, str(exc), code="interrupted") from exc
         except Exception:
             log.exception("request %s failed in the engine", self.request_id)
@@ -112,7 +112,7 @@ class Generation:
         if not self._engine_done:
             self._engine_done = True
             self._engine.abort(self.request_id)
-        self._account("abort")
+        self._account("cancelled")
 
     def _observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()

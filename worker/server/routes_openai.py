@@ -8,10 +8,11 @@ holds `max_concurrent_requests` already), build the prompt off the event loop, c
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.admission import RequestSlots, Slot
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
     from tidal.worker.engine.async_engine import AsyncEngine
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 404, 408, 413, 429, 503)}
+
+
+def _answers(whole: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A generation's 200: the whole answer as JSON, or with `stream: true` server-sent events of its chunks."""
+    events = {"text/event-stream": {"schema": {"type": "string", "description": "`data: <chunk JSON>` events"}}}
+    return {200: {"model": whole, "content": events}}
 
 
 def openai_router(
@@ -112,7 +119,7 @@ def openai_router(
         engine = runtime.require_engine()
         return ModelList(data=[ModelCard(id=runtime.served_model_name, max_model_len=engine.max_model_len)])
 
-    @router.post("/completions", response_model=None)
+    @router.post("/completions", response_model=None, responses=_answers(CompletionResponse))
     async def create_completion(body: CompletionRequest, http_request: Request) -> Response | CompletionResponse:
         response_id = new_id("cmpl")
         generation = await start(engine_for(body.model), "completions", body, response_id)
@@ -124,7 +131,7 @@ def openai_router(
         usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
         return CompletionResponse(id=response_id, model=body.model, choices=[choice], usage=usage)
 
-    @router.post("/chat/completions", response_model=None)
+    @router.post("/chat/completions", response_model=None, responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(
         body: ChatCompletionRequest, http_request: Request
     ) -> Response | ChatCompletionResponse:

@@ -3,17 +3,23 @@ serve), `/metrics` (Prometheus)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.runtime import WorkerRuntime
 
 
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
 def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.get("/health", responses={503: _json("the step loop has died: only a restart helps")})
     async def health() -> JSONResponse:
         # Liveness: a pod that is still loading its weights is alive and must not be restarted; one whose step loop
         # died serves nothing ever again, and only a restart helps.
@@ -21,7 +27,7 @@ def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
         body = {"status": "ok" if alive else "engine loop stopped", "phase": runtime.phase.value}
         return JSONResponse(body, status_code=200 if alive else 503)
 
-    @router.get("/ready")
+    @router.get("/ready", responses={503: _json("loading, asleep, or waiting for its group's epoch: `reason` says")})
     async def ready() -> JSONResponse:
         body: dict[str, str | None] = {"phase": runtime.phase.value}
         if runtime.failure is not None:
@@ -34,7 +40,7 @@ def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
             body["reason"], ready = waiting, False
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from tidal.worker.server.errors import ApiError, ErrorBody, ErrorResponse
+from tidal.worker.server.errors import ApiError, error_body
 from tidal.worker.server.generation import Generation
 from tidal.worker.server.responses import (
     ChatCompletionChunk,
@@ -77,9 +77,10 @@ class SSEResponse(StreamingResponse):
 
 
 def _error_event(exc: BaseException) -> str:
-    status, message = (exc.status, exc.message) if isinstance(exc, ApiError) else (500, "internal error in the engine")
-    body = ErrorBody(message=message, type="server_error" if status >= 500 else "invalid_request_error")
-    return sse_event(ErrorResponse(error=body))
+    """The same body, code included, as the error would have had as a response before the stream started."""
+    if isinstance(exc, ApiError):
+        return sse_event(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
+    return sse_event(error_body(500, "internal error in the engine", code="internal_error"))
 
 
 async def completion_events(
