@@ -109,6 +109,12 @@ def test_sleep_drains_running_requests_or_aborts_them_with_a_reason(tiny_model):
             for future in running:
                 response = future.result()
                 assert response.status_code == 503 and "goes to sleep" in response.json()["error"]["message"]
+                assert response.json()["error"]["code"] == "interrupted"
+        assert worker.api is not None
+        metrics = worker.api.get("/metrics").text
+        # The server's interruption is counted apart from clients that went away.
+        assert 'tidal_requests_total{endpoint="completions",outcome="interrupted"} 3.0' in metrics
+        assert 'tidal_requests_total{endpoint="completions",outcome="cancelled"} 0.0' in metrics
 
 
 def _wait_for_in_flight(worker: ControlledWorker, n: int) -> None:

@@ -1,0 +1,154 @@
+"""What the two HTTP APIs answer and what their OpenAPI documents say agree, on the points a contract test found
+apart: 405's Allow header, 400 (not FastAPI's 422) for a bad body, the control API's token and refusals, /metrics'
+media type, strict numbers in control requests, and the code a streamed error carries. The fuzzing of both documents
+is in test_api_fuzz.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from tidal.contract.control_api import (
+    CollectiveUpdateRequest,
+    GroupMember,
+    GroupReconfigureRequest,
+    SleepRequest,
+    WeightsUpdateRequest,
+)
+from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.server.app import build_api_app
+from tidal.worker.server.config import ServerConfig
+from tidal.worker.server.errors import ApiError
+from tidal.worker.server.prompts import PromptBuilder
+from tidal.worker.server.runtime import WorkerRuntime
+from tidal.worker.server.streaming import chat_events, completion_events
+
+
+def _never_loads():
+    raise AssertionError("these tests never load a model")
+
+
+@pytest.fixture(scope="module")
+def serving_app():
+    runtime = WorkerRuntime(_never_loads)
+    metrics = WorkerMetrics(CollectorRegistry(), runtime.stats)
+    app = build_api_app(runtime, metrics, ServerConfig(), PromptBuilder(1))
+    with TestClient(app) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def control_document():
+    # The document is built from the routes alone; no manager method runs.
+    from pydantic import SecretStr
+
+    from tidal.worker.control.app import build_control_app
+
+    app = build_control_app(manager=None, token=SecretStr("t" * 20))  # type: ignore[arg-type]
+    return app.openapi()
+
+
+def _operations(document):
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            yield path, method, operation
+
+
+def test_a_405_names_the_allowed_methods(serving_app):
+    response = serving_app.delete("/v1/models")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "GET"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_the_serving_document_says_400_with_openais_error_body(serving_app):
+    document = serving_app.get("/openapi.json").json()
+    for path, method, operation in _operations(document):
+        assert "422" not in operation["responses"], (method, path)
+    completions = document["paths"]["/v1/completions"]["post"]["responses"]
+    assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert set(completions["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    assert set(document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "503" in document["paths"]["/ready"]["get"]["responses"]
+
+
+def test_the_metrics_answer_is_the_documented_text(serving_app):
+    assert serving_app.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_the_control_document_declares_the_token_and_each_routes_refusals(control_document):
+    assert control_document["security"] == [{"bearerToken": []}]
+    assert control_document["components"]["securitySchemes"]["bearerToken"] == {"type": "http", "scheme": "bearer"}
+    for path, method, operation in _operations(control_document):
+        responses = operation["responses"]
+        assert "401" in responses, (method, path)
+        for status, response in responses.items():
+            if status.startswith(("4", "5")):
+                schema = response["content"]["application/json"]["schema"]["$ref"]
+                assert schema.endswith("/ControlError"), (method, path, status)
+    update = control_document["paths"]["/weights/update"]["post"]["responses"]
+    assert {"400", "401", "409", "422", "503"} <= set(update)  # 422: bad_checkpoint, the route's own
+    assert "bad_checkpoint" in update["422"]["description"]
+    reconfigure = control_document["paths"]["/group/reconfigure"]["post"]["responses"]
+    assert "stale_epoch" in reconfigure["409"]["description"]
+    chunk = control_document["paths"]["/weights/stream/{upload_id}/chunk"]["post"]
+    assert "application/octet-stream" in chunk["requestBody"]["content"]
+    file_param = next(p for p in chunk["parameters"] if p["name"] == "file")
+    assert file_param["schema"]["pattern"].endswith(r"\.(safetensors|json)$")
+    assert "HTTPValidationError" not in control_document["components"]["schemas"]
+
+
+@pytest.mark.parametrize(
+    ("model", "body"),
+    [
+        (GroupMember, {"rank": False, "address": "a:1"}),
+        (GroupMember, {"rank": "1", "address": "a:1"}),
+        (SleepRequest, {"level": True}),
+        (SleepRequest, {"drain_timeout_s": True}),
+        (WeightsUpdateRequest, {"source": "/w", "version": "v", "allow_extra_tensors": "yes"}),
+        (GroupReconfigureRequest, {"epoch": True, "members": [{"rank": 0, "address": "a:1"}], "coordinator_rank": 0}),
+        (
+            CollectiveUpdateRequest,
+            {
+                "master_address": "h",
+                "master_port": 1,
+                "rank": True,
+                "world_size": 2,
+                "version": "v",
+                "tensors": [{"name": "w", "shape": [1], "dtype": "float32"}],
+            },
+        ),
+    ],
+)
+def test_control_requests_take_numbers_and_flags_strictly(model, body):
+    with pytest.raises(ValidationError):
+        model.model_validate(body)
+
+
+def test_control_requests_still_take_enum_strings_and_whole_floats():
+    request = SleepRequest.model_validate({"level": 2, "mode": "abort", "drain_timeout_s": 5})
+    assert request.level == 2 and request.mode.value == "abort" and request.drain_timeout_s == 5.0
+
+
+class _Interrupted:
+    """A generation whose engine request is interrupted after one output (a sleep in mode abort)."""
+
+    num_prompt_tokens = num_output_tokens = 0
+
+    async def outputs(self):
+        raise ApiError(503, "the worker goes to sleep", code="interrupted")
+        yield  # an async generator
+
+
+@pytest.mark.parametrize("events", [completion_events, chat_events])
+def test_a_streamed_error_carries_the_code_the_response_would_have(events):
+    async def collect() -> list[str]:
+        return [e async for e in events(_Interrupted(), "id", "m", False)]  # type: ignore[arg-type]
+
+    error = next(e for e in asyncio.run(collect()) if '"error"' in e)
+    assert '"code":"interrupted"' in error and '"type":"service_unavailable"' in error
