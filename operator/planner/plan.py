@@ -98,7 +98,7 @@ def plan(inp: PlanInput) -> Plan:
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
     foreign = foreign_children_message(inp.children)
     weights = weights_view(facts, previous)
-    pods = plan_pods(facts, inp.pod_refusals, weights.start)
+    pods = plan_pods(facts, inp.pod_refusals, weights.start, frozenset(inp.children.taken_pod_names()))
     if any(key.startswith("Secret/") for key in inp.children.foreign):
         # New pods would mount someone else's Secret as their control token: none is created until it is gone.
         pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
