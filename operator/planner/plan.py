@@ -103,8 +103,9 @@ def plan(inp: PlanInput) -> Plan:
         # New pods would mount someone else's Secret as their control token: none is created until it is gone.
         pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
     sleep = decide_sleep(facts, inp.now)
-    sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, weights, sleep.asleep, pods.budget_left, pods.replaced_replicas)
+    updating = frozenset(a.pod for a in rollout.actions if isinstance(a, UpdateWeights))
+    sleep_actions = plan_sleep(facts, sleep, updating)
     decisions = decide_groups(facts, inp.groups, sleep.asleep, inp.clock)
     groups = group_view(facts, decisions, previous, inp.clock)
     deleting = {a.name for a in pods.actions if isinstance(a, DeletePod)}
