@@ -7,6 +7,11 @@ def pod_name(model: str, replica: int, rank: int) -> str:
     return f"{model}-r{replica}-{rank}"
 
 
+def rank_pod_names(model: str, replicas: int, ranks_per_replica: int) -> list[str]:
+    """Every rank's pod name the spec asks for, replica by replica."""
+    return [pod_name(model, replica, rank) for replica in range(replicas) for rank in range(ranks_per_replica)]
+
+
 def group_service_name(model: str) -> str:
     """Headless Service that gives each rank a stable DNS name (`<pod>.<model>-group`)."""
     return f"{model}{c.GROUP_SERVICE_SUFFIX}"

@@ -64,6 +64,7 @@ class KubeApi:
 
     async def get_child(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         read = {
+            "Pod": self.core.read_namespaced_pod,
             "Service": self.core.read_namespaced_service,
             "Secret": self.core.read_namespaced_secret,
             "NetworkPolicy": self.networking.read_namespaced_network_policy,

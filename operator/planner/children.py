@@ -17,6 +17,8 @@ from tidal.operator.planner.actions import (
 )
 from tidal.operator.planner.observed import ObservedChildren, child_key
 
+NAMED_FOREIGN = 5
+
 
 def plan_children(
     model: InferenceModel, children: ObservedChildren, operator: OperatorIdentity, fresh_token: SecretStr
@@ -50,7 +52,9 @@ def foreign_children_message(children: ObservedChildren) -> str | None:
     """The Degraded message while objects under our children's names belong to someone else (None: none do)."""
     if not children.foreign:
         return None
-    found = "; ".join(
-        f"{key} exists and is not this model's ({owner})" for key, owner in sorted(children.foreign.items())
-    )
+    # A few names: a pod may be in the way of every rank, and a condition's message must stay short.
+    named = sorted(children.foreign.items())[:NAMED_FOREIGN]
+    found = "; ".join(f"{key} exists and is not this model's ({owner})" for key, owner in named)
+    if len(children.foreign) > NAMED_FOREIGN:
+        found += f"; and {len(children.foreign) - NAMED_FOREIGN} more"
     return f"{found}: Tidal neither changes nor adopts it; delete or rename it, or give the model another name"

@@ -17,6 +17,7 @@ PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
 CRASH_LOOP_REASON = "CrashLoopBackOff"
 # The worker container's port that its group endpoint listens on (expert parallelism; set by the pod builder).
 GROUP_PORT_NAME = "group"
+POD_KEY = "Pod/"  # how a pod is named among the children ("Kind/name")
 
 
 class ObservedPod(BaseModel):
@@ -128,11 +129,19 @@ class SentEpoch(BaseModel):
 class ObservedChildren(BaseModel):
     """Services, Secret and NetworkPolicy that exist: "Kind/name" -> their spec-hash annotation ("" if none).
 
-    `foreign`: objects under a child's name that this model does not control (no controller ownerReference to its
-    UID): "Kind/name" -> who controls it. They are never patched, adopted or deleted, and the model is Degraded."""
+    `foreign`: objects under a child's name (a rank's pod name included) that this model does not control (no
+    controller ownerReference to its UID): "Kind/name" -> who controls it. They are never patched, labelled, called,
+    adopted or deleted, nothing is created under their names, and the model is Degraded.
+    `departing`: pod names held by a pod of someone else's that is on its way out (`sort_strangers`): nothing is
+    created under them until it is gone, and no one is to blame."""
 
     existing: dict[str, str] = Field(default_factory=dict)
     foreign: dict[str, str] = Field(default_factory=dict)
+    departing: set[str] = Field(default_factory=set)
+
+    def taken_pod_names(self) -> set[str]:
+        """Rank pod names that a pod this model does not control holds: no pod is created under them."""
+        return {key.removeprefix(POD_KEY) for key in self.foreign if key.startswith(POD_KEY)} | self.departing
 
 
 def controlled_by(obj: dict[str, Any], uid: str) -> bool:
@@ -146,6 +155,28 @@ def controller_of(obj: dict[str, Any]) -> str:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     ref = next((r for r in refs if r.get("controller")), None)
     return f"{ref.get('kind')}/{ref.get('name')}" if ref is not None else "no controller"
+
+
+def sort_strangers(pods: list[dict[str, Any]], model: str) -> tuple[dict[str, str], set[str]]:
+    """Pods under a rank's name that the model does not control -> (foreign: "Pod/name" -> who controls it, departing:
+    the names of those on their way out). On their way out: terminating, or left by an earlier model of the same name
+    (a namespace holds one model of a name at a time, so that one is deleted and the garbage collector takes its pods).
+    """
+    foreign: dict[str, str] = {}
+    departing: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata", {})
+        refs = meta.get("ownerReferences") or []
+        earlier = any(
+            ref.get("controller") and ref.get("kind") == c.KIND and ref.get("name") == model
+            and str(ref.get("apiVersion", "")).startswith(f"{c.GROUP}/")
+            for ref in refs
+        )  # fmt: skip
+        if meta.get("deletionTimestamp") is not None or earlier:
+            departing.add(meta["name"])
+        else:
+            foreign[f"{POD_KEY}{meta['name']}"] = controller_of(pod)
+    return foreign, departing
 
 
 def child_key(manifest: dict[str, Any]) -> str:

@@ -98,13 +98,14 @@ def plan(inp: PlanInput) -> Plan:
     actions: list[Action] = plan_children(inp.model, inp.children, inp.operator, inp.fresh_token)
     foreign = foreign_children_message(inp.children)
     weights = weights_view(facts, previous)
-    pods = plan_pods(facts, inp.pod_refusals, weights.start)
+    pods = plan_pods(facts, inp.pod_refusals, weights.start, frozenset(inp.children.taken_pod_names()))
     if any(key.startswith("Secret/") for key in inp.children.foreign):
         # New pods would mount someone else's Secret as their control token: none is created until it is gone.
         pods = replace(pods, actions=[a for a in pods.actions if not isinstance(a, CreatePod)])
     sleep = decide_sleep(facts, inp.now)
-    sleep_actions = plan_sleep(facts, sleep)
     rollout = plan_rollout(facts, weights, sleep.asleep, pods.budget_left, pods.replaced_replicas)
+    updating = frozenset(a.pod for a in rollout.actions if isinstance(a, UpdateWeights))
+    sleep_actions = plan_sleep(facts, sleep, updating)
     decisions = decide_groups(facts, inp.groups, sleep.asleep, inp.clock)
     groups = group_view(facts, decisions, previous, inp.clock)
     deleting = {a.name for a in pods.actions if isinstance(a, DeletePod)}

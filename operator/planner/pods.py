@@ -12,6 +12,9 @@ fix nor the roll of the others.
 A new pod the API server refuses (`PlanInput.pod_refusals`: the runtime dry-runs what `pods_to_check` lists before
 planning, and remembers a create it refused) is not created, and no running pod is deleted to make room for it: the
 replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message.
+
+A rank whose name a pod of someone else's holds (`ObservedChildren.taken_pod_names`) gets no pod: creating one
+would fail for as long as that pod is there, and it is never deleted or adopted. The other ranks go on as usual.
 """
 
 from collections.abc import Mapping
@@ -81,16 +84,22 @@ def pods_to_check(inp: PlanInput) -> list[PodToCheck]:
     server about each (a dry run) and passes its refusals back in `PlanInput.pod_refusals`."""
     facts = gather(inp)
     start = weights_view(facts, inp.model.status).start
+    taken = inp.children.taken_pod_names()
     out = []
     for slot in facts.slots:
+        if slot.name in taken:
+            continue
         new = _new_pod(facts, slot, start)
         if new is not None:
             out.append(PodToCheck(manifest=new[0], replaces=new[1] != MISSING))
     return out
 
 
-def plan_pods(facts: Facts, refusals: Mapping[str, str], start: Weights) -> PodPlan:
-    """`start`: the weights a pod created now loads at start (`WeightsView.start`)."""
+def plan_pods(
+    facts: Facts, refusals: Mapping[str, str], start: Weights, names_taken: frozenset[str] = frozenset()
+) -> PodPlan:
+    """`start`: the weights a pod created now loads at start (`WeightsView.start`); `names_taken`: rank pod names a
+    pod of someone else's holds (no pod is created under them)."""
     model = facts.model
     actions: list[Action] = []
     refused: list[PodRefusal] = []
@@ -99,6 +108,8 @@ def plan_pods(facts: Facts, refusals: Mapping[str, str], start: Weights) -> PodP
         pod = slot.pod
         if pod is not None and pod.finished and not pod.terminating:
             actions.append(DeletePod(name=pod.name, reason=f"pod {pod.phase.lower()}, replacing it"))
+            continue
+        if slot.name in names_taken:
             continue
         new = _new_pod(facts, slot, start)
         if new is None:

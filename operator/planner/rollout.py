@@ -6,6 +6,12 @@ its old weights) stops the roll for those weights; the failure is remembered in 
 spec.weights names other weights. The served weights in status change only when every rank reports the same ones
 with the same checksum; ranks that report one version with different checksums are ChecksumMismatch (Degraded)
 until spec.weights names other weights, which roll.
+
+While the model sleeps the roll waits: a sleeping rank serves nothing, and reading a checkpoint into a model that may
+sleep for long, perhaps through more spec changes, is work for nothing. When the model is to wake, a rank still asleep
+behind the desired weights gets its update before its wake (the worker stages it into its host copy while asleep), at
+either sleep level: woken first, it would serve the old weights until the roll reached it (level 1), or read them
+from disk only to replace them (level 2).
 """
 
 from dataclasses import dataclass
@@ -13,7 +19,7 @@ from typing import Literal
 
 from tidal.operator.api.status import WeightsRolloutStatus
 from tidal.operator.planner.actions import Action, UpdateWeights
-from tidal.operator.planner.facts import Facts
+from tidal.operator.planner.facts import Facts, RankSlot
 from tidal.operator.planner.weights import WeightsView
 
 SyncState = Literal[
@@ -65,15 +71,27 @@ def plan_rollout(
         return RolloutPlan([], view, "PausedWhileAsleep")
     actions: list[Action] = []
     for replica in range(facts.replicas):
-        if replica in skip_replicas or budget == 0:
+        if replica in skip_replicas:
             continue
         slots = facts.replica_slots(replica)
         stale = [s for s in slots if s.weights is not None and not view.serves_desired(s)]
+        if not stale:
+            continue
+        if all(s.loaded and s.asleep for s in slots):
+            # A replica still asleep in a model that is to wake serves nothing: its update costs no capacity, and
+            # it is woken only once it holds the desired weights (`sleep.plan_sleep`), never on the old ones.
+            actions += _updates(stale, replica, view)
+            continue
         # Only a replica whose every rank is ready and awake is updated; the others get there first (a rank that
         # does not serve and would start on other weights is replaced: `pods.py`).
-        if not stale or not all(s.ready and s.loaded and not s.asleep for s in slots):
+        if budget == 0 or not all(s.ready and s.loaded and not s.asleep for s in slots):
             continue
         budget -= 1
-        source = desired.source or ""
-        actions += [UpdateWeights(pod=s.name, replica=replica, source=source, version=desired.version) for s in stale]
+        actions += _updates(stale, replica, view)
     return RolloutPlan(actions, view, "RollingOut")
+
+
+def _updates(stale: list[RankSlot], replica: int, view: WeightsView) -> list[Action]:
+    desired = view.desired
+    source = desired.source or ""
+    return [UpdateWeights(pod=s.name, replica=replica, source=source, version=desired.version) for s in stale]

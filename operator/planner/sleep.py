@@ -4,12 +4,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from tidal.contract.control_api import ResidentTag, SleepState, WorkerState
+from tidal.contract.control_api import SleepState, WorkerState
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.status import Condition, IdleClockStatus
-from tidal.operator.builders.weights import Weights, desired_weights
-from tidal.operator.planner.actions import Action, SleepRank, UpdateWeights, WakeRank
-from tidal.operator.planner.facts import Facts, RankSlot
+from tidal.operator.planner.actions import Action, SleepRank, WakeRank
+from tidal.operator.planner.facts import Facts
 
 SleepReason = Literal["Requested", "IdleTimeout"]
 
@@ -90,7 +89,9 @@ def _idle(state: WorkerState | None, timeout: int, dozing: bool) -> bool:
     return state.seconds_since_last_request >= timeout
 
 
-def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:
+def plan_sleep(facts: Facts, decision: SleepDecision, updating: frozenset[str] = frozenset()) -> list[Action]:
+    """`updating`: ranks the roll sends an update in this pass. One still asleep is woken by the next pass, on the
+    weights the update staged (`rollout.py`), so a wake never brings back weights the spec no longer asks for."""
     level = facts.model.spec.sleep.level
     actions: list[Action] = []
     for slot in facts.slots:
@@ -101,23 +102,6 @@ def plan_sleep(facts: Facts, decision: SleepDecision) -> list[Action]:
             # Deeper is fine to go to; a rank asleep at level 2 already satisfies a level-1 request.
             if state.sleep_state == SleepState.AWAKE or (state.sleep_level or 0) < level:
                 actions.append(SleepRank(pod=slot.name, level=level))
-        elif state.sleep_state == SleepState.ASLEEP:
-            actions.append(_wake(facts, slot, state))
+        elif state.sleep_state == SleepState.ASLEEP and slot.name not in updating:
+            actions.append(WakeRank(pod=slot.name))
     return actions
-
-
-def _wake(facts: Facts, slot: RankSlot, state: WorkerState) -> Action:
-    """A rank that dropped its weights (level 2) re-reads the version it served when it wakes. Behind the desired
-    version, it gets the update first instead: the worker stages it into its host buffer while it sleeps, and the
-    wake of the next pass brings back the new weights, one read instead of the old version's and then a roll's.
-    Once that version's update failed, the rank wakes on what it has (the roll holds the failure)."""
-    desired = desired_weights(facts.model.spec)
-    served = Weights(state.weights_version or "", state.weights_source)
-    if state.sleep_level != 2 or ResidentTag.WEIGHTS in state.resident or served.same_as(desired):
-        return WakeRank(pod=slot.name)
-    failed = slot.observation.update_failure
-    held = facts.model.status.weights_rollout if facts.model.status is not None else None
-    version = desired.version
-    if (failed is not None and failed.version == version) or (held is not None and held.failed_version == version):
-        return WakeRank(pod=slot.name)
-    return UpdateWeights(pod=slot.name, replica=slot.replica, source=desired.source or "", version=version)

@@ -180,7 +180,7 @@ def compute_status(
         "Synced": f"every rank serves {rollout.desired_version}",
         "RollingOut": f"rolling {rollout.desired_version} into the ranks",
         "WaitingForRanks": f"waiting for every rank to report {rollout.desired_version} and its checksum",
-        "PausedWhileAsleep": f"{rollout.desired_version} will be rolled in after the model wakes",
+        "PausedWhileAsleep": f"{rollout.desired_version} reaches each rank when the model wakes, before it serves",
         "UpdateFailed": f"the update to {rollout.desired_version} failed",
         "ChecksumMismatch": "ranks disagree on the weights' checksum",
         "NoRanks": "no ranks",

@@ -20,6 +20,7 @@ from tidal.operator.planner.observed import (
     controller_of,
     observe_child,
     observe_pod,
+    sort_strangers,
 )
 from tidal.operator.runtime.workers import Target
 
@@ -65,6 +66,21 @@ def targets_of(pods: list[dict[str, Any]]) -> dict[str, Target]:
     return out
 
 
+async def _strangers_under_rank_names(
+    kube: KubeApi, model: InferenceModel, listed: list[dict[str, Any]]
+) -> tuple[dict[str, str], set[str]]:
+    """Pods under a rank's name that the model does not control (`sort_strangers`). The model's label list finds only
+    pods with its label, so a rank name the list lacks is read by name: a pod there without the label would make
+    every create of that rank fail. Only missing ranks are read, so a model whose pods all exist costs no extra call."""
+    namespace, name = model.metadata.namespace, model.metadata.name
+    by_name = {p["metadata"]["name"]: p for p in listed}
+    wanted = names.rank_pod_names(name, model.spec.replicas, model.spec.expert_parallel)
+    missing = [n for n in wanted if n not in by_name]
+    read = await asyncio.gather(*(kube.get_child("Pod", namespace, n) for n in missing))
+    under_names = [by_name[n] for n in wanted if n in by_name] + [p for p in read if p is not None]
+    return sort_strangers([p for p in under_names if not controlled_by(p, model.metadata.uid)], name)
+
+
 async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceModel) -> KubeObservation:
     namespace, name = model.metadata.namespace, model.metadata.name
     wanted = child_names(name)
@@ -74,6 +90,7 @@ async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceMode
     uid = model.metadata.uid
     # Pods of an earlier model with the same name (still being garbage-collected) are not this model's.
     mine = [p for p in raw_pods if controlled_by(p, uid)]
+    strangers = await _strangers_under_rank_names(kube, model, raw_pods)
     pods = [obs for obs in (observe_pod(p) for p in mine) if obs is not None]
     existing: dict[str, str] = {}
     foreign: dict[str, str] = {}
@@ -91,6 +108,6 @@ async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceMode
         model=model,
         pods=pods,
         targets={k: v for k, v in targets_of(mine).items() if any(p.name == k for p in pods)},
-        children=ObservedChildren(existing=existing, foreign=foreign),
+        children=ObservedChildren(existing=existing, foreign={**foreign, **strangers[0]}, departing=strangers[1]),
         token=read_token(secret) if secret and controlled_by(secret, uid) else None,
     )

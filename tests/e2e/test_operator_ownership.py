@@ -5,8 +5,10 @@ import pytest
 from operator_e2e import (
     condition,
     create_model,
+    events_of,
     model_manifest,
     model_pods,
+    phase_is,
     wait_model,
     wait_until,
 )
@@ -48,3 +50,30 @@ def test_a_planted_token_secret_is_not_used_and_no_pod_mounts_it(devcluster, nam
     assert model_pods(devcluster, namespace, "tok") == {}
     planted = devcluster.core.read_namespaced_secret("tok-control-token", namespace)
     assert planted.metadata.owner_references is None
+
+
+def test_a_pod_planted_under_a_rank_name_is_left_alone_and_the_rank_follows_once_it_is_gone(
+    devcluster, namespace, models
+):
+    planted = {
+        "metadata": {"name": "pp-r1-0", "labels": {"app": "planted"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            # The node agent ignores the image and runs the command as a local process.
+            "containers": [{"name": "main", "image": "not-used", "command": ["sleep", "3600"]}],
+        },
+    }
+    devcluster.core.create_namespaced_pod(namespace, planted)
+    create_model(devcluster, namespace, model_manifest("pp", models, {"replicas": 2}))
+    obj = wait_model(devcluster, namespace, "pp", _foreign, timeout_s=60, what="Degraded=ForeignObject")
+    assert "Pod/pp-r1-0 exists and is not this model's (no controller)" in condition(obj, "Degraded")["message"]
+    wait_until(lambda: "pp-r0-0" in model_pods(devcluster, namespace, "pp"), 60, "the other rank's pod")
+    kept = devcluster.core.read_namespaced_pod("pp-r1-0", namespace)
+    assert kept.metadata.owner_references is None and kept.metadata.labels == {"app": "planted"}
+    warnings = [e for e in events_of(devcluster, namespace, "pp") if e.reason == "ForeignObject"]
+    assert warnings and warnings[0].type == "Warning" and "Pod/pp-r1-0" in warnings[0].message
+    # Once it is gone the rank gets its own pod, and the model serves on both replicas.
+    devcluster.core.delete_namespaced_pod("pp-r1-0", namespace)
+    obj = wait_model(devcluster, namespace, "pp", phase_is("Ready"), timeout_s=150, what="Ready on both ranks")
+    assert condition(obj, "Degraded")["status"] == "False"
+    assert set(model_pods(devcluster, namespace, "pp")) == {"pp-r0-0", "pp-r1-0"}

@@ -1,6 +1,7 @@
 """Sleep/wake and in-place weight rolls through the operator, checked against the workers themselves and against
-transformers: same greedy output after a wake, new weights without pod restarts, a broken checkpoint held as
-Degraded while the old version keeps serving, and an operator restart in the middle of a roll."""
+transformers: same greedy output after a wake, weights changed while asleep reach each rank before its wake, new
+weights without pod restarts, a broken checkpoint held as Degraded while the old version keeps serving, and an
+operator restart in the middle of a roll."""
 
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,6 +71,31 @@ def test_sleep_then_wake_serves_the_same_greedy_output(devcluster, namespace, mo
     for pod, text in zip(pods, before, strict=True):
         assert worker_state(devcluster, namespace, "sleepy", pod)["sleep_state"] == "awake"
         assert complete(devcluster, namespace, pod, PROMPT, NEW_TOKENS) == text
+
+    # Weights changed while asleep (level 1: the old ones stay in host memory). Each rank gets the update before its
+    # wake, so none serves the old weights again under the new spec.
+    patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Asleep"}})
+    wait_model(
+        devcluster, namespace, "sleepy", lambda o: condition(o, "Sleeping").get("status") == "True", timeout_s=60,
+        what="Sleeping=True again",
+    )  # fmt: skip
+    patch_spec(devcluster, namespace, "sleepy", {"weights": {"version": "b", "source": "tiny-llama-b"}})
+    wait_model(
+        devcluster, namespace, "sleepy", lambda o: condition(o, "WeightsSynced").get("reason") == "PausedWhileAsleep",
+        timeout_s=30, what="the roll waiting while asleep",
+    )  # fmt: skip
+    patch_spec(devcluster, namespace, "sleepy", {"sleep": {"state": "Awake"}})
+    wait_model(devcluster, namespace, "sleepy", synced_to("b"), timeout_s=120, what="awake on b")
+    log = devcluster.pod_log(OPERATOR_NS, lease_holder(devcluster), "operator").splitlines()
+    prompt = AutoTokenizer.from_pretrained(models / "tiny-llama-b")(PROMPT)["input_ids"]
+    expected = transformers_text(models / "tiny-llama-b", prompt)
+    for pod in pods:
+        mine = [line for line in log if f"{namespace}/sleepy: " in line]
+        last_sleep = max(i for i, line in enumerate(mine) if f": sleep {pod} " in line)
+        after = [line.split(f"{namespace}/sleepy: ")[1] for line in mine[last_sleep + 1 :]]
+        steps = [step.split(" ")[0] for step in after if f" {pod}" in step and step.startswith(("update", "wake"))]
+        assert steps == ["update", "wake"], after  # the update staged while asleep, then the wake: one read, of b
+        assert complete(devcluster, namespace, pod, prompt, NEW_TOKENS) == expected
 
 
 def test_weight_roll_in_place_then_a_broken_checkpoint_is_held(devcluster, namespace, models):

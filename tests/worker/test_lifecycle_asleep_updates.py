@@ -169,27 +169,58 @@ os._exit(3)
 """
 
 
-def test_no_room_for_a_spare_buffer_refuses_the_update_and_keeps_the_old_weights(tiny_model, incoming, monkeypatch):
+def _no_room_for_a_spare(monkeypatch: pytest.MonkeyPatch) -> None:
     from tidal.worker.lifecycle import residency
 
-    model_dir = tiny_model("llama")
+    monkeypatch.setattr(residency, "spare_host_buffer", lambda slots, _: staging.spare_host_buffer(slots, 2**62))
+
+
+def test_no_room_for_a_spare_buffer_refuses_an_update_over_weights_only_the_host_holds(
+    tiny_model, served, incoming, monkeypatch
+):
     with pytest.raises(HostMemoryError, match="could not be allocated"):  # the real allocator refuses 4 EiB
         staging.spare_host_buffer({}, 2**62)
 
     async def scenario() -> None:
-        async with running_manager(model_dir) as manager:
-            outputs, checksum = await greedy(manager, PROMPTS), (await manager.checksum()).overall
-            await manager.sleep(SleepRequest(level=1))
-            monkeypatch.setattr(
-                residency, "spare_host_buffer", lambda slots, _: staging.spare_host_buffer(slots, 2**62)
-            )
+        async with running_manager(tiny_model("llama")) as manager:
+            outputs, checksum = await _asleep_serving(manager, served)  # streamed: nowhere to re-read it from
+            _no_room_for_a_spare(monkeypatch)
             with pytest.raises(HostMemoryError, match="wake the model first") as err:
                 await manager.update_from_disk(WeightsUpdateRequest(source=str(incoming), version="c"))
             monkeypatch.undo()
-            assert err.value.code == "no_host_memory" and manager.version == "a"
-            assert (await manager.checksum(recompute=True)).overall == checksum
+            assert err.value.code == "no_host_memory"
+            await _still_serves(manager, outputs, checksum)
+
+    asyncio.run(scenario())
+
+
+def test_no_room_for_a_spare_buffer_gives_up_a_host_copy_that_disk_holds_too(
+    tiny_model, incoming, tmp_path, monkeypatch
+):
+    # Served from a directory, the old weights can be read again: the update takes the host buffer, and one that
+    # breaks part way leaves the wake to re-read the old version, as after a level-2 sleep.
+    model_dir = tiny_model("llama")
+    shrinking = tmp_path / "shrinking"
+    shutil.copytree(incoming, shrinking)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            outputs = await greedy(manager, PROMPTS)
+            await manager.sleep(SleepRequest(level=1))
+            _no_room_for_a_spare(monkeypatch)
+            with pytest.MonkeyPatch.context() as shrink:
+                _files_shrink_once_checked(shrink)
+                with pytest.raises(CheckpointRejectedError, match="part way"):
+                    await manager.update_from_disk(WeightsUpdateRequest(source=str(shrinking), version="c"))
+            assert manager.version == "a"
             await manager.wake_up(WakeUpRequest())
+            assert manager.residency is not None and "reload from disk" in manager.residency.last_wake_phases
             assert await greedy(manager, PROMPTS) == outputs
+            await manager.sleep(SleepRequest(level=1))
+            await manager.update_from_disk(WeightsUpdateRequest(source=str(incoming), version="c"))
+            await manager.wake_up(WakeUpRequest())
+            assert manager.version == "c" and "reload from disk" not in manager.residency.last_wake_phases
+            assert await greedy(manager, PROMPTS) != outputs
 
     asyncio.run(scenario())
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidal.contract.control_api import SleepRequest, StreamFinishRequest, WeightsUpdateRequest
+from tidal.contract.control_api import SleepRequest, StreamFinishRequest, WakeUpRequest, WeightsUpdateRequest
 from tidal.worker.checkpoint import reader
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
@@ -272,5 +272,27 @@ def test_a_stalled_read_fails_the_update_in_time_and_frees_the_worker(tiny_model
             monkeypatch.setattr(reader, "_read_fully", real_read)
             result = await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
             assert result.version == "b" == manager.version
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_update_while_asleep_is_what_the_wake_serves(tiny_model, version_b, level):
+    # What the operator relies on to wake a rank on new weights: the update is staged while asleep, and the wake
+    # brings back B without serving or (level 2) re-reading A first.
+    model_dir = tiny_model("llama")
+    prompts = prompt_ids(model_dir)
+    expected_b = transformers_greedy(version_b, prompts, 12)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            await manager.sleep(SleepRequest(level=level))
+            await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
+            state = manager.state()
+            assert state.sleep_state == "asleep" and state.weights_version == "b"
+            assert state.weights_source == str(version_b)
+            await manager.wake_up(WakeUpRequest())
+            assert manager.residency is not None and "reload from disk" not in manager.residency.last_wake_phases
+            assert await greedy(manager, prompts) == expected_b
 
     asyncio.run(scenario())

@@ -29,7 +29,12 @@ from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective
 from tidal.worker.lifecycle.checksum import overall_digest, weights_digests
-from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.errors import (
+    CheckpointRejectedError,
+    DrainTimeoutError,
+    HostMemoryError,
+    WeightsUnavailableError,
+)
 from tidal.worker.lifecycle.kv_fill import KVFill
 from tidal.worker.lifecycle.resident import ResidentWeights
 from tidal.worker.lifecycle.staging import check_directory, spare_host_buffer, stage_tensors
@@ -232,16 +237,31 @@ class Residency:
         (level 2). Asleep at level 1 the buffer is the only copy of the served weights, so the update goes into a
         spare buffer, allocated for this update only, and is copied over the host buffer once all of it arrived: a
         transfer that breaks half way (a read error, a trainer gone mid-broadcast) leaves the old weights whole.
+        Without room for the spare, a served version that came from a directory is given up instead, as a level-2
+        sleep would: the update goes into the buffer, and if it breaks, the wake re-reads the old version. Refusing
+        would leave a model that wakes on new weights no way but to serve the old ones until it is updated awake.
         """
         if not (self._host_valid and not self.weights.is_resident):
-            self._host_valid = False  # from here on the buffer is overwritten
-            yield self.weights.host_views()
-            self._host_valid = not self.weights.is_resident  # asleep: the buffer now holds the staged version
+            yield from self._stage_into_host_buffer()
             return
-        spare, views = spare_host_buffer(self.weights.slots, self.weights.nbytes)
+        try:
+            spare, views = spare_host_buffer(self.weights.slots, self.weights.nbytes)
+        except HostMemoryError:
+            if self.version_source is None:
+                raise  # streamed or broadcast: the host buffer is the only copy there is
+            log.info(
+                "no room for a spare host buffer: version %s is re-read from disk if this update fails", self.version
+            )
+            yield from self._stage_into_host_buffer()
+            return
         yield views
         # One host copy keeps the (pinned, allocated once) host buffer and the views into it; the spare is freed.
         self.weights.host.copy_(spare)
+
+    def _stage_into_host_buffer(self) -> Iterator[dict[str, torch.Tensor]]:
+        self._host_valid = False  # from here on the buffer is overwritten
+        yield self.weights.host_views()
+        self._host_valid = not self.weights.is_resident  # asleep: the buffer now holds the staged version
 
     def apply_staged(self, version: str, mode: DrainMode, drain_timeout_s: float) -> float:
         """Copy the staged buffer over the served weights, between requests. -> seconds serving was held."""

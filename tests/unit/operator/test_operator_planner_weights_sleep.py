@@ -1,5 +1,6 @@
 """Planner: weight rolls (replica by replica, maxUnavailable, failure stops the roll) and sleep/wake."""
 
+import pytest
 from operator_fixtures import healthy, make_model, pod_for, pod_name, run, with_status, worker
 
 from tidal.operator.api.conditions import find_condition
@@ -151,24 +152,35 @@ def test_roll_waits_while_asleep():
     assert _updates(result) == [] and _cond(result, "WeightsSynced").reason == "PausedWhileAsleep"
 
 
-def test_a_level_two_sleeper_behind_the_desired_version_gets_it_before_it_wakes():
-    # Level 2 dropped the weights: a plain wake would re-read the old version from disk, then roll the new one in.
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeper_behind_the_desired_weights_gets_them_before_it_wakes(level):
+    # Woken first, a rank would serve the old weights until the roll reached it (level 1 keeps them in host memory),
+    # or read them from disk only to replace them (level 2 dropped them).
     model, pods, _ = _served_base(2)
-    deep = {p.name: worker(asleep=True, level=2) for p in pods}
-    result = run(model, pods, deep)
+    asleep = {p.name: worker(asleep=True, level=level) for p in pods}
+    result = run(model, pods, asleep)
     assert not any(isinstance(a, WakeRank) for a in result.actions)
     assert [(u.pod, u.version, u.source) for u in _updates(result)] == [
         ("tiny-r0-0", "v2", "/srv/models/ckpt/v2"),
         ("tiny-r1-0", "v2", "/srv/models/ckpt/v2"),
     ]
     # The worker staged v2 while asleep: the next pass wakes it, with nothing left to roll.
-    staged = {p.name: worker("v2", "sum-v2", asleep=True, level=2) for p in pods}
-    result = run(model, pods, staged)
+    staged = {
+        p.name: worker("v2", "sum-v2", asleep=True, level=level, weights_source="/srv/models/ckpt/v2") for p in pods
+    }
+    result = run(with_status(model, result), pods, staged)
     assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
-    # Level 1 keeps the weights in host memory: a wake is a copy, and the roll follows as usual.
-    light = {p.name: worker(asleep=True, level=1) for p in pods}
-    result = run(model, pods, light)
-    assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
+
+
+def test_a_sleeper_update_takes_no_unavailability_budget_and_an_awake_model_is_not_woken_by_it():
+    # Asleep replicas serve nothing: each is updated before its wake, however many there are.
+    model, pods, _ = _served_base(3, {"updateStrategy": {"maxUnavailable": 1}})
+    asleep = {p.name: worker(asleep=True, level=2) for p in pods}
+    assert len(_updates(run(model, pods, asleep))) == 3
+    # While the model is to stay asleep nothing is read: the spec may change again before it wakes.
+    sleeping, pods, _ = _served_base(3, {"sleep": {"state": "Asleep", "level": 2}})
+    result = run(sleeping, pods, asleep)
+    assert _updates(result) == [] and not any(isinstance(a, WakeRank) for a in result.actions)
 
 
 def test_a_level_two_sleeper_wakes_on_its_weights_once_the_new_version_failed():

@@ -3,11 +3,13 @@ the children and the pod and writes the status once; a pass with nothing new wri
 back through JSON compares equal); a deleted model is forgotten, and its memory with it."""
 
 import asyncio
+import copy
 
 import httpx
 from memory_kube import MemoryKube, start_pod, worker_state
 from prometheus_client import CollectorRegistry, generate_latest
 
+from tidal.operator.api import constants as c
 from tidal.operator.config import OperatorConfig
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.runtime.reconcile import Reconciler
@@ -197,3 +199,34 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
     delays = asyncio.run(main())
     assert len(updates) == 3  # asked on every pass
     assert delays == [2.0, 4.0, 8.0]
+
+
+class LabelListingKube(MemoryKube):
+    """Lists pods by the model's label, as the API server does: a pod without it is found only by name."""
+
+    async def list_model_pods(self, namespace, model):
+        pods = await super().list_model_pods(namespace, model)
+        return [p for p in pods if (p["metadata"].get("labels") or {}).get(c.LABEL_MODEL) == model]
+
+
+def test_a_planted_pod_under_a_rank_name_is_never_touched_and_is_reported():
+    kube = LabelListingKube()
+    kube.model["spec"]["replicas"] = 2
+    planted = {"kind": "Pod", "metadata": {"name": "tiny-r1-0", "labels": {"app": "web"}}, "status": {}}
+    kube.objects[("Pod", "tiny-r1-0")] = copy.deepcopy(planted)
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            for _ in range(2):
+                await reconcile(("ml", "tiny"))
+
+    asyncio.run(main())
+    assert kube.objects[("Pod", "tiny-r1-0")] == planted  # not patched, labelled or adopted
+    assert not [w for w in kube.writes if "tiny-r1-0" in w]  # not created over, deleted or labelled either
+    assert "create Pod/tiny-r0-0" in kube.writes  # the other rank goes on
+    assert kube.writes.count("event ForeignObject") == 1
+    degraded = next(cond for cond in kube.model["status"]["conditions"] if cond["type"] == "Degraded")
+    assert degraded["reason"] == "ForeignObject"
+    assert "Pod/tiny-r1-0 exists and is not this model's" in degraded["message"]
