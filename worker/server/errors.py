@@ -136,7 +136,7 @@ def install_error_handlers(app: FastAPI, metrics: WorkerMetrics) -> None:
     async def on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
         # Starlette's headers carry what the status needs, e.g. a 405's `Allow` (RFC 9110 requires it).
         detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return error_response(exc.status_code, detail, headers=exc.headers)
+        return error_response(exc.status_code, detail, headers=dict(exc.headers) if exc.headers else None)
 
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
