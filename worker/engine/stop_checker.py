@@ -16,7 +16,8 @@ def token_stop_reason(
     if num_tokens is None:
         num_tokens = len(seq.token_ids)
     last = seq.token_ids[num_tokens - 1]
-    if (last in eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
+    stoppable = num_tokens - len(seq.prompt_token_ids) >= params.min_tokens  # the sampler bans them before that
+    if stoppable and ((last in eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids):
         return "stop"
     if reaches_length_limit(seq, num_tokens, max_model_len):
         return "length"
@@ -42,11 +43,22 @@ def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int
 
 
 def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string (held back, not streamed)."""
+    """Length of the longest end of `text` that could still grow into a stop string (held back, not streamed).
+
+    Runs for every new piece of text of a request with stop strings, on the step loop's thread: only the places in
+    the text's tail where a stop's first character occurs are tried, each with one comparison done in C, so the cost
+    stays within a stop string's length per stop even for tails like "aaaa..." (bounded by MAX_STOP_STRINGS and
+    MAX_STOP_STRING_CHARS in sampling_params)."""
     longest = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
+        tail_len = min(len(stop) - 1, len(text))
+        if tail_len <= longest:
+            continue
+        start = len(text) - tail_len
+        i = text.find(stop[0], start)
+        while i != -1 and len(text) - i > longest:
+            if stop.startswith(text[i:]):
+                longest = len(text) - i
                 break
+            i = text.find(stop[0], i + 1)
     return longest

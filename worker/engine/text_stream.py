@@ -24,8 +24,10 @@ class TextStream:
         """-> the new text to hand out; sets `stopped` when a stop string appeared."""
         return self.add_text(self._detokenizer.push(new_token_ids))
 
-    def add_text(self, new_text: str) -> str:
-        """The same as `push`, for tokens whose text the detokenizer already gave (batched over a step)."""
+    def add_text(self, new_text: str, may_stop: bool = True) -> str:
+        """The same as `push`, for tokens whose text the detokenizer already gave (batched over a step).
+        `may_stop` False (min_tokens not reached yet): a stop string in the text so far does not count; text that
+        could still become one is held back all the same."""
         if not new_text:
             return ""  # nothing new can complete a stop string or release held-back text
         if not self._stops:  # nothing is ever held back: skip keeping the whole text (a copy per token)
@@ -34,7 +36,7 @@ class TextStream:
         self.text += new_text
         release_to = len(self.text)
         if self._stops:
-            hit = find_stop_string(self.text, self._stops, before)
+            hit = find_stop_string(self.text, self._stops, before) if may_stop else None
             if hit is not None:
                 index, stop = hit
                 self.stopped = True
