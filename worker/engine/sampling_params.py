@@ -1,8 +1,9 @@
 """Per-request sampling and stopping parameters, validated with messages a client can act on.
 
 The limits on stop strings, stop token ids and logit biases bound what one request can add to the shared step:
-stop strings are searched on the step loop's thread for every new piece of text, and biases and bans are applied to
-the batch's logits on the device. Past them a request is refused, so that no request can slow down its batch mates.
+stop strings are matched on the step loop's thread for every new piece of text (stop_strings.py), and biases and
+bans are applied to the batch's logits on the device. Past them a request is refused, so that no request can slow
+down its batch mates.
 """
 
 from __future__ import annotations

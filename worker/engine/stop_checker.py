@@ -1,4 +1,4 @@
-"""When a sequence stops: by token (EOS, stop ids, max_tokens, max_model_len) and by stop string (pure)."""
+"""When a sequence stops by token: EOS, stop ids, max_tokens, max_model_len (pure; stop strings: stop_strings.py)."""
 
 from __future__ import annotations
 
@@ -30,35 +30,3 @@ def reaches_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> 
     if max_tokens is not None and num_tokens - len(seq.prompt_token_ids) >= max_tokens:
         return True
     return num_tokens >= max_model_len
-
-
-def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
-    """Earliest (index, stop) of a stop string in text that ends after `search_from`."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        i = text.find(stop, max(0, search_from - len(stop) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
-
-
-def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string (held back, not streamed).
-
-    Runs for every new piece of text of a request with stop strings, on the step loop's thread: only the places in
-    the text's tail where a stop's first character occurs are tried, each with one comparison done in C, so the cost
-    stays within a stop string's length per stop even for tails like "aaaa..." (bounded by MAX_STOP_STRINGS and
-    MAX_STOP_STRING_CHARS in sampling_params)."""
-    longest = 0
-    for stop in stops:
-        tail_len = min(len(stop) - 1, len(text))
-        if tail_len <= longest:
-            continue
-        start = len(text) - tail_len
-        i = text.find(stop[0], start)
-        while i != -1 and len(text) - i > longest:
-            if stop.startswith(text[i:]):
-                longest = len(text) - i
-                break
-            i = text.find(stop[0], i + 1)
-    return longest
