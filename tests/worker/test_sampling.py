@@ -154,3 +154,20 @@ def test_min_tokens_holds_back_stop_tokens(engine, prompts):
 def test_a_bias_key_outside_the_vocabulary_is_refused(engine, prompts):
     with pytest.raises(InvalidLogitBiasError, match=f"logit_bias key {engine.vocab_size}"):
         engine.add_request("r", prompts[0], SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_controls_survive_preemption(model_dir, prompts, async_scheduling):
+    # 24 blocks of 4 tokens cannot hold all eight sequences: some are preempted and recomputed, and their token
+    # histories on the device (penalties) and their bans must carry on where they were.
+    params = [CONTROLS[i % len(CONTROLS)].model_copy(update={"max_tokens": 16}) for i in range(8)]
+    roomy = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=256, seed=7))
+    tight = LLMEngine.from_config(
+        EngineConfig(
+            model_path=model_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96, seed=7,
+            async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
+    short = [p[:30] for p in prompts[:8]]
+    assert tokens(tight, short, params) == tokens(roomy, short, params)
+    assert tight.stats().num_preemptions > 0

@@ -50,6 +50,7 @@ class Sampler:
         for the device."""
         penalised = None
         if batch.has_control_columns:
+            logits = logits.contiguous()  # the edits write through a flat view (a no-op for a linear's output)
             has_edits = has_penalties = False
             for params in batch.params:
                 has_edits |= params.has_logit_edits
