@@ -39,6 +39,18 @@ def mixed_params(probe: list[list[int]]) -> list[SamplingParams]:
     return out
 
 
+def controlled_params(probe: list[list[int]]) -> list[SamplingParams]:
+    """mixed_params with the device-side controls on most rows: penalties (token histories appended on the device),
+    logit_bias, min_tokens' bans and min-p."""
+    controls = [
+        {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+        {"repetition_penalty": 1.3, "min_p": 0.05},
+        {"logit_bias": {7: 2.0, 11: -5.0}, "min_tokens": 3},
+        {},
+    ]
+    return [p.model_copy(update=controls[i % len(controls)]) for i, p in enumerate(mixed_params(probe))]
+
+
 def streams(engine: LLMEngine, prompts, params, calls=(0, 0, 0, 2, 3, 5, 5, 8, 13)) -> dict[str, list[tuple]]:
     arrivals = sorted((calls[i % len(calls)], i) for i in range(len(prompts)))
     out: dict[str, list[tuple]] = defaultdict(list)
@@ -53,16 +65,17 @@ def streams(engine: LLMEngine, prompts, params, calls=(0, 0, 0, 2, 3, 5, 5, 8, 1
     return dict(out)
 
 
+@pytest.mark.parametrize("make_params", [mixed_params, controlled_params], ids=["plain", "controls"])
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"enforce_eager": True}, {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96}],
     ids=["graphs", "eager", "graphs-preempting"],
 )
-def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides):
+def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides, make_params):
     model_dir = tiny_model("llama3")
     prompts = prompt_ids(model_dir)
     probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
-    params = mixed_params(probe)
+    params = make_params(probe)
     sync_engine, overlapped_engine = make(model_dir, False, **overrides), make(model_dir, True, **overrides)
     if "enforce_eager" not in overrides:
         assert overlapped_engine.runner.decode_graphs is not None
@@ -73,9 +86,11 @@ def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides):
         assert sync_engine.stats().num_preemptions > 0 and overlapped_engine.stats().num_preemptions > 0
 
 
-def test_the_launch_of_a_decode_step_never_waits_for_the_device(tiny_model, monkeypatch):
+@pytest.mark.parametrize("make_params", [mixed_params, controlled_params], ids=["plain", "controls"])
+def test_the_launch_of_a_decode_step_never_waits_for_the_device(tiny_model, monkeypatch, make_params):
     """torch raises on any synchronizing call (a pageable copy, .tolist(), .item(), a synchronize) in the launch
-    of a graphed decode step: schedule, plan, inputs, the gather of unknown tokens, sampling, the host copy."""
+    of a graphed decode step: schedule, plan, inputs, the gather of unknown tokens, sampling (penalties, edits and
+    the token histories' appends included), the host copy."""
     model_dir = tiny_model("llama3")
     prompts = prompt_ids(model_dir)
     probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
@@ -98,7 +113,7 @@ def test_the_launch_of_a_decode_step_never_waits_for_the_device(tiny_model, monk
             strict.append(previous is not None)
 
     monkeypatch.setattr(engine, "_launch", strict_launch)
-    results = engine.generate(prompts, mixed_params(probe))
+    results = engine.generate(prompts, make_params(probe))
     assert len(results) == len(prompts)
     assert sum(strict) > 10  # many decode launches ran strictly, with the previous step in flight
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tidal.worker.engine.sample_batch import SampleBatch
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
 
@@ -15,7 +16,7 @@ LOGITS = torch.tensor([[0.0, 3.0, 2.9, 1.0, -1.0, 2.5]])  # ranks: 1, 2, 5, 3, 0
 
 def draws(params: SamplingParams, n: int = 400, seed: int = 0) -> list[int]:
     sampler = Sampler(CPU, seed)
-    return [sampler.sample(LOGITS.clone(), [params], [0])[0] for _ in range(n)]
+    return [sampler.sample(LOGITS.clone(), SampleBatch([params], [0]))[0] for _ in range(n)]
 
 
 def test_greedy_takes_the_argmax():
@@ -48,23 +49,23 @@ def test_seeded_rows_do_not_depend_on_neighbours():
     noisy = SamplingParams(temperature=1.0)
     alone, mixed = Sampler(CPU, 0), Sampler(CPU, 1)
     for _ in range(20):
-        a = alone.sample(LOGITS.clone(), [seeded], [5])
-        b = mixed.sample(LOGITS.repeat(3, 1), [noisy, seeded, noisy], [1, 5, 2])
+        a = alone.sample(LOGITS.clone(), SampleBatch([seeded], [5]))
+        b = mixed.sample(LOGITS.repeat(3, 1), SampleBatch([noisy, seeded, noisy], [1, 5, 2]))
         assert a[0] == b[1]
 
 
 def test_forget_restarts_a_seeded_stream():
     sampler = Sampler(CPU, 0)
     params = SamplingParams(temperature=1.0, seed=4)
-    first = [sampler.sample(LOGITS.clone(), [params], [0])[0] for _ in range(10)]
+    first = [sampler.sample(LOGITS.clone(), SampleBatch([params], [0]))[0] for _ in range(10)]
     sampler.forget(0)
-    assert [sampler.sample(LOGITS.clone(), [params], [0])[0] for _ in range(10)] == first
+    assert [sampler.sample(LOGITS.clone(), SampleBatch([params], [0]))[0] for _ in range(10)] == first
 
 
 def test_every_seed_and_top_k_the_params_accept_can_be_sampled():
     # A value accepted here but unusable by torch would fail the step of the whole batch, not just this request.
     for params in (SamplingParams(seed=2**64 - 1), SamplingParams(top_k=2**63 - 1)):
-        assert Sampler(CPU, 0).sample(LOGITS.clone(), [params], [0])[0] in range(6)
+        assert Sampler(CPU, 0).sample(LOGITS.clone(), SampleBatch([params], [0]))[0] in range(6)
     for field, value in (("seed", 2**64), ("top_k", 2**63)):
         with pytest.raises(ValidationError, match=field):
             SamplingParams(**{field: value})

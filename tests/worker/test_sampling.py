@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.errors import InvalidLogitBiasError
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.testing.hf_reference import prompt_ids
@@ -97,3 +98,76 @@ def test_streamed_text_equals_the_decoded_output(engine, prompts):
     results = engine.generate(prompts[:5], SamplingParams(temperature=0.9, max_tokens=20, seed=5, ignore_eos=True))
     for r in results:
         assert r.text == engine.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+
+
+CONTROLS = [
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True, repetition_penalty=1.5, top_k=20),
+    SamplingParams(temperature=1.0, seed=6, max_tokens=10, ignore_eos=True, min_p=0.05, logit_bias={17: 4.0}),
+    SamplingParams(temperature=0, max_tokens=10, min_tokens=6, frequency_penalty=0.5),
+]
+
+
+def test_controls_in_one_batch_match_each_request_alone(engine, prompts):
+    together = tokens(engine, prompts[:5], CONTROLS)
+    for prompt, params, mixed in zip(prompts[:5], CONTROLS, together, strict=True):
+        assert tokens(engine, [prompt], params)[0] == mixed
+
+
+def test_controls_do_not_depend_on_async_scheduling(model_dir, prompts):
+    def run(async_scheduling):
+        config = EngineConfig(
+            model_path=model_dir, device="cpu", num_kv_blocks=256, seed=7, async_scheduling=async_scheduling
+        )
+        return tokens(LLMEngine.from_config(config), prompts[:5], CONTROLS)
+
+    assert run(True) == run(False)
+
+
+def test_penalties_change_greedy_output(engine, prompts):
+    plain = tokens(engine, prompts[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    penalised = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=3.0)
+    assert tokens(engine, prompts[:3], penalised) != plain
+    present = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=2.0, logit_bias={9: 3.0})
+    assert tokens(engine, prompts[:3], present) != plain
+
+
+def test_logit_bias_forces_and_forbids(engine, prompts):
+    forced = tokens(engine, prompts[:2], SamplingParams(temperature=0, max_tokens=6, logit_bias={42: 100.0}))
+    assert forced == [[42] * 6, [42] * 6]
+    plain = tokens(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    banned = {t: -100.0 for t in plain}
+    out = tokens(engine, [prompts[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias=banned))
+    assert not set(out[0]) & set(plain)
+
+
+def test_min_tokens_holds_back_stop_tokens(engine, prompts):
+    full = tokens(engine, [prompts[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_id = full[1]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=5, stop_token_ids=[stop_id], ignore_eos=True)
+    out = engine.generate([prompts[2]], params)[0]
+    assert len(out.output_token_ids) >= 5 and stop_id not in out.output_token_ids[:5]
+    assert out.finish_reason == "length" or out.output_token_ids[-1] == stop_id
+
+
+def test_a_bias_key_outside_the_vocabulary_is_refused(engine, prompts):
+    with pytest.raises(InvalidLogitBiasError, match=f"logit_bias key {engine.vocab_size}"):
+        engine.add_request("r", prompts[0], SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_controls_survive_preemption(model_dir, prompts, async_scheduling):
+    # 24 blocks of 4 tokens cannot hold all eight sequences: some are preempted and recomputed, and their token
+    # histories on the device (penalties) and their bans must carry on where they were.
+    params = [CONTROLS[i % len(CONTROLS)].model_copy(update={"max_tokens": 16}) for i in range(8)]
+    roomy = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=256, seed=7))
+    tight = LLMEngine.from_config(
+        EngineConfig(
+            model_path=model_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96, seed=7,
+            async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
+    short = [p[:30] for p in prompts[:8]]
+    assert tokens(tight, short, params) == tokens(roomy, short, params)
+    assert tight.stats().num_preemptions > 0

@@ -56,7 +56,16 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
         ("/v1/completions", {"model": "m", "prompt": []}, "prompt", "prompt must not be empty"),
-        ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4 stop sequences"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a"] * 65}, "stop", "at most 64 stop sequences"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a" * 129]}, "stop", "at most 128 characters"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stop_token_ids": [1] * 257}, "stop_token_ids", "256"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"ab": 1}}, "logit_bias", "key 'ab' is not"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias", "key '-3' is not"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "of '5' must be"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "than 0"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "min_tokens": 20}, None, "min_tokens (20) must not exceed"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "-2"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
         ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
         ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, None, "stream"),
@@ -64,7 +73,9 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "user"),
         ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "greater than 0"),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
-        ("/v1/chat/completions", {**CHAT, "presence_penalty": 1}, "presence_penalty", "not supported"),
+        ("/v1/chat/completions", {**CHAT, "presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": 3, "max_completion_tokens": 4}, None, "disagree"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 4, "min_tokens": 5}, None, "must not exceed"),
         (
             "/v1/chat/completions",
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -165,14 +176,37 @@ def test_sampling_params_from_requests():
     from tidal.worker.server.sampling import sampling_params
 
     completion = CompletionRequest(model="m", prompt="x", max_tokens=100, top_k=0, stop="END", temperature=0)
-    params = sampling_params(completion, num_prompt_tokens=200, max_model_len=256)
+    params = sampling_params(completion, num_prompt_tokens=200, max_model_len=256, vocab_size=1000)
     assert params.max_tokens == 56  # capped by what is left of the context
     assert (params.top_k, params.stop, params.temperature) == (-1, ["END"], 0.0)
     chat = ChatCompletionRequest(model="m", messages=CHAT["messages"], top_k=5, seed=3)
-    params = sampling_params(chat, num_prompt_tokens=10, max_model_len=256)
+    params = sampling_params(chat, num_prompt_tokens=10, max_model_len=256, vocab_size=1000)
     assert (params.max_tokens, params.top_k, params.seed) == (246, 5, 3)  # no limit given: up to the context
     # An oversized prompt still gets a valid budget, so that the engine's own refusal reaches the client.
-    assert sampling_params(chat, num_prompt_tokens=300, max_model_len=256).max_tokens == 1
+    assert sampling_params(chat, num_prompt_tokens=300, max_model_len=256, vocab_size=1000).max_tokens == 1
     with pytest.raises(ApiError, match="seed must be >= 0") as refused:
-        sampling_params(CompletionRequest(model="m", prompt="x", seed=-1), num_prompt_tokens=1, max_model_len=256)
+        sampling_params(
+            CompletionRequest(model="m", prompt="x", seed=-1), num_prompt_tokens=1, max_model_len=256, vocab_size=1000
+        )
     assert refused.value.status == 400
+
+
+def test_sampling_controls_reach_the_engine_params():
+    from tidal.worker.server.errors import ApiError
+    from tidal.worker.server.sampling import sampling_params
+
+    chat = ChatCompletionRequest(
+        model="m", messages=CHAT["messages"], max_completion_tokens=50, presence_penalty=0.5, frequency_penalty=-1,
+        repetition_penalty=1.1, logit_bias={"7": -100, "12": 2.5}, min_p=0.1, min_tokens=40, user="someone",
+        stop=[f"s{i}" for i in range(10)], stop_token_ids=[3], include_stop_str_in_output=True,
+    )  # fmt: skip
+    params = sampling_params(chat, num_prompt_tokens=220, max_model_len=256, vocab_size=1000)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.1)
+    assert params.logit_bias == {7: -100.0, 12: 2.5}
+    assert (params.min_p, params.stop_token_ids, params.include_stop_str_in_output) == (0.1, [3], True)
+    assert len(params.stop) == 10
+    assert (params.max_tokens, params.min_tokens) == (36, 36)  # both capped by what is left of the context
+    too_big = CompletionRequest(model="m", prompt="x", logit_bias={"5": 1, "1000": 2})
+    with pytest.raises(ApiError, match="logit_bias key '1000' is not a token id of this model") as refused:
+        sampling_params(too_big, num_prompt_tokens=1, max_model_len=256, vocab_size=1000)
+    assert (refused.value.status, refused.value.param) == (400, "logit_bias")

@@ -97,6 +97,10 @@ class AsyncEngine:
         return self._engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -30,3 +30,9 @@ class InvalidTokenError(RequestRejectedError):
 class DuplicateRequestError(RequestRejectedError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"a request with id {request_id!r} is already running")
+
+
+class InvalidLogitBiasError(RequestRejectedError):
+    def __init__(self, token_id: int, vocab_size: int) -> None:
+        super().__init__(f"logit_bias key {token_id} is outside the vocabulary [0, {vocab_size})")
+        self.token_id = token_id

@@ -30,10 +30,17 @@ from tidal.worker.engine.engine_setup import (
     resolve_max_model_len,
     warm_up_expert_parallel,
 )
-from tidal.worker.engine.errors import DuplicateRequestError, EmptyPromptError, InvalidTokenError, PromptTooLongError
+from tidal.worker.engine.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidLogitBiasError,
+    InvalidTokenError,
+    PromptTooLongError,
+)
 from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
 from tidal.worker.engine.model_runner import ModelRunner
 from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationResult, RequestOutput
+from tidal.worker.engine.sample_batch import SampleBatch
 from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
@@ -68,13 +75,14 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(limits, self.block_manager)
-        self.sampler = Sampler(runner.device, config.seed)
+        self.sampler = Sampler(runner.device, config.seed, frozenset(eos_token_ids))
         self._window_decoder = WindowDecoder(tokenizer)
         self._requests: dict[str, EngineRequest] = {}
         self._in_flight: InFlightStep | None = None  # launched, its tokens not read yet (async scheduling)
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
+        self._num_controlled = 0  # live requests with logit edits or penalties (see _sample_batch)
 
     @classmethod
     def from_config(cls, config: EngineConfig, memory: MemoryProvider | None = None) -> Self:
@@ -122,10 +130,18 @@ class LLMEngine:
             if not 0 <= token < self.vocab_size:
                 raise InvalidTokenError(token, self.vocab_size)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise a RequestRejectedError for parameters that only this model can judge: a logit_bias key outside
+        its vocabulary would index past the batch's logits on the device and fail every request of the step."""
+        for token in params.logit_bias:
+            if token >= self.vocab_size:
+                raise InvalidLogitBiasError(token, self.vocab_size)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise DuplicateRequestError(request_id)
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         limit = self.max_model_len
@@ -134,6 +150,7 @@ class LLMEngine:
         self._requests[request_id] = EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
         self.scheduler.add(seq)
         self._num_prompt_tokens += seq.num_prompt_tokens
+        self._num_controlled += params.has_controls
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its blocks; -> its final output, or None if it is not (or no longer) here. A
@@ -222,10 +239,17 @@ class LLMEngine:
     def _sampled(
         self, scheduled: SchedulerOutput, plan: StepPlan, pending: list[PendingToken], logits: torch.Tensor | None
     ) -> InFlightStep:
-        params = [p.request.seq.params for p in pending]
-        tokens = None if logits is None else self.sampler.sample_on_device(logits, params, plan.sample_seq_ids)
+        tokens = None if logits is None else self.sampler.sample_on_device(logits, self._sample_batch(pending, plan))
         self.scheduler.on_step_launched(scheduled)
         return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
+
+    def _sample_batch(self, pending: list[PendingToken], plan: StepPlan) -> SampleBatch:
+        params = [p.request.seq.params for p in pending]
+        seq_ids = plan.sample_seq_ids  # the same rows, in the same order
+        if not self._num_controlled:  # the usual case: plain requests only, no per-row columns to build
+            return SampleBatch(params, seq_ids)
+        num_tokens = [p.token_index for p in pending]
+        return SampleBatch(params, seq_ids, num_tokens, [p.request.seq.prompt_token_ids for p in pending])
 
     # ----- lockstep steps (expert parallelism) -----
     def group_step(self) -> list[RequestOutput]:
@@ -280,7 +304,9 @@ class LLMEngine:
         for (request, index), token, text in zip(live, live_tokens, texts, strict=True):
             seq = request.seq
             num_tokens = index + 1  # the sequence as of this step (the next step's token may follow)
-            new_text = request.text.add_text(text) if text else ""
+            # min_tokens: a stop string that ends before enough tokens were generated does not count.
+            may_stop = num_tokens - len(seq.prompt_token_ids) >= seq.params.min_tokens
+            new_text = request.text.add_text(text, may_stop) if text else ""
             if request.text.stopped:
                 reason: FinishReason | None = "stop"
             else:
@@ -304,6 +330,7 @@ class LLMEngine:
         seq = request.seq
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq.seq_id)
+        self._num_controlled -= seq.params.has_controls
         del self._requests[seq.request_id]
         return self._output(seq, new_token_ids, new_text, reason)
 

@@ -1,4 +1,10 @@
-"""Turning logits into next tokens: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Turning logits into next tokens, for a whole batch at once on the device.
+
+The order, per row: logit edits (logit_bias, min_tokens' bans) -> penalties (repetition, then frequency and
+presence) -> greedy argmax, or temperature -> min-p, top-k, top-p -> a draw. Each stage runs only when some row of the
+batch uses it, and then over the rows that do, with the rows' parameters as tensors: a batch that mixes them with
+plain requests is still one pass, and a batch of plain greedy rows is one argmax as before. A later stage returning
+log-probabilities would read the logits after the edits and penalties, next to the choice (`_choose`).
 
 Random rows use the "exponential race" (argmax of probs / Exp(1) noise, which draws from `probs`) so each
 seeded request draws its noise from its own generator: its tokens don't depend on what else is in the batch.
@@ -13,46 +19,85 @@ from __future__ import annotations
 import torch
 
 from tidal.worker.engine.host_tensors import float32_tensor, int64_tensor, to_device
-from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.logit_edits import LogitEdits
+from tidal.worker.engine.penalties import Penalties
+from tidal.worker.engine.sample_batch import SampleBatch
+from tidal.worker.engine.truncation import truncate
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.device = device
         self._shared = torch.Generator(device=device).manual_seed(seed)  # requests without a seed
         self._per_request: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
+        self._edits = LogitEdits(device, eos_token_ids)
+        self._penalties = Penalties(device)
 
     def forget(self, seq_id: int) -> None:
         self._per_request.pop(seq_id, None)
+        self._edits.forget(seq_id)
+        self._penalties.forget(seq_id)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, batch: SampleBatch) -> list[int]:
         """logits [S, V] fp32 -> S token ids (waits for them)."""
-        return self.sample_on_device(logits, params, seq_ids).tolist()
+        return self.sample_on_device(logits, batch).tolist()
 
-    def sample_on_device(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
-        """logits [S, V] fp32 -> token ids [S] int64 on logits' device, queued without waiting for the device."""
+    # Under inference mode, as the logits are made: the device state kept across steps (histories, edits) is then
+    # made and updated the same way.
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
+        """logits [S, V] fp32 (edited in place) -> token ids [S] int64 on logits' device, queued without waiting
+        for the device."""
+        penalised = None
+        if batch.has_control_columns:
+            logits = logits.contiguous()  # the edits write through a flat view (a no-op for a linear's output)
+            has_edits = has_penalties = False
+            for params in batch.params:
+                has_edits |= params.has_logit_edits
+                has_penalties |= params.has_penalties
+            if has_edits:
+                self._edits.apply(logits, batch)
+            if has_penalties:
+                penalised = self._penalties.apply(logits, batch)
+        tokens = self._choose(logits, batch)
+        if penalised is not None:
+            self._penalties.record(penalised, tokens)
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)  # [S]
-        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        all_params = batch.params
+        random_rows = [i for i, p in enumerate(all_params) if not p.is_greedy]
         if not random_rows:
             return greedy
         device = logits.device
-        rows = to_device(int64_tensor(random_rows), device)  # [R]
-        sub = [params[i] for i in random_rows]
-        temperature = to_device(float32_tensor([p.temperature for p in sub]), device)  # [R]
-        scaled = logits.index_select(0, rows) / temperature[:, None]  # [R, V]
-        if any(p.top_k != -1 or p.top_p < 1.0 for p in sub):
-            scaled = _mask_top_k_top_p(scaled, sub)
+        sub = [all_params[i] for i in random_rows]
+        num = len(random_rows)
+        truncates = any(p.truncates for p in sub)
+        floats = [p.temperature for p in sub]
+        if truncates:
+            floats += [p.top_p for p in sub] + [p.min_p for p in sub]
+        floats_t = to_device(float32_tensor(floats), device)
+        vocab = logits.shape[1]
+        ints = random_rows + ([p.top_k if p.top_k != -1 else vocab for p in sub] if truncates else [])
+        ints_t = to_device(int64_tensor(ints), device)
+        rows_t = ints_t[:num]  # [R]
+        scaled = logits.index_select(0, rows_t) / floats_t[:num, None]  # [R, V]
+        if truncates:
+            sort = any(p.top_k != -1 or p.top_p < 1.0 for p in sub)
+            scaled = truncate(scaled, ints_t[num:], floats_t[num : 2 * num], floats_t[2 * num :], sort)
         probs = scaled.softmax(dim=-1)  # [R, V]
         noise = torch.empty_like(probs)
         shared_rows = []
         for r, i in enumerate(random_rows):
-            p = params[i]
-            if p.seed is None:
+            seed = all_params[i].seed
+            if seed is None:
                 shared_rows.append(r)
                 continue
-            gen = self._per_request.get(seq_ids[i])
+            seq_id = batch.seq_ids[i]
+            gen = self._per_request.get(seq_id)
             if gen is None:
-                gen = self._per_request[seq_ids[i]] = torch.Generator(device=self.device).manual_seed(p.seed)
+                gen = self._per_request[seq_id] = torch.Generator(device=self.device).manual_seed(seed)
             noise[r].exponential_(generator=gen)
         if shared_rows:
             shared = torch.empty((len(shared_rows), probs.shape[1]), device=device).exponential_(
@@ -60,20 +105,4 @@ class Sampler:
             )  # [R_shared, V]
             noise.index_copy_(0, to_device(int64_tensor(shared_rows), device), shared)
         sampled = (probs / noise).argmax(dim=-1)  # [R]
-        return greedy.index_copy_(0, rows, sampled)
-
-
-def _mask_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [R, V]: tokens outside each row's top-k, or outside the smallest set holding top_p of the
-    probability mass, become -inf. The most likely token always stays."""
-    vocab = logits.shape[1]
-    device = logits.device
-    top_k = to_device(int64_tensor([p.top_k if p.top_k != -1 else vocab for p in params]), device)  # [R]
-    top_p = to_device(float32_tensor([p.top_p for p in params]), device)  # [R]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-    ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # [R, V] mass of strictly more likely tokens
-    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p[:, None]) & (ranks > 0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return greedy.index_copy_(0, rows_t, sampled)

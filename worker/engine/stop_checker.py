@@ -1,4 +1,4 @@
-"""When a sequence stops: by token (EOS, stop ids, max_tokens, max_model_len) and by stop string (pure)."""
+"""When a sequence stops by token: EOS, stop ids, max_tokens, max_model_len (pure; stop strings: stop_strings.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def token_stop_reason(
     if num_tokens is None:
         num_tokens = len(seq.token_ids)
     last = seq.token_ids[num_tokens - 1]
-    if (last in eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
+    stoppable = num_tokens - len(seq.prompt_token_ids) >= params.min_tokens  # the sampler bans them before that
+    if stoppable and ((last in eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids):
         return "stop"
     if reaches_length_limit(seq, num_tokens, max_model_len):
         return "length"
@@ -29,24 +30,3 @@ def reaches_length_limit(seq: Sequence, num_tokens: int, max_model_len: int) -> 
     if max_tokens is not None and num_tokens - len(seq.prompt_token_ids) >= max_tokens:
         return True
     return num_tokens >= max_model_len
-
-
-def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
-    """Earliest (index, stop) of a stop string in text that ends after `search_from`."""
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        i = text.find(stop, max(0, search_from - len(stop) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best
-
-
-def partial_stop_len(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could still grow into a stop string (held back, not streamed)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest

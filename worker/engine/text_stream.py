@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
 from tidal.worker.engine.sampling_params import SamplingParams
-from tidal.worker.engine.stop_checker import find_stop_string, partial_stop_len
+from tidal.worker.engine.stop_strings import StopStrings
 
 
 class TextStream:
     def __init__(self, detokenizer: IncrementalDetokenizer, params: SamplingParams) -> None:
         self._detokenizer = detokenizer
-        self._stops = list(params.stop)
+        self._stops = StopStrings(list(params.stop)) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self.text = ""  # all text decoded so far (may run past a stop string); kept only with stop strings
         self._emitted = 0  # characters of `text` already handed out
@@ -24,30 +24,27 @@ class TextStream:
         """-> the new text to hand out; sets `stopped` when a stop string appeared."""
         return self.add_text(self._detokenizer.push(new_token_ids))
 
-    def add_text(self, new_text: str) -> str:
-        """The same as `push`, for tokens whose text the detokenizer already gave (batched over a step)."""
+    def add_text(self, new_text: str, may_stop: bool = True) -> str:
+        """The same as `push`, for tokens whose text the detokenizer already gave (batched over a step).
+        `may_stop` False (min_tokens not reached yet): a stop string in the text so far does not count; text that
+        could still become one is held back all the same."""
         if not new_text:
             return ""  # nothing new can complete a stop string or release held-back text
-        if not self._stops:  # nothing is ever held back: skip keeping the whole text (a copy per token)
+        if self._stops is None:  # nothing is ever held back: skip keeping the whole text (a copy per token)
             return new_text
-        before = len(self.text)
         self.text += new_text
-        release_to = len(self.text)
-        if self._stops:
-            hit = find_stop_string(self.text, self._stops, before)
-            if hit is not None:
-                index, stop = hit
-                self.stopped = True
-                release_to = index + (len(stop) if self._include_stop else 0)
-            else:
-                release_to -= partial_stop_len(self.text, self._stops)
-        return self._release(release_to)
+        hit = self._stops.feed(new_text, may_stop)
+        if hit is not None:
+            index, stop = hit
+            self.stopped = True
+            return self._release(index + (len(stop) if self._include_stop else 0))
+        return self._release(len(self.text) - self._stops.partial_len)
 
     def flush(self) -> str:
         """-> text held back, to hand out when the request ends for a reason other than a stop string."""
         if self.stopped:
             return ""
-        if not self._stops:
+        if self._stops is None:
             return self._detokenizer.flush()
         self.text += self._detokenizer.flush()
         return self._release(len(self.text))

@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible API, validated at the boundary.
 
-A field this server cannot honour (n > 1, logprobs, tools, penalties...) is rejected with a message naming it rather
-than silently ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too,
-as OpenAI does. A few widely used non-OpenAI extensions are accepted: `top_k`, `stop_token_ids`, `ignore_eos` and,
-for chat, `add_generation_prompt` and `chat_template_kwargs`.
+A field this server cannot honour (n > 1, logprobs, tools...) is rejected with a message naming it rather than
+silently ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as
+OpenAI does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
+`add_generation_prompt` and `chat_template_kwargs`. docs/OPENAI.md lists every field.
 """
 
 from __future__ import annotations
@@ -12,8 +13,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# OpenAI's own cap on stop sequences; more would mostly slow down the detokenizer's stop check.
-MAX_STOP_SEQUENCES = 4
+from tidal.worker.engine.sampling_params import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 
 class _Strict(BaseModel):
@@ -31,17 +37,22 @@ class _SamplingFields(_Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, description="non-OpenAI extension; -1 or 0 disables it")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="non-OpenAI extension; 0 disables it")
     seed: int | None = None
     stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    # Keys are token ids written as strings (JSON object keys), as OpenAI's; checked against the vocabulary later.
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored
 
     @field_validator("n")
     @classmethod
@@ -59,31 +70,49 @@ class _SamplingFields(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stops: list[str]) -> list[str]:
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty strings")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_STRING_CHARS} characters long, got {longest}")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("stop_token_ids")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported by this server; leave them at 0")
-        return value
+    def _stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(ids)}")
+        return ids
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
+    def _logit_bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if not bias:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:  # NaN fails too
+                raise ValueError(f"logit_bias of {key!r} must be within -100..100, got {value}")
+        return bias
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def _check_min_tokens(self, limit: int | None) -> None:
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed the token limit ({limit})")
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -100,6 +129,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    @model_validator(mode="after")
+    def _min_tokens_within_limit(self) -> CompletionRequest:
+        self._check_min_tokens(self.max_tokens)
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -228,6 +266,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("max_tokens and max_completion_tokens disagree; send only max_completion_tokens")
         if isinstance(self.tool_choice, dict):
             raise ValueError("tool calling is not supported by this server")
+        self._check_min_tokens(self.token_limit)
         return self
 
     @property

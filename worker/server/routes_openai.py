@@ -86,7 +86,7 @@ def openai_router(
     ) -> Generation:
         try:
             prompt_ids = await prompt_for(engine, request)
-            params = sampling_params(request, len(prompt_ids), engine.max_model_len)
+            params = sampling_params(request, len(prompt_ids), engine.max_model_len, engine.vocab_size)
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise

@@ -12,25 +12,39 @@ from tidal.worker.server.protocol import ChatCompletionRequest, CompletionReques
 
 
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
+    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int, vocab_size: int
 ) -> SamplingParams:
     """The request's sampling settings; the token budget is capped by what is left of the context.
 
     Capping rather than refusing keeps a request whose limit was only a default (16 for completions) or an
     over-generous guess working: it ends with finish_reason "length" where the context ends, as OpenAI's does.
+    min_tokens is capped with it, since the context's end stops the request whatever it asked for.
     """
     # At least 1, so that an oversized prompt reaches the engine, whose refusal names the real problem.
     room = max(1, max_model_len - num_prompt_tokens)
-    requested = request.token_limit if isinstance(request, ChatCompletionRequest) else request.max_tokens
+    requested = request.token_limit
+    max_tokens = room if requested is None else min(requested, room)
+    logit_bias = request.logit_bias_ids
+    for token in logit_bias:
+        if token >= vocab_size:
+            message = f"logit_bias key '{token}' is not a token id of this model (its ids are 0..{vocab_size - 1})"
+            raise ApiError(400, message, param="logit_bias")
     fields: dict[str, Any] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
         # OpenAI has no top_k; the common extension spells "off" as -1 or 0, the engine as -1.
         "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logit_bias": logit_bias,
+        "min_tokens": min(request.min_tokens, max_tokens),
         "seed": request.seed,
-        "max_tokens": room if requested is None else min(requested, room),
+        "max_tokens": max_tokens,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos,
     }
     try:
