@@ -28,7 +28,9 @@ class AgentConfig(BaseModel):
     lease_period_s: float = Field(default=10.0, gt=0, description="Seconds between renewals of the node's Lease.")
     status_period_s: float = Field(default=60.0, gt=0, description="Seconds between full node status updates.")
     # Shorter than the kubelet's 10 s .. 5 min so crash-loop tests finish in seconds; the doubling is the same.
-    backoff_initial_s: float = Field(default=1.0, ge=0, description="First restart delay of a crashing container.")
+    backoff_initial_s: float = Field(
+        default=1.0, ge=0, description="Restart delay after a second crash in a row (the first restarts at once)."
+    )
     backoff_max_s: float = Field(default=30.0, gt=0, description="Longest restart delay (it doubles up to this).")
     backoff_reset_s: float = Field(default=60.0, gt=0, description="A run this long ends a crash streak.")
     # 3607 s is the kubelet's own request: the apiserver treats it as "kubelet-managed" and may extend it.

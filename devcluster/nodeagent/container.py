@@ -202,14 +202,18 @@ class ContainerSlot:
             return
         initial, maximum, reset_after = self.backoff
         self.crash_streak = 1 if now - started_mono >= reset_after else self.crash_streak + 1
-        delay = backoff_delay(self.crash_streak, initial, maximum)
+        # As the kubelet: the first crash of a streak restarts at once, each later one after a doubling back-off.
+        # Backing off the first too made every single crash look like a loop (CrashLoopBackOff) to the operator.
+        delay = backoff_delay(self.crash_streak - 1, initial, maximum)
         self.record.last_state = terminated
+        self.next_start = now + delay
+        if delay <= 0:
+            self.record.state = terminated  # until the new run starts, as the kubelet reports the dead container
+            return
         self.record.state = {
             "waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay:g}s restarting failed container"}
         }
-        self.next_start = now + delay
-        if delay > 0:
-            self.on_event("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
+        self.on_event("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
 
     def next_wake(self) -> float:
         if self.process is None:

@@ -69,7 +69,8 @@ def should_restart(restart_policy: str, exit_code: int) -> bool:
 
 
 def backoff_delay(crashes_in_a_row: int, initial_s: float, max_s: float) -> float:
-    """Doubling delay before restart n of a crash streak (the kubelet uses 10 s to 5 min; we default shorter)."""
+    """Doubling delay after the n-th back-off of a crash streak, 0 for none (the kubelet uses 10 s to 5 min; we
+    default shorter). The caller passes the crashes before this one: a streak's first restart is immediate."""
     if crashes_in_a_row <= 0:
         return 0.0
     return min(max_s, initial_s * 2.0 ** (crashes_in_a_row - 1))

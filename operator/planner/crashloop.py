@@ -36,8 +36,10 @@ def healthy_for_s(pod: ObservedPod, now: datetime) -> float:
 
 
 def crashing(pod: ObservedPod) -> bool:
-    """Seen crashing now: backing off before a restart, or ended with an error."""
-    return pod.crash_looping or (pod.terminated and pod.last_exit_code not in (None, 0))
+    """Seen crashing now: backing off before a restart, or ended with an error after crashing before. A first crash,
+    which the kubelet restarts at once, can be seen ended for a moment; that alone is not a loop."""
+    ended_badly = pod.terminated and pod.last_exit_code not in (None, 0)
+    return pod.crash_looping or (ended_badly and pod.restart_count > 0)
 
 
 def failing(pod: ObservedPod, degraded: Condition | None) -> bool:

@@ -203,3 +203,13 @@ def test_observe_pod_reads_the_last_termination_and_when_the_pod_turned_ready():
     ended = observe_pod(manifest)
     assert ended is not None and ended.terminated and not ended.ready and ended.ready_since is None
     assert (ended.last_exit_code, ended.last_exit_reason, ended.last_exit_message) == (1, "OOMKilled", None)
+
+
+def test_a_first_crash_seen_ended_is_not_a_loop_but_a_second_is():
+    # The kubelet restarts a first crash at once; a pass may still catch its container ended (exit 137, restarted
+    # 0 times). Calling that a loop held Degraded=CrashLoop for the whole settle period after one SIGKILL.
+    model = make_model()
+    ended = pod_for(model, 0, ready=False, terminated=True, restart_count=0, last_exit_code=137)
+    assert _degraded(_at(model, [ended], {}, 1.0)).reason != "CrashLoop"
+    again = pod_for(model, 0, ready=False, terminated=True, restart_count=1, last_exit_code=137)
+    assert _degraded(_at(model, [again], {}, 1.0)).reason == "CrashLoop"
