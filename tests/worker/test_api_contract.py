@@ -152,3 +152,29 @@ def test_a_streamed_error_carries_the_code_the_response_would_have(events):
 
     error = next(e for e in asyncio.run(collect()) if '"error"' in e)
     assert '"code":"interrupted"' in error and '"type":"service_unavailable"' in error
+
+
+def test_fields_the_server_always_refuses_are_documented_as_their_default_only(serving_app):
+    schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
+    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    assert completion["echo"]["const"] is False and chat["logprobs"]["const"] is False
+    assert completion["logprobs"]["type"] == "null" and completion["suffix"]["type"] == "null"
+    assert chat["top_logprobs"]["type"] == "null"
+    assert {"type": "array", "maxItems": 0} in chat["tools"]["anyOf"]
+    assert chat["tool_choice"]["enum"] == ["none", "auto", None]
+    content = schemas["ChatMessage"]["properties"]["content"]["anyOf"]
+    assert any(member.get("items", {}).get("title") == "TextPart" for member in content)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"echo": True},
+        {"logprobs": 1},
+        {"suffix": "x"},
+        {"best_of": 2},
+    ],
+)
+def test_what_the_completions_document_excludes_is_refused_in_words(serving_app, body):
+    response = serving_app.post("/v1/completions", json={"model": "m", "prompt": "x", **body})
+    assert response.status_code == 400 and "not supported" in response.json()["error"]["message"]

@@ -2,9 +2,11 @@
 bounded number of cases per route, so the run is the same every time and takes well under a minute.
 
 Every answer must be what the document says: no 5xx, a documented status, content type and body, and a request the
-document calls invalid is refused. A request the document calls valid may still be refused when the refusal needs
-what the document cannot know (a control call naming a directory that does not exist, a group this worker is not
-started for); that check (`positive_data_acceptance`) runs on the serving API only, where the documents promise it.
+document calls invalid is refused. A request the document calls valid may still be refused (`positive_data_acceptance`
+is not checked): a rule across fields (max_tokens against max_completion_tokens, min_tokens against the limit) or
+one that needs what a document cannot know (a control call naming a directory that does not exist, a group this
+worker was not started for). Fields the server refuses whatever their value are documented as accepting only their
+default (test_api_contract.py checks that).
 """
 
 from __future__ import annotations

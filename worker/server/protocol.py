@@ -9,6 +9,7 @@ OpenAI does. The widely used non-OpenAI sampling extensions (vLLM's names) are a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -24,6 +25,22 @@ from tidal.worker.engine.sampling_params import (
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _documented(accepted: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """Make a field's OpenAPI schema say what this server accepts (`accepted`), while its Python type stays as wide as
+    OpenAI's so that the validator can say in words why the rest is refused. A client generated from the document,
+    or a contract test (tests/worker/test_api_fuzz.py), then knows what a 400 will meet."""
+
+    def apply(schema: dict[str, Any]) -> None:
+        for key in ("type", "anyOf", "items", "enum", "const", "maximum", "minimum", "additionalProperties"):
+            schema.pop(key, None)
+        schema.update(accepted)
+
+    return apply
+
+
+_NOT_SUPPORTED = "not supported by this server: only the default is accepted"
 
 
 class StreamOptions(_Strict):
@@ -125,10 +142,14 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # The legacy completions endpoint's default, as in OpenAI's API.
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: bool = Field(False, description=_NOT_SUPPORTED, json_schema_extra=_documented({"const": False}))
+    logprobs: int | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
+    best_of: int | None = Field(
+        None,
+        description="not supported beyond 1",
+        json_schema_extra=_documented({"anyOf": [{"const": 1}, {"type": "null"}]}),
+    )
+    suffix: str | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
 
     @property
     def token_limit(self) -> int | None:
@@ -193,12 +214,19 @@ class TextPart(_Strict):
     text: str
 
 
+_TEXT_PARTS = {"type": "array", "items": TextPart.model_json_schema()}
+
+
 class ChatMessage(BaseModel):
     # Assistant turns replayed by clients may carry extra keys (tool_calls: null, refusal: null...); ignore those.
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(
+        None,
+        description="text, or a list of text parts",
+        json_schema_extra=_documented({"anyOf": [{"type": "string"}, _TEXT_PARTS, {"type": "null"}]}),
+    )
     name: str | None = None
 
     @field_validator("content")
@@ -229,10 +257,18 @@ class ChatCompletionRequest(_SamplingFields):
     # None: up to the model's context length.
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    logprobs: bool = Field(False, description=_NOT_SUPPORTED, json_schema_extra=_documented({"const": False}))
+    top_logprobs: int | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="tool calling is not supported by this server: none or an empty list",
+        json_schema_extra=_documented({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}),
+    )
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = Field(
+        None,
+        description="a named tool is not supported by this server",
+        json_schema_extra=_documented({"enum": ["none", "auto", None]}),
+    )
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
