@@ -10,9 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tidal.worker.config import WorkerConfig
-from tidal.worker.process import assemble_worker
-from tidal.worker.server.background import BackgroundServers
+from tidal.worker.testing.in_process import serving_worker
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 MODEL = "tiny-llama"
@@ -30,13 +28,8 @@ EXTRA = {"ignore_eos": True, "repetition_penalty": 1.3, "top_k": 30, "min_p": 0.
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     model_dir = write_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
-    config = WorkerConfig.from_flat(
-        model_path=model_dir, served_model_name=MODEL, device="cpu", dtype="float32", max_model_len=256,
-        num_kv_blocks=128, host="127.0.0.1", port=0, log_level="warning",
-    )  # fmt: skip
-    servers = BackgroundServers(assemble_worker(config).servers).start().wait_ready()
-    yield servers, AutoTokenizer.from_pretrained(model_dir)
-    assert servers.stop() == 0
+    with serving_worker(model_dir, MODEL) as servers:
+        yield servers, AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,21 @@ from tidal.worker.server.background import BackgroundServers
 _ids = itertools.count()
 
 TEST_TOKEN = "test-control-token-0123456789abcdef"
+
+
+@contextlib.contextmanager
+def serving_worker(model_dir: Path, served_model_name: str, **config: Any) -> Iterator[BackgroundServers]:
+    """The serving API alone (no control token) of a CPU worker in fp32, ready; stopped cleanly on exit."""
+    settings = {
+        "model_path": model_dir, "served_model_name": served_model_name, "device": "cpu", "dtype": "float32",
+        "max_model_len": 256, "num_kv_blocks": 128, "host": "127.0.0.1", "port": 0, "log_level": "warning",
+    }  # fmt: skip
+    servers = BackgroundServers(assemble_worker(WorkerConfig.from_flat(**{**settings, **config})).servers)
+    servers.start().wait_ready()
+    try:
+        yield servers
+    finally:
+        assert servers.stop() == 0, "the worker did not stop cleanly"
 
 
 class ControlledWorker:
