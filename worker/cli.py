@@ -89,8 +89,13 @@ def serve(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # Imported here so that `--help` and configuration errors answer without loading torch.
+    from tidal.worker.model_source import with_model_directory
     from tidal.worker.process import assemble_worker
 
+    given = config.engine.model_path
+    config = with_model_directory(config)
+    if config.engine.model_path != given:
+        log.info("serving %s as its dequantized copy %s", given, config.engine.model_path)
     try:
         servers = assemble_worker(config).servers
     except ValueError as exc:  # a setting only checkable when assembling (e.g. the control token)

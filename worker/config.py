@@ -31,6 +31,8 @@ class WorkerEngineConfig(EngineConfig):
     @classmethod
     def _model_dir_exists(cls, path: Path) -> Path:
         # Checked here, at start, so a typo is a one-line error rather than a traceback from the loader.
+        if path.suffix.lower() == ".gguf" and path.is_file():
+            return path  # dequantized into a cached directory before the worker is assembled (model_source.py)
         if not path.is_dir():
             raise ValueError(f"model directory {str(path)!r} does not exist")
         if not (path / "config.json").is_file():

@@ -20,7 +20,10 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model_path: Path = Field(description="Local Hugging Face model directory (config.json, *.safetensors, tokenizer).")
+    model_path: Path = Field(
+        description="Local Hugging Face model directory (config.json, *.safetensors, tokenizer); the worker also takes "
+        "a .gguf file, dequantized once into a cached directory."
+    )
     served_model_name: str | None = Field(default=None, description="Name reported to clients; default: folder name.")
     dtype: DType = Field(default="auto", description="Weight/activation dtype; 'auto' takes the checkpoint's dtype.")
     device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
