@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, validated at the boundary.
 
-A field this server cannot honour (n > 1, logprobs, tools, penalties...) is rejected with a message naming it rather
+A field this server cannot honour (logprobs, tools, penalties...) is rejected with a message naming it rather
 than silently ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too,
 as OpenAI does. A few widely used non-OpenAI extensions are accepted: `top_k`, `stop_token_ids`, `ignore_eos` and,
 for chat, `add_generation_prompt` and `chat_template_kwargs`.
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tidal.worker.server.prompt_batch import MAX_N, Prompt, as_prompt_list, check_num_choices
 
 # OpenAI's own cap on stop sequences; more would mostly slow down the detokenizer's stop check.
 MAX_STOP_SEQUENCES = 4
@@ -35,20 +37,13 @@ class _SamplingFields(_Strict):
     stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N, description="samples of each prompt, sharing its prefill")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send several requests for several completions")
-        return n
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -91,7 +86,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    """`POST /v1/completions`. One prompt per request: text, or token ids."""
+    """`POST /v1/completions`. A prompt (text or token ids) or a batch of them: a choice per prompt, times n."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     # The legacy completions endpoint's default, as in OpenAI's API.
@@ -103,8 +98,19 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        return _single_prompt(prompt)
+    def _check_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> object:
+        as_prompt_list(prompt)
+        return prompt
+
+    @model_validator(mode="after")
+    def _check_num_choices(self) -> CompletionRequest:
+        check_num_choices(len(self.prompts), self.n)
+        return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts, each a string or token ids, in order (choice i * n + j is prompt i's sample j)."""
+        return as_prompt_list(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -133,21 +139,6 @@ class CompletionRequest(_SamplingFields):
         if suffix:
             raise ValueError("suffix (insertion) is not supported by this server")
         return suffix
-
-
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """Unwrap OpenAI's list forms to one prompt; a real batch is refused (n=1 is the unit of work here)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    if all(isinstance(t, int) for t in prompt):
-        if any(t < 0 for t in prompt):  # type: ignore[operator]
-            raise ValueError("prompt token ids must be non-negative")
-        return prompt  # type: ignore[return-value]
-    if len(prompt) > 1:
-        raise ValueError(f"batched prompts are not supported ({len(prompt)} given); send one prompt per request")
-    return _single_prompt(prompt[0])  # type: ignore[arg-type]
 
 
 class TextPart(_Strict):
