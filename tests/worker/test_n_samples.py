@@ -139,3 +139,17 @@ def test_async_engine_streams_every_sample_and_closing_the_stream_frees_them(mod
         assert "".join(o.new_text for o in mine) == result.text
         assert [o.finish_reason for o in mine][-1] == "length"
     assert sum(o.finish_reason is not None for o in outputs) == 3
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_samples_hold_the_prompt_blocks_together_after_one_prefill(model_dir, prompts, async_scheduling):
+    engine = make(model_dir, async_scheduling)
+    engine.add_request("r", prompts[0], SEEDED, n=3)  # 7 tokens: one full block, one partial
+    while engine.scheduler.num_running < 3:
+        engine.step()
+    seqs = engine.scheduler.running
+    full = seqs[0].block_table[0]
+    assert [s.block_table[0] for s in seqs] == [full] * 3
+    assert engine.block_manager.blocks[full].ref_count == 3
+    assert len({s.block_table[1] for s in seqs}) == 3  # the partial block: a copy each
+    assert [s.sample_index for s in seqs] == [0, 1, 2]

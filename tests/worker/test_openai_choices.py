@@ -8,6 +8,7 @@ streamed answer can be compared with the whole one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 
 import httpx
@@ -173,3 +174,28 @@ def test_tokenize_refusals(worker_url, path, body, status, text):
     response = httpx.post(f"{worker_url}{path}", json=body)
     assert response.status_code == status, response.text
     assert text in response.json()["error"]["message"]
+
+
+def cancelled(worker_url) -> float:
+    for line in httpx.get(f"{worker_url}/metrics").text.splitlines():
+        if line.startswith('tidal_requests_total{endpoint="completions",outcome="cancelled"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_client_that_leaves_frees_every_choice(worker_url):
+    before = cancelled(worker_url)
+    body = {"model": MODEL, "prompt": ["a b", "c d e"], "n": 4, "max_tokens": 200, "stream": True, **EXTRA}
+    with httpx.stream("POST", f"{worker_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # Gone after one chunk: both prompts' generations are cancelled, all 8 sequences aborted and their blocks freed.
+    deadline = time.monotonic() + 20
+    while True:
+        metrics = httpx.get(f"{worker_url}/metrics").text
+        if "tidal_requests_running 0.0" in metrics and "tidal_kv_cache_usage_ratio 0.0" in metrics:
+            break
+        assert time.monotonic() < deadline, "the choices were not freed"
+        time.sleep(0.05)
+    assert cancelled(worker_url) == before + 2
