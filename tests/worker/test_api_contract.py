@@ -136,9 +136,10 @@ def test_control_requests_still_take_enum_strings_and_whole_floats():
 
 
 class _Interrupted:
-    """A generation whose engine request is interrupted after one output (a sleep in mode abort)."""
+    """A request's choices, interrupted after one output (a sleep in mode abort)."""
 
     num_prompt_tokens = num_output_tokens = 0
+    num_choices = 1
 
     async def outputs(self):
         raise ApiError(503, "the worker goes to sleep", code="interrupted")

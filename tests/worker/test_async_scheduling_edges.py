@@ -50,8 +50,7 @@ def abort_after(engine: LLMEngine, prompts, victim_tokens: int) -> dict[str, lis
             key = "r1-again" if reused and out.request_id == "r1" else out.request_id
             streams[key].append(tuple(out))
         if not reused and len(streams["r1"]) == victim_tokens:
-            final = engine.abort_request("r1")
-            assert final is not None
+            [final] = engine.abort_request("r1")
             streams["r1"].append(tuple(final))
             engine.add_request("r1", prompts[6], SEEDED)
             reused = True

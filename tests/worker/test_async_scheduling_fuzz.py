@@ -78,8 +78,8 @@ def run(model_dir, config: dict, arrivals, async_scheduling: bool) -> tuple[dict
             streams[out.request_id].append(tuple(out))
             abort_after = arrivals[int(out.request_id[1:])][3]
             if out.finish_reason is None and abort_after == out.num_output_tokens:
-                final = engine.abort_request(out.request_id)
-                assert final is not None and final.num_output_tokens == abort_after
+                [final] = engine.abort_request(out.request_id)
+                assert final.num_output_tokens == abort_after
                 streams[out.request_id].append(tuple(final))
         calls += 1
         assert calls < 5000, "no progress"

@@ -91,8 +91,8 @@ def test_stop_string_ends_the_text_before_it(client):
 
 
 def test_client_errors_surface_as_openai_exceptions(client):
-    with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
-        client.completions.create(model=MODEL, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
+        client.completions.create(model=MODEL, prompt="x", n=17)
     with pytest.raises(openai.BadRequestError, match="max_model_len is 256"):
         client.completions.create(model=MODEL, prompt=[7] * 300)
     with pytest.raises(openai.NotFoundError, match="not served here"):

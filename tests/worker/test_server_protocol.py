@@ -52,9 +52,13 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     [
         ("/v1/completions", {"model": "m"}, "prompt", "Field required"),
         ("/v1/completions", {"model": "m", "prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
-        ("/v1/completions", {"model": "m", "prompt": "x", "n": 2}, "n", "only n=1 is supported"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "n": 17}, "n", "less than or equal to 16"),
+        ("/v1/chat/completions", {**CHAT, "n": 0}, "n", "greater than or equal to 1"),
         ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-        ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+        ("/v1/completions", {"model": "m", "prompt": ["a"] * 65}, "prompt", "at most 64 prompts"),
+        ("/v1/completions", {"model": "m", "prompt": ["a"] * 9, "n": 16}, None, "at most 128 are allowed"),
+        ("/v1/completions", {"model": "m", "prompt": [[1], [2, -1]]}, "prompt", "non-negative"),
+        ("/v1/completions", {"model": "m", "prompt": [[1], []]}, "prompt", "non-empty list of token ids"),
         ("/v1/completions", {"model": "m", "prompt": []}, "prompt", "prompt must not be empty"),
         ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a"] * 65}, "stop", "at most 64 stop sequences"),
         ("/v1/completions", {"model": "m", "prompt": "x", "stop": ["a" * 129]}, "stop", "at most 128 characters"),
@@ -70,6 +74,11 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/completions", {"model": "m", "prompt": "x", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
         ("/v1/completions", {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, None, "stream"),
         ("/v1/chat/completions", {"model": "m", "messages": []}, "messages", "at least 1 item"),
+        ("/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, None, "exactly one of prompt and messages"),
+        ("/tokenize", {}, None, "exactly one of prompt and messages"),
+        ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus", "Extra inputs are not permitted"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens.1", "greater than or equal to 0"),
+        ("/detokenize", {}, "tokens", "Field required"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "user"),
         ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p", "greater than 0"),
         ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
@@ -103,7 +112,7 @@ def test_malformed_json_is_a_400(loading_app):
 
 def test_rejected_requests_are_counted(loading_app):
     client, _, _ = loading_app
-    client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
+    client.post("/v1/completions", json={"model": "m", "prompt": "x", "n": 17})
     client.post("/v1/chat/completions", json={"model": "m"})
     text = client.get("/metrics").text
     assert 'tidal_requests_total{endpoint="completions",outcome="rejected"} 1.0' in text
@@ -117,7 +126,12 @@ def test_probes_while_loading(loading_app):
     ready = client.get("/ready")
     assert ready.status_code == 503
     assert ready.json()["phase"] == "loading"
-    for response in (client.get("/v1/models"), client.post("/v1/completions", json={"model": "m", "prompt": "x"})):
+    for response in (
+        client.get("/v1/models"),
+        client.post("/v1/completions", json={"model": "m", "prompt": "x"}),
+        client.post("/tokenize", json={"prompt": "x"}),
+        client.post("/detokenize", json={"tokens": [1]}),
+    ):
         assert response.status_code == 503
         assert "still loading" in _error(response)["message"]
 
@@ -141,8 +155,12 @@ def test_two_metric_sets_do_not_collide():
 
 
 def test_request_models_normalise_openai_forms():
-    assert CompletionRequest(model="m", prompt=["only"]).prompt == "only"
-    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompt == [1, 2, 3]
+    assert CompletionRequest(model="m", prompt="only").prompts == ["only"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts == [[1, 2]]
+    assert CompletionRequest(model="m", prompt=["only"]).prompts == ["only"]
+    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompts == [[1, 2, 3]]
+    assert CompletionRequest(model="m", prompt=["a", "b"], n=2).prompts == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
     assert CompletionRequest(model="m", prompt="x", stop="END").stop == ["END"]
     chat = ChatCompletionRequest(
         model="m",

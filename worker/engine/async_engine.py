@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Self
+from typing import NamedTuple, Self
 
 from transformers import PreTrainedTokenizerBase
 
@@ -46,18 +46,26 @@ class RequestInterruptedError(RuntimeError):
 AdmissionGate = Callable[[], Awaitable[None]]
 
 
+class _NewRequest(NamedTuple):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+
+
 @dataclass
 class _Inbox:
-    new: list[tuple[str, list[int], SamplingParams]] = field(default_factory=list)
+    new: list[_NewRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
 
 
-def _never_admitted(request_id: str, prompt_token_ids: list[int]) -> RequestOutput:
-    """The final output of a request aborted before the engine took it."""
-    return RequestOutput(
-        request_id=request_id, new_token_ids=[], new_text="", finish_reason="abort",
-        num_prompt_tokens=len(prompt_token_ids), num_output_tokens=0,
-    )  # fmt: skip
+def _never_admitted(request: _NewRequest) -> list[RequestOutput]:
+    """The final outputs (one per sample) of a request aborted before the engine took it."""
+    num_prompt_tokens = len(request.prompt_token_ids)
+    return [
+        RequestOutput(request.request_id, [], "", "abort", num_prompt_tokens, 0, sample_index)
+        for sample_index in range(request.n)
+    ]
 
 
 class AsyncEngine:
@@ -121,16 +129,19 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's deltas. A prompt the engine refuses raises a ValueError at the first `anext`,
-        before anything is queued. Closing the stream early (client gone) aborts the request and frees it."""
-        return self._stream(request_id, list(prompt_token_ids), params)
+        """Stream the request's deltas (with n > 1, those of its n samples interleaved, told apart by
+        `sample_index`; the stream ends once each has finished). A prompt the engine refuses raises a ValueError at
+        the first `anext`, before anything is queued. Closing the stream early (client gone) aborts the request and
+        frees all its samples."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        return self._stream(_NewRequest(request_id, list(prompt_token_ids), params, n))
 
-    async def _stream(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        self._engine.validate_prompt(prompt_token_ids)
+    async def _stream(self, request: _NewRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        self._engine.validate_prompt(request.prompt_token_ids)
         if self._admission is not None:
             await self._admission()
         queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -140,8 +151,9 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise DuplicateRequestError(request_id)
             self._streams[request_id] = queue
-            self._inbox.new.append((request_id, prompt_token_ids, params))
+            self._inbox.new.append(request)
             self._wake.notify()
+        num_running = request.n  # samples not finished yet
         finished = False
         try:
             while not finished:
@@ -149,7 +161,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finish_reason is not None
+                if item.finish_reason is not None:
+                    num_running -= 1
+                    finished = num_running == 0
                 yield item
         finally:
             with self._lock:
@@ -161,14 +175,14 @@ class AsyncEngine:
         """Stop a request and free its cache blocks (no-op for an unknown or finished request). Thread-safe."""
         with self._wake:
             # One still waiting for admission (held) ends here: the loop must never admit it later.
-            queued = [item for item in self._inbox.new if item[0] == request_id]
+            queued = [item for item in self._inbox.new if item.request_id == request_id]
             if not queued:
                 self._inbox.aborts.append(request_id)
                 self._wake.notify()
                 return
-            self._inbox.new = [item for item in self._inbox.new if item[0] != request_id]
-        _, prompt, _ = queued[0]
-        self._deliver(request_id, _never_admitted(request_id, prompt))
+            self._inbox.new = [item for item in self._inbox.new if item.request_id != request_id]
+        for output in _never_admitted(queued[0]):
+            self._deliver(request_id, output)
 
     def serving_problem(self) -> str | None:
         """Why requests would wait here now although the loop runs (None: they would not); see LockstepAsyncEngine."""
@@ -213,8 +227,8 @@ class AsyncEngine:
         waited). -> how many."""
         with self._lock:
             queued, self._inbox.new = self._inbox.new, []
-        for request_id, _, _ in queued:
-            self._deliver(request_id, error)
+        for request in queued:
+            self._deliver(request.request_id, error)
         return len(queued)
 
     @contextlib.contextmanager
@@ -294,7 +308,7 @@ class AsyncEngine:
             deliveries += [(out.request_id, out) for out in engine.abort_all()]
             # Never admitted (e.g. held by a sleep): they would otherwise wait for an output that never comes.
             refused = EngineNotRunningError("the engine shut down before this request started")
-            deliveries += [(request_id, refused) for request_id, _, _ in inbox.new]
+            deliveries += [(request.request_id, refused) for request in inbox.new]
             self._stats = engine.stats()
             self._deliver_all(deliveries)
             return False
@@ -314,15 +328,13 @@ class AsyncEngine:
         deliveries: list[tuple[str, _Item]] = []
         if interrupt is not None:
             deliveries += [(out.request_id, RequestInterruptedError(interrupt)) for out in engine.abort_all()]
-        for request_id, prompt, params in inbox.new:
+        for request in inbox.new:
             try:
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(*request)
             except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
-                deliveries.append((request_id, err))
+                deliveries.append((request.request_id, err))
         for request_id in inbox.aborts:
-            output = engine.abort_request(request_id)
-            if output is not None:
-                deliveries.append((request_id, output))
+            deliveries += [(request_id, output) for output in engine.abort_request(request_id)]
         return deliveries
 
     def _deliver_all(self, deliveries: list[tuple[str, _Item]]) -> None:

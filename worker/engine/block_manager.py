@@ -66,7 +66,32 @@ class BlockManager:
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= len(self._free)
 
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether `fork(parent, ...)` has the block it may need now."""
+        return parent.num_computed_tokens % self.block_size == 0 or len(self._free) >= 1
+
     # ----- changes -----
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` the K/V of `parent`'s computed tokens without computing them again (n samples of one prompt).
+        Full blocks are shared (one more reference each); they never change again. A partly filled last block would
+        be written by the next token of each, so the child gets a fresh block for it, copy-on-write done at once since
+        that write always follows: -> (source, destination) whose K/V the caller copies, or None when the computed
+        tokens end on a block boundary. The child's tokens must be the parent's already."""
+        if child.block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
+        num_full = parent.num_computed_tokens // self.block_size
+        shared = parent.block_table[:num_full]
+        for block_id in shared:
+            self._take(block_id)
+        child.block_table = shared
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if parent.num_computed_tokens % self.block_size == 0:
+            return None
+        copy = self._take_fresh()
+        child.block_table.append(copy)
+        return parent.block_table[num_full], copy
+
     def allocate(self, seq: Sequence) -> None:
         """Give a waiting `seq` blocks for all its tokens; prefix hits become already-computed tokens."""
         if seq.block_table:

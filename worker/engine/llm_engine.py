@@ -7,6 +7,9 @@ previous step while the device computes this one. `step()` then returns the prev
 that must end by length once its pending token is read leaves the batch before the next step is scheduled, so
 the schedule is the one a step-at-a-time engine makes; one that ends on a token (EOS, stop id, stop string) is
 found a step late and its row in the step already launched is wasted and dropped.
+
+A request asking for n samples is n sequences sharing one prefill (engine/fork.py); each sample's outputs carry its
+`sample_index`, and the request ends when all n have.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from tidal.worker.engine.errors import (
     InvalidTokenError,
     PromptTooLongError,
 )
+from tidal.worker.engine.fork import Forks, sample_params
+from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
 from tidal.worker.engine.model_runner import ModelRunner
 from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationResult, RequestOutput
@@ -77,7 +82,9 @@ class LLMEngine:
         self.scheduler = Scheduler(limits, self.block_manager)
         self.sampler = Sampler(runner.device, config.seed, frozenset(eos_token_ids))
         self._window_decoder = WindowDecoder(tokenizer)
-        self._requests: dict[str, EngineRequest] = {}
+        self._requests: dict[int, EngineRequest] = {}  # seq_id -> the sample it runs
+        self._samples: dict[str, list[EngineRequest]] = {}  # request id -> its samples not finished yet
+        self._forks = Forks(self.block_manager, self.scheduler)
         self._in_flight: InFlightStep | None = None  # launched, its tokens not read yet (async scheduling)
         self._seq_ids = itertools.count()
         self._num_prompt_tokens = 0
@@ -137,36 +144,51 @@ class LLMEngine:
             if token >= self.vocab_size:
                 raise InvalidLogitBiasError(token, self.vocab_size)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._requests:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
+        """Queue a request for `n` samples of the prompt (n > 1: one prefill, then n sequences; see engine/fork.py)."""
+        if request_id in self._samples:
             raise DuplicateRequestError(request_id)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params)
+        samples = [self._new_sample(request_id, prompt_token_ids, sample_params(params, i), i) for i in range(n)]
+        self._samples[request_id] = samples
+        for sample in samples:
+            self._requests[sample.seq.seq_id] = sample
+            self._num_controlled += sample.seq.params.has_controls
+        self.scheduler.add(samples[0].seq)
+        if n > 1:
+            self._forks.add(samples[0], samples[1:])
+        self._num_prompt_tokens += len(prompt_token_ids)
+
+    def _new_sample(self, request_id: str, prompt: list[int], params: SamplingParams, index: int) -> EngineRequest:
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt), params, sample_index=index)
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         limit = self.max_model_len
         if params.max_tokens is not None:
             limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
-        self._requests[request_id] = EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
-        self.scheduler.add(seq)
-        self._num_prompt_tokens += seq.num_prompt_tokens
-        self._num_controlled += params.has_controls
+        return EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drop a request and free its blocks; -> its final output, or None if it is not (or no longer) here. A
-        token of it still being sampled is dropped (never handed out). Its blocks may go to another sequence at
-        once, while a step in flight still reads and writes them: the device runs steps in launch order."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return None
-        request.seq.drop_unknown_tokens()
-        return self._finish(request, "abort", new_token_ids=[], new_text="")
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Drop a request (all its samples) and free its blocks; -> the final output of each sample still running
+        (none if the request is not, or no longer, here). A token of it still being sampled is dropped (never handed
+        out). Its blocks may go to another sequence at once, while a step in flight still reads and writes them: the
+        device runs steps in launch order."""
+        samples = self._samples.get(request_id)
+        if samples is None:
+            return []
+        finals = []
+        for request in list(samples):
+            self._forks.drop(request.seq.seq_id)
+            request.seq.drop_unknown_tokens()
+            finals.append(self._finish(request, "abort", new_token_ids=[], new_text=""))
+        return finals
 
     def abort_all(self) -> list[RequestOutput]:
         """Drop every request (shutdown, or recovery after a failed step) and the step in flight; -> their final
         outputs. The device is idle when it returns."""
-        outputs = (self.abort_request(request_id) for request_id in list(self._requests))
-        finals = [out for out in outputs if out is not None]
+        finals = [out for request_id in list(self._samples) for out in self.abort_request(request_id)]
         self._in_flight = None
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
@@ -231,7 +253,7 @@ class LLMEngine:
         """The sequences that sample, in batch order (the plan's sample_seq_ids), and where their tokens will go."""
         requests = self._requests
         return [
-            PendingToken(requests[item.seq.request_id], len(item.seq.token_ids))
+            PendingToken(requests[item.seq.seq_id], len(item.seq.token_ids))
             for item in scheduled.scheduled
             if item.will_sample
         ]
@@ -239,17 +261,33 @@ class LLMEngine:
     def _sampled(
         self, scheduled: SchedulerOutput, plan: StepPlan, pending: list[PendingToken], logits: torch.Tensor | None
     ) -> InFlightStep:
-        tokens = None if logits is None else self.sampler.sample_on_device(logits, self._sample_batch(pending, plan))
         self.scheduler.on_step_launched(scheduled)
+        seq_ids = plan.sample_seq_ids
+        if self._forks and logits is not None:  # n > 1 requests wait for their first token
+            logits, pending, seq_ids = self._fork_samples(logits, pending, seq_ids)
+        tokens = None if logits is None else self.sampler.sample_on_device(logits, self._sample_batch(pending, seq_ids))
         return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
 
-    def _sample_batch(self, pending: list[PendingToken], plan: StepPlan) -> SampleBatch:
-        params = [p.request.seq.params for p in pending]
-        seq_ids = plan.sample_seq_ids  # the same rows, in the same order
+    def _sample_batch(self, pending: list[PendingToken], seq_ids: list[int]) -> SampleBatch:
+        params = [p.request.seq.params for p in pending]  # the rows of `seq_ids`, in the same order
         if not self._num_controlled:  # the usual case: plain requests only, no per-row columns to build
             return SampleBatch(params, seq_ids)
         num_tokens = [p.token_index for p in pending]
         return SampleBatch(params, seq_ids, num_tokens, [p.request.seq.prompt_token_ids for p in pending])
+
+    def _fork_samples(
+        self, logits: torch.Tensor, pending: list[PendingToken], seq_ids: list[int]
+    ) -> tuple[torch.Tensor, list[PendingToken], list[int]]:
+        """Fork the followers of the leaders sampling their first token in this step (after its forward is queued,
+        so the partly filled blocks they copy hold the prompt's last K/V); each gets a row of its own: a copy of its
+        leader's logits row (logits [S, V] -> [S + F, V])."""
+        forked = self._forks.join(pending)
+        if forked is None or not forked.pending:  # none, or each follower waits for blocks to prefill on its own
+            return logits, pending, seq_ids
+        self.runner.copy_blocks(forked.copies)
+        rows = to_device(int64_tensor(forked.rows), logits.device)  # [F]
+        logits = torch.cat((logits, logits.index_select(0, rows)))
+        return logits, pending + forked.pending, seq_ids + [p.request.seq.seq_id for p in forked.pending]
 
     # ----- lockstep steps (expert parallelism) -----
     def group_step(self) -> list[RequestOutput]:
@@ -314,7 +352,7 @@ class LLMEngine:
             if reason is None:
                 outputs.append(
                     RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
-                                  num_tokens - len(seq.prompt_token_ids))
+                                  num_tokens - len(seq.prompt_token_ids), seq.sample_index)
                 )  # fmt: skip
             else:
                 # A step already launched may sample past the end (a wasted row, never read): forget that token.
@@ -331,41 +369,53 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq.seq_id)
         self._num_controlled -= seq.params.has_controls
-        del self._requests[seq.request_id]
+        del self._requests[seq.seq_id]
+        samples = self._samples[seq.request_id]
+        if len(samples) == 1:
+            del self._samples[seq.request_id]
+        else:
+            samples[:] = [s for s in samples if s is not request]
         return self._output(seq, new_token_ids, new_text, reason)
 
     @staticmethod
     def _output(seq: Sequence, token_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
-        return RequestOutput(seq.request_id, token_ids, text, reason, seq.num_prompt_tokens, seq.num_output_tokens)
+        return RequestOutput(
+            seq.request_id, token_ids, text, reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.sample_index
+        )
 
     # ----- batch use and stats -----
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int = 1
     ) -> list[GenerationResult]:
-        """Run `prompts` to completion together (continuous batching); results in prompt order."""
+        """Run `prompts` to completion together (continuous batching), `n` samples each; results prompt-major (prompt
+        i's sample j at i * n + j)."""
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._seq_ids)}-{i}" for i in range(len(prompts))]
         for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
-            self.add_request(request_id, prompt, p)
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        texts: dict[str, list[str]] = {i: [] for i in ids}
-        reasons: dict[str, FinishReason] = {}
-        while len(reasons) < len(ids):
+            self.add_request(request_id, prompt, p, n)
+        keys = [(i, j) for i in ids for j in range(n)]
+        tokens: dict[tuple[str, int], list[int]] = {k: [] for k in keys}
+        texts: dict[tuple[str, int], list[str]] = {k: [] for k in keys}
+        reasons: dict[tuple[str, int], FinishReason] = {}
+        while len(reasons) < len(keys):
             for out in self.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-                texts[out.request_id].append(out.new_text)
+                key = (out.request_id, out.sample_index)
+                tokens[key].extend(out.new_token_ids)
+                texts[key].append(out.new_text)
                 if out.finish_reason is not None:
-                    reasons[out.request_id] = out.finish_reason
+                    reasons[key] = out.finish_reason
         self.drain()  # what is left in flight are rows of requests that already ended: leave the device idle
+        prompt_of = dict(zip(ids, prompts, strict=True))
         return [
             GenerationResult(
                 request_id=i,
-                prompt_token_ids=list(p),
-                output_token_ids=tokens[i],
-                text="".join(texts[i]),
-                finish_reason=reasons[i],
+                sample_index=j,
+                prompt_token_ids=list(prompt_of[i]),
+                output_token_ids=tokens[i, j],
+                text="".join(texts[i, j]),
+                finish_reason=reasons[i, j],
             )
-            for i, p in zip(ids, prompts, strict=True)
+            for i, j in keys
         ]
 
     def stats(self) -> EngineStats:

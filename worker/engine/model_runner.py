@@ -113,6 +113,19 @@ class ModelRunner:
             raise RuntimeError("an empty step needs a model built for expert parallelism")
         self.model.run_empty_moe_step()
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer, (source, destination) pairs: a forked sample's own copy of the block
+        its prompt ends in (copy-on-write). Queued behind the step that wrote the sources, on the same stream."""
+        if not copies:
+            return
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            pairs = to_device(int64_tensor([b for pair in copies for b in pair]), self.device).view(-1, 2)  # [C, 2]
+            sources, destinations = pairs[:, 0], pairs[:, 1]
+            for k_cache, v_cache in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
+                k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
+                v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
+
     def synchronize(self) -> None:
         """Wait until the device has done all the work queued so far (not on the step path: see SampledTokens)."""
         if self.device.type == "cuda":

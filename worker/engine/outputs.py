@@ -22,6 +22,7 @@ class RequestOutput(NamedTuple):
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    sample_index: int = 0  # which of the request's n samples this is
 
 
 class GenerationResult(BaseModel):
@@ -30,6 +31,7 @@ class GenerationResult(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     request_id: str
+    sample_index: int = 0
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     text: str

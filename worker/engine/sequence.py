@@ -37,6 +37,8 @@ class Sequence:
     # Prefix-cache hashes of this sequence's full, computed blocks (block i's hash chains block i-1's).
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Which of its request's samples this sequence is (n > 1: each sample is a sequence; see engine/fork.py).
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -38,6 +38,7 @@ from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.request_body import BoundedBody
 from tidal.worker.server.routes_openai import openai_router
 from tidal.worker.server.routes_probes import probe_router
+from tidal.worker.server.routes_tokenize import tokenize_router
 from tidal.worker.server.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def build_api_app(
     install_error_handlers(app, metrics)
     app.include_router(probe_router(runtime, metrics))
     app.include_router(openai_router(runtime, metrics, config, prompt_builder))
+    app.include_router(tokenize_router(runtime, prompt_builder))
     conform_openapi(app, ErrorResponse.__name__)
 
     def on_refused(scope: Scope) -> None:

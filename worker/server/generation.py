@@ -5,6 +5,9 @@ is where the engine refuses a prompt it cannot take, before anything is sent to 
 collect the rest. `close()` is synchronous and idempotent so that it can run from any `finally`, including one reached
 by cancellation when a client disconnects; it aborts the engine's request if it has not finished, which returns its
 KV-cache blocks, and calls `on_close` (the request's admission slot goes back there).
+
+A generation of n samples (one engine request, one prefill) yields the outputs of all n interleaved, each carrying its
+`sample_index`, and is finished once each sample is.
 """
 
 from __future__ import annotations
@@ -37,18 +40,21 @@ class Generation:
         prompt_token_ids: list[int],
         params: SamplingParams,
         on_close: Callable[[], None] = lambda: None,
+        n: int = 1,
     ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
+        self.num_output_tokens = 0  # all samples together
+        self.finish_reasons: list[str | None] = [None] * n  # by sample index
+        self._num_running = n
         self._engine = engine
         self._metrics = metrics
         self._on_close = on_close
         self._endpoint = endpoint
         self._arrival = time.perf_counter()
-        self._last_token_at: float | None = None
-        self._stream = engine.generate(request_id, prompt_token_ids, params)
+        self._first_token_at: float | None = None
+        self._last_token_at: list[float | None] = [None] * n  # by sample: the gaps are each sample's own
+        self._stream = engine.generate(request_id, prompt_token_ids, params, n)
         self._first: RequestOutput | None = None
         self._outcome: str | None = None
         # True once the engine holds nothing for this request: finished, refused, or aborted by us.
@@ -82,13 +88,22 @@ class Generation:
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._observe(self._first)
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The first sample's finish reason (the only one when n = 1)."""
+        return self.finish_reasons[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return self._num_running == 0
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Every output, the first one included; the last carries the finish reason."""
+        """Every output, the first one included; each sample's last carries its finish reason."""
         if self._first is None:
             raise RuntimeError("Generation.start() must be awaited before outputs()")
         try:
             yield self._first
-            while self.finish_reason is None:
+            while self._num_running:
                 output = await anext(self._stream)
                 self._observe(output)
                 yield output
@@ -117,22 +132,27 @@ class Generation:
     def _observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
         num_new = len(output.new_token_ids)
+        index = output.sample_index
         if num_new:
-            if self._last_token_at is None:
+            last = self._last_token_at[index]
+            if self._first_token_at is None:
+                self._first_token_at = now
                 self._metrics.time_to_first_token.observe(now - self._arrival)
-            else:
+            elif last is not None:
                 # Several tokens in one delta share the gap evenly (e.g. a detokenizer that held text back).
-                gap = (now - self._last_token_at) / num_new
+                gap = (now - last) / num_new
                 for _ in range(num_new):
                     self._metrics.inter_token_latency.observe(gap)
-            self._last_token_at = now
+            self._last_token_at[index] = now
             self.num_output_tokens += num_new
             self._metrics.generation_tokens.inc(num_new)
         if output.finish_reason is not None:
-            self.finish_reason = output.finish_reason
-            self._engine_done = True
-            self._metrics.e2e_latency.observe(now - self._arrival)
-            self._account(output.finish_reason)
+            self.finish_reasons[index] = output.finish_reason
+            self._num_running -= 1
+            if self._num_running == 0:
+                self._engine_done = True
+                self._metrics.e2e_latency.observe(now - self._arrival)
+                self._account(output.finish_reason)
 
     def _account(self, outcome: str) -> None:
         if self._outcome is None:

@@ -37,6 +37,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def decode(self, token_ids: list[int]) -> str | list[str]: ...
+
+    def __len__(self) -> int: ...
+
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any: ...
 
 
@@ -58,9 +62,20 @@ class PromptBuilder:
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         check_template_kwargs(tokenizer, template_kwargs, self._allow_request_chat_template)
-        return await self._run(chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs)
+        return await self._run(
+            chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs, add_special_tokens
+        )
+
+    async def text_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+        """`text` tokenized, with or without the tokenizer's special tokens (`/tokenize`)."""
+        return await self._run(text_token_ids, tokenizer, text, add_special_tokens)
+
+    async def text_of(self, tokenizer: Tokenizer, token_ids: list[int]) -> str:
+        """Token ids back to text (`/detokenize`)."""
+        return await self._run(token_ids_text, tokenizer, token_ids)
 
     def close(self) -> None:
         """Drop the prompts still waiting for a thread; one being built finishes on its own."""
@@ -111,17 +126,30 @@ def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list
     return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
 
+def text_token_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # A keyword: Hugging Face's second positional argument is a second text (`text_pair`).
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def token_ids_text(tokenizer: Tokenizer, token_ids: list[int]) -> str:
+    text = tokenizer.decode(token_ids)
+    if not isinstance(text, str):  # a list of texts comes only from a batch of id lists
+        raise ApiError(500, f"the tokenizer decoded one id list to {type(text).__name__}, expected text")
+    return text
+
+
 def chat_prompt_ids(
     tokenizer: Tokenizer,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Render the conversation with the model's chat template, then tokenize the text.
 
     Rendering to text first (rather than `tokenize=True`) keeps one code path across tokenizer versions, whose
     return type for tokenized templates has changed; the template already writes the special tokens it wants, so
-    none are added on top.
+    none are added on top unless asked (`/tokenize` takes `add_special_tokens`, as vLLM's does).
     """
     if not tokenizer.chat_template and not (template_kwargs or {}).get("chat_template"):
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -137,7 +165,7 @@ def chat_prompt_ids(
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     if not isinstance(text, str):
         raise ApiError(500, f"the chat template returned {type(text).__name__}, expected text")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, Any]:

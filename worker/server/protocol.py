@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated at the boundary.
 
-A field this server cannot honour (n > 1, logprobs, tools...) is rejected with a message naming it rather than
-silently ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as
-OpenAI does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
+A field this server cannot honour (logprobs, tools...) is rejected with a message naming it rather than silently
+ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as OpenAI
+does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
 `add_generation_prompt` and `chat_template_kwargs`. docs/OPENAI.md lists every field.
 """
@@ -21,6 +21,7 @@ from tidal.worker.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from tidal.worker.server.prompt_batch import MAX_N, MAX_PROMPTS, Prompt, as_prompt_list, check_num_choices
 
 
 class _Strict(BaseModel):
@@ -41,6 +42,11 @@ def _documented(accepted: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
 
 
 _NOT_SUPPORTED = "not supported by this server: only the default is accepted"
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+def _batch(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_PROMPTS}
 
 
 class StreamOptions(_Strict):
@@ -61,7 +67,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N, description="samples of each prompt, sharing its prefill")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -70,13 +76,6 @@ class _SamplingFields(_Strict):
     # Keys are token ids written as strings (JSON object keys), as OpenAI's; checked against the vocabulary later.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send several requests for several completions")
-        return n
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -137,9 +136,14 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    """`POST /v1/completions`. One prompt per request: text, or token ids."""
+    """`POST /v1/completions`. A prompt (text or token ids) or a batch of them: a choice per prompt, times n."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description=f"a string, token ids, or a batch of up to {MAX_PROMPTS} of either (one choice each, times n)",
+        json_schema_extra=_documented(
+            {"anyOf": [{"type": "string"}, _TOKEN_IDS, _batch({"type": "string"}), _batch(_TOKEN_IDS)]}
+        ),
+    )
     # The legacy completions endpoint's default, as in OpenAI's API.
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = Field(False, description=_NOT_SUPPORTED, json_schema_extra=_documented({"const": False}))
@@ -162,8 +166,19 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        return _single_prompt(prompt)
+    def _check_prompt(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> object:
+        as_prompt_list(prompt)
+        return prompt
+
+    @model_validator(mode="after")
+    def _check_num_choices(self) -> CompletionRequest:
+        check_num_choices(len(self.prompts), self.n)
+        return self
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """The prompts, each a string or token ids, in order (choice i * n + j is prompt i's sample j)."""
+        return as_prompt_list(self.prompt)
 
     @field_validator("echo")
     @classmethod
@@ -192,21 +207,6 @@ class CompletionRequest(_SamplingFields):
         if suffix:
             raise ValueError("suffix (insertion) is not supported by this server")
         return suffix
-
-
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """Unwrap OpenAI's list forms to one prompt; a real batch is refused (n=1 is the unit of work here)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not prompt:
-        raise ValueError("prompt must not be empty")
-    if all(isinstance(t, int) for t in prompt):
-        if any(t < 0 for t in prompt):  # type: ignore[operator]
-            raise ValueError("prompt token ids must be non-negative")
-        return prompt  # type: ignore[return-value]
-    if len(prompt) > 1:
-        raise ValueError(f"batched prompts are not supported ({len(prompt)} given); send one prompt per request")
-    return _single_prompt(prompt[0])  # type: ignore[arg-type]
 
 
 class TextPart(_Strict):

@@ -3,10 +3,12 @@
 Each handler reads like the request's life: check the engine can serve, take an admission slot (429 when the worker
 holds `max_concurrent_requests` already), build the prompt off the event loop, check its length, start the generation
 (the engine may still refuse it: 400), then stream it or collect it. The slot goes back when the generation closes.
+A request's choices (its prompts times `n`) are one `Choices`: one slot, one prefill per prompt.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ from pydantic import BaseModel
 
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.admission import RequestSlots, Slot
+from tidal.worker.server.choices import Choices, collect_texts
 from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.errors import ApiError, ErrorResponse
 from tidal.worker.server.generation import Generation
@@ -65,7 +68,7 @@ def openai_router(
 
     async def start(
         engine: AsyncEngine, endpoint: str, request: CompletionRequest | ChatCompletionRequest, request_id: str
-    ) -> Generation:
+    ) -> Choices:
         try:
             slot = slots.acquire()
         except ApiError:
@@ -83,36 +86,47 @@ def openai_router(
         endpoint: str,
         request: CompletionRequest | ChatCompletionRequest,
         request_id: str,
-    ) -> Generation:
+    ) -> Choices:
         try:
-            prompt_ids = await prompt_for(engine, request)
-            params = sampling_params(request, len(prompt_ids), engine.max_model_len, engine.vocab_size)
+            all_prompt_ids = await prompts_for(engine, request)
+            all_params = [
+                sampling_params(request, len(ids), engine.max_model_len, engine.vocab_size) for ids in all_prompt_ids
+            ]
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise
-        generation = Generation(engine, metrics, endpoint, request_id, prompt_ids, params, on_close=slot.release)
-        await generation.start()  # accounts for its own refusal
-        return generation
+        ids = [request_id] if len(all_prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(all_prompt_ids))]
+        generations = [
+            Generation(engine, metrics, endpoint, i, prompt_ids, params, n=request.n)
+            for i, prompt_ids, params in zip(ids, all_prompt_ids, all_params, strict=True)
+        ]
+        choices = Choices(generations, request.n, on_close=slot.release)
+        await choices.start()  # each generation accounts for its own refusal
+        return choices
 
-    async def prompt_for(engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    async def prompts_for(engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(request, ChatCompletionRequest):
-            prompt_ids = await prompt_builder.chat_ids(
+            chat_ids = await prompt_builder.chat_ids(
                 engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs
             )
-            param = "messages"
+            all_prompt_ids, param = [chat_ids], "messages"
         else:
-            prompt_ids = await prompt_builder.completion_ids(engine.tokenizer, request.prompt)  # type: ignore[arg-type]
+            tokenizer = engine.tokenizer
+            all_prompt_ids = list(
+                await asyncio.gather(*(prompt_builder.completion_ids(tokenizer, p) for p in request.prompts))
+            )
             param = "prompt"
         limit = config.max_prompt_tokens
-        if limit is not None and len(prompt_ids) > limit:
-            raise ApiError(
-                400, f"the prompt has {len(prompt_ids)} tokens but this worker accepts at most {limit} "
-                "(max_prompt_tokens)", param=param, code="context_length_exceeded",
-            )  # fmt: skip
-        return prompt_ids
+        for prompt_ids in all_prompt_ids:
+            if limit is not None and len(prompt_ids) > limit:
+                raise ApiError(
+                    400, f"the prompt has {len(prompt_ids)} tokens but this worker accepts at most {limit} "
+                    "(max_prompt_tokens)", param=param, code="context_length_exceeded",
+                )  # fmt: skip
+        return all_prompt_ids
 
-    def stream(events: Callable[[], AsyncIterator[str]], generation: Generation) -> SSEResponse:
-        return SSEResponse(events(), on_close=generation.close, write_timeout_s=config.stream_write_timeout_s)
+    def stream(events: Callable[[], AsyncIterator[str]], choices: Choices) -> SSEResponse:
+        return SSEResponse(events(), on_close=choices.close, write_timeout_s=config.stream_write_timeout_s)
 
     @router.get("/models")
     async def list_models() -> ModelList:
@@ -122,40 +136,37 @@ def openai_router(
     @router.post("/completions", response_model=None, responses=_answers(CompletionResponse))
     async def create_completion(body: CompletionRequest, http_request: Request) -> Response | CompletionResponse:
         response_id = new_id("cmpl")
-        generation = await start(engine_for(body.model), "completions", body, response_id)
+        choices = await start(engine_for(body.model), "completions", body, response_id)
         if body.stream:
             include_usage = body.include_usage_in_stream
-            return stream(lambda: completion_events(generation, response_id, body.model, include_usage), generation)
-        text = await _collect_text(generation, http_request)
-        choice = CompletionChoice(text=text, finish_reason=generation.finish_reason)  # type: ignore[arg-type]
-        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
-        return CompletionResponse(id=response_id, model=body.model, choices=[choice], usage=usage)
+            return stream(lambda: completion_events(choices, response_id, body.model, include_usage), choices)
+        texts = await collect_texts(choices, http_request.is_disconnected)
+        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
+        return CompletionResponse(
+            id=response_id, model=body.model, usage=usage,
+            choices=[
+                CompletionChoice(index=i, text=text, finish_reason=choices.finish_reason(i))  # type: ignore[arg-type]
+                for i, text in enumerate(texts)
+            ],
+        )  # fmt: skip
 
     @router.post("/chat/completions", response_model=None, responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(
         body: ChatCompletionRequest, http_request: Request
     ) -> Response | ChatCompletionResponse:
         response_id = new_id("chatcmpl")
-        generation = await start(engine_for(body.model), "chat_completions", body, response_id)
+        choices = await start(engine_for(body.model), "chat_completions", body, response_id)
         if body.stream:
             include_usage = body.include_usage_in_stream
-            return stream(lambda: chat_events(generation, response_id, body.model, include_usage), generation)
-        text = await _collect_text(generation, http_request)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=generation.finish_reason)  # type: ignore[arg-type]
-        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
-        return ChatCompletionResponse(id=response_id, model=body.model, choices=[choice], usage=usage)
+            return stream(lambda: chat_events(choices, response_id, body.model, include_usage), choices)
+        texts = await collect_texts(choices, http_request.is_disconnected)
+        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
+        return ChatCompletionResponse(
+            id=response_id, model=body.model, usage=usage,
+            choices=[
+                ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=choices.finish_reason(i))  # type: ignore[arg-type]
+                for i, text in enumerate(texts)
+            ],
+        )  # fmt: skip
 
     return router
-
-
-async def _collect_text(generation: Generation, http_request: Request) -> str:
-    """The whole text of a non-streamed request; a client that has gone away stops it early."""
-    parts: list[str] = []
-    try:
-        async for output in generation.outputs():
-            parts.append(output.new_text)
-            if output.finish_reason is None and await http_request.is_disconnected():
-                break
-    finally:
-        generation.close()
-    return "".join(parts)

@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from tidal.worker.server.choices import Choices
 from tidal.worker.server.errors import ApiError, error_body
-from tidal.worker.server.generation import Generation
 from tidal.worker.server.responses import (
     ChatCompletionChunk,
     ChatDelta,
@@ -83,43 +83,44 @@ def _error_event(exc: BaseException) -> str:
     return sse_event(error_body(500, "internal error in the engine", code="internal_error"))
 
 
-async def completion_events(
-    generation: Generation, response_id: str, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    """`text_completion` chunks: one per engine output with new text, the last with the finish reason."""
+async def completion_events(choices: Choices, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """`text_completion` chunks: one per engine output with new text, each choice's last with its finish reason;
+    each chunk carries one choice, with its index."""
     try:
-        async for output in generation.outputs():
+        async for index, output in choices.outputs():
             if not output.new_text and output.finish_reason is None:
                 continue
-            choice = CompletionChoice(text=output.new_text, finish_reason=output.finish_reason)
+            choice = CompletionChoice(index=index, text=output.new_text, finish_reason=output.finish_reason)
             yield sse_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
     except Exception as exc:  # the stream has started (status 200), so the error can only travel as an event
         yield _error_event(exc)
         return
     if include_usage:
-        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
         yield sse_event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
     yield DONE
 
 
-async def chat_events(generation: Generation, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """`chat.completion.chunk`s: the role first, then content deltas, then an empty delta with the finish reason."""
+async def chat_events(choices: Choices, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """`chat.completion.chunk`s, for each choice: the role first, then content deltas, then an empty delta with the
+    finish reason; each chunk carries one choice, with its index."""
 
-    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
-        choice = ChatStreamChoice(delta=delta, finish_reason=finish_reason)  # type: ignore[arg-type]
+    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason)  # type: ignore[arg-type]
         return sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
 
-    yield chunk(ChatDelta(role="assistant", content=""))
+    for index in range(choices.num_choices):
+        yield chunk(index, ChatDelta(role="assistant", content=""))
     try:
-        async for output in generation.outputs():
+        async for index, output in choices.outputs():
             if output.new_text:
-                yield chunk(ChatDelta(content=output.new_text))
+                yield chunk(index, ChatDelta(content=output.new_text))
             if output.finish_reason is not None:
-                yield chunk(ChatDelta(), output.finish_reason)
+                yield chunk(index, ChatDelta(), output.finish_reason)
     except Exception as exc:  # see completion_events
         yield _error_event(exc)
         return
     if include_usage:
-        usage = Usage.of(generation.num_prompt_tokens, generation.num_output_tokens)
+        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
         yield sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
     yield DONE

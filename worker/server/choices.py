@@ -1,0 +1,109 @@
+"""The choices of one HTTP request: a generation per prompt (batched `/v1/completions`), each with n samples, seen as
+one stream of (choice index, output) and collected into whole texts.
+
+Choice `i * n + j` is prompt i's sample j, as OpenAI numbers them. All prompts are submitted together (the engine
+batches their prefills); their outputs are merged in the order they arrive. The request holds one admission slot,
+given back once every generation is closed. Usage counts each prompt's tokens once, however many samples it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from tidal.worker.server.generation import Generation
+
+if TYPE_CHECKING:
+    from tidal.worker.engine.outputs import RequestOutput
+
+ChoiceOutput = tuple[int, "RequestOutput"]  # (choice index, the output of that choice's sample)
+
+
+class Choices:
+    def __init__(self, generations: list[Generation], n: int, on_close: Callable[[], None] = lambda: None) -> None:
+        self.generations = generations
+        self.n = n
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.generations) * self.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(g.num_prompt_tokens for g in self.generations)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(g.num_output_tokens for g in self.generations)
+
+    def finish_reason(self, index: int) -> str | None:
+        return self.generations[index // self.n].finish_reasons[index % self.n]
+
+    async def start(self) -> None:
+        """Submit every prompt at once and wait for each one's first output; the first refusal (a 400 or 503) is
+        raised once all have started or failed, with every generation closed."""
+        results = await asyncio.gather(*(g.start() for g in self.generations), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            self.close()
+            raise failure
+
+    async def outputs(self) -> AsyncIterator[ChoiceOutput]:
+        """Every output of every choice, each with its choice index."""
+        n = self.n
+        try:
+            if len(self.generations) == 1:  # the usual request: no tasks, no queue
+                async for output in self.generations[0].outputs():
+                    yield output.sample_index, output
+                return
+            merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+            async def pump(prompt_index: int, generation: Generation) -> None:
+                try:
+                    async for output in generation.outputs():
+                        merged.put_nowait((prompt_index * n + output.sample_index, output))
+                except Exception as exc:  # goes to the reader, which stops every other generation
+                    merged.put_nowait(exc)
+                merged.put_nowait(None)
+
+            tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.generations)]
+            try:
+                num_running = len(tasks)
+                while num_running:
+                    item = await merged.get()
+                    if item is None:
+                        num_running -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield item
+            finally:
+                for task in tasks:
+                    task.cancel()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close every generation (aborting those still running) and give the slot back. Idempotent, synchronous."""
+        for generation in self.generations:
+            generation.close()
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+
+async def collect_texts(choices: Choices, is_disconnected: Callable[[], Awaitable[bool]]) -> list[str]:
+    """Each choice's whole text, by index; a client that has gone away stops them all early. `is_disconnected`:
+    Starlette's `Request.is_disconnected` (awaited)."""
+    parts: list[list[str]] = [[] for _ in range(choices.num_choices)]
+    try:
+        async for index, output in choices.outputs():
+            parts[index].append(output.new_text)
+            if output.finish_reason is None and await is_disconnected():
+                break
+    finally:
+        choices.close()
+    return ["".join(p) for p in parts]
