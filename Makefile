@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 ENV := source hack/env.sh &&
 
-.PHONY: help env binaries lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
+.PHONY: help env binaries monitoring-tools lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
 
 help:
 	@echo "make demo   - local control plane, helm install, SmolLM2 (a real small model), a chat answer, kubectl get"
@@ -15,16 +15,19 @@ env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
 binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm from their Go modules, cached by version
 	@bash hack/build-binaries.sh
 
+monitoring-tools:  ## prometheus, promtool and the Prometheus Operator CRDs from their Go modules, cached by version
+	@bash hack/install-monitoring.sh
+
 lint: env
 	@$(ENV) ruff check . && ruff format --check . && python hack/typecheck.py
 
 format: env
 	@$(ENV) ruff format . && ruff check --fix .
 
-test: env binaries lint
+test: env binaries monitoring-tools lint
 	@$(ENV) python -m pytest
 
-test-unit: env
+test-unit: env monitoring-tools
 	@$(ENV) python -m pytest tests/unit
 
 test-kernels: env
@@ -33,7 +36,7 @@ test-kernels: env
 test-worker: env
 	@$(ENV) python -m pytest tests/worker
 
-test-e2e: env binaries
+test-e2e: env binaries monitoring-tools
 	@$(ENV) python -m pytest tests/e2e
 
 crds: env  ## rewrite crds/, the chart's CRD copy and docs/API.md from the pydantic spec

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from tidal.operator.api.status import Phase
 
@@ -22,6 +22,12 @@ class OperatorMetrics:
             buckets=_SLOW_BUCKETS, registry=registry,
         )  # fmt: skip
         self.models = Gauge("tidal_operator_models", "InferenceModels by status phase.", ["phase"], registry=registry)
+        # One series per model, 1 for its current phase: what an alert names ("ns/model Degraded for 10 minutes"),
+        # which the per-phase counts cannot.
+        self.model_phase = Gauge(
+            "tidal_operator_model_phase", "1 for the status phase each InferenceModel is in.",
+            ["namespace", "model", "phase"], registry=registry,
+        )  # fmt: skip
         self.transition_seconds = Histogram(
             "tidal_operator_sleep_wake_duration_seconds",
             "Time for every rank of a model to answer one sleep or wake (the calls run in parallel).",
@@ -44,16 +50,20 @@ class OperatorMetrics:
         self.is_leader = Gauge(
             "tidal_operator_leader", "1 while this process holds the leader Lease.", registry=registry
         )
+        # process_start_time_seconds and friends: a restart shows as a new start time.
+        ProcessCollector(registry=registry)
         self._phases: dict[tuple[str, str], Phase] = {}
         for phase in PHASES:
             self.models.labels(phase).set(0)
 
     def set_phase(self, key: tuple[str, str], phase: Phase | None) -> None:
         """Record a model's phase (None: the model is gone) and refresh the per-phase counts."""
-        if phase is None:
-            self._phases.pop(key, None)
-        else:
+        previous = self._phases.pop(key, None)
+        if previous is not None and previous != phase:
+            self.model_phase.remove(*key, previous)
+        if phase is not None:
             self._phases[key] = phase
+            self.model_phase.labels(*key, phase).set(1)
         for p in PHASES:
             self.models.labels(p).set(sum(1 for v in self._phases.values() if v == p))
 

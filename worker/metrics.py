@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
@@ -106,6 +106,9 @@ class WorkerMetrics:
             registry=registry,
         )
         registry.register(_EngineCollector(read_stats))
+        # process_start_time_seconds and friends: a rank's restart (the pod's restartPolicy is Always, so its series
+        # keep their labels) shows as a new start time, which the chart's alerts and dashboard count.
+        ProcessCollector(registry=registry)
         # Pre-create each series so a dashboard sees zeros rather than gaps before the first request.
         for endpoint in ("completions", "chat_completions"):
             for outcome in OUTCOMES:

@@ -1,4 +1,4 @@
-"""Operator metrics (models by phase) and the /healthz server, without a cluster."""
+"""Operator metrics (models by phase, each model's phase) and the /healthz server, without a cluster."""
 
 import json
 import urllib.request
@@ -20,6 +20,16 @@ def test_models_by_phase_follow_each_model_and_forget_deleted_ones():
     assert 'tidal_operator_models{phase="Ready"} 0.0' in text
     assert 'tidal_operator_models{phase="Sleeping"} 1.0' in text
     assert 'tidal_operator_reconciles_total{result="ok"} 1.0' in text
+
+
+def test_model_phase_names_each_model_in_one_phase_and_drops_deleted_ones():
+    metrics = OperatorMetrics(CollectorRegistry())
+    metrics.set_phase(("ns", "a"), "Loading")
+    metrics.set_phase(("ns", "a"), "Degraded")
+    metrics.set_phase(("ns", "b"), "Ready")
+    metrics.set_phase(("ns", "b"), None)
+    lines = [line for line in generate_latest(metrics.registry).decode().splitlines() if "_model_phase{" in line]
+    assert lines == ['tidal_operator_model_phase{model="a",namespace="ns",phase="Degraded"} 1.0']
 
 
 def test_healthz_reports_role_and_fails_when_the_loop_stops_beating():
