@@ -6,7 +6,7 @@ ENV := source hack/env.sh &&
 .PHONY: help env binaries monitoring-tools lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
 
 help:
-	@echo "make demo   - local control plane, helm install, SmolLM2 (a real small model), a chat answer, kubectl get"
+	@echo "make demo   - local control plane, helm install, SmolLM2 (a real small model), chat, sleep, wake, weight roll"
 	@echo "make test   - install what is missing, ruff and mypy, then every test tier (unit, kernels, worker, e2e)"
 
 env:  ## Python environment outside the clone (hack/bootstrap-python.sh)

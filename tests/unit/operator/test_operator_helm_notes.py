@@ -1,7 +1,8 @@
 """The chart's NOTES (what `helm install` prints): every command in it names things that exist. The kubectl commands
 name the CRD's resource names, the example model, the Deployment, Service, labels and port the chart and the
 operator build; each patch leaves a valid model; the files and modules they mention are in the repository with the
-flags used. (`helm template` leaves NOTES.txt out, so the test renders it as a template of a copy of the chart.)"""
+flags used; the helm upgrade names this release and sets values the chart's schema accepts. (`helm template` leaves
+NOTES.txt out, so the test renders it as a template of a copy of the chart.)"""
 
 import ast
 import copy
@@ -25,6 +26,7 @@ from tidal.operator.schema.crd import build_crd, openapi_schema
 
 REPO = CHART.parents[1]
 NAMESPACE = "tidal-system"
+RELEASE = "tidal"
 pytestmark = pytest.mark.skipif(HELM is None, reason="helm not built (hack/build-binaries.sh); CI has it")
 
 
@@ -40,12 +42,20 @@ def _render(tmp_path: Path) -> tuple[str, list[dict[str, Any]]]:
         'kind: RenderedNotes\ntext: {{ include "notes.under.test" . | toJson }}\n'
     )
     out = subprocess.run(
-        [HELM, "template", "tidal", str(chart), "--namespace", NAMESPACE],
+        [HELM, "template", RELEASE, str(chart), "--namespace", NAMESPACE],
         check=True, capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     docs = [d for d in yaml.safe_load_all(out) if d]
     (rendered,) = [d for d in docs if d["kind"] == "RenderedNotes"]
     return rendered["text"], [d for d in docs if d["kind"] != "RenderedNotes"]
+
+
+def _render_with(flags: list[str]) -> None:
+    """Render the chart with these value flags (helm checks them against values.schema.json)."""
+    subprocess.run(
+        [HELM, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *flags],
+        check=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
 
 
 def _commands(notes: str) -> list[list[str]]:
@@ -56,7 +66,7 @@ def _commands(notes: str) -> list[list[str]]:
         if joined.endswith("\\"):
             joined = joined[:-1] + " "
             continue
-        if joined.split(" ", 1)[0] in ("kubectl", "python", "curl"):
+        if joined.split(" ", 1)[0] in ("kubectl", "python", "curl", "helm"):
             lines.append(shlex.split(joined, comments=True))
         joined = ""
     return lines
@@ -103,6 +113,7 @@ def test_every_command_in_the_notes_names_what_exists(tmp_path):
     services = {m["metadata"]["name"] for m in manifests if m["kind"] == "Service"}
     assert f"service {deployment}-metrics," in notes and f"{deployment}-metrics" in services
 
+    assert [c[:2] for c in commands if c[0] == "helm"] == [["helm", "upgrade"]], notes
     applied = [c for c in commands if c[:2] == ["kubectl", "apply"]]
     assert len(applied) == 1
     example = yaml.safe_load((REPO / _option(applied[0], "-f")).read_text())
@@ -120,6 +131,11 @@ def test_every_command_in_the_notes_names_what_exists(tmp_path):
             flags = {a for a in args if a.startswith("--")}
             assert flags <= _module_flags(module), args
             written.add(_option(args, "--out"))
+            continue
+        if args[0] == "helm":
+            assert args[1:3] == ["upgrade", RELEASE] and REPO / args[3] == CHART, args
+            assert _option(args, "-n") == NAMESPACE and "--reuse-values" in args, args
+            _render_with([a for a in args[4:] if a not in ("--reuse-values", "-n", NAMESPACE)])
             continue
         if args[0] == "curl":
             url = next(a for a in args if "/v1/" in a)
