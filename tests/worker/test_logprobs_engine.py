@@ -1,6 +1,6 @@
 """Logprobs from the engine against a log_softmax of transformers' logits on the same weights (fp32, CPU): sampled
 tokens' and prompt tokens', raw and processed (temperature, penalties), with chunked prefills, the prefix cache,
-n > 1 and both scheduling modes."""
+preemption, n > 1 and both scheduling modes; and the sampler's rows of mixed modes against torch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.logprobs import FLOOR_LOGPROB
 from tidal.worker.engine.outputs import TokenLogprob
+from tidal.worker.engine.sample_batch import SampleBatch
+from tidal.worker.engine.sampler import Sampler
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.testing.hf_reference import load_reference_model, prompt_ids
 
@@ -158,3 +161,27 @@ def test_logprobs_survive_preemption_and_recompute(model_dir, reference_logprobs
         assert prompt_lp is not None and prompt_lp[0] is None
         for p in range(1, len(prompt)):
             check_row(prompt_lp[p], expected[p - 1], prompt[p], 1)
+
+
+def test_one_batch_mixes_plain_raw_and_processed_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    params = [
+        SamplingParams(temperature=0.0),  # plain: no logprobs
+        SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=4, logprobs_mode="processed"),
+        SamplingParams(temperature=0.0, logprobs=2),  # raw
+        SamplingParams(temperature=0.0, logprobs=1, logprobs_mode="processed"),
+    ]
+    batch = SampleBatch(params, [0, 1, 2, 3], logprob_rows=[1, 2, 3])
+    tokens, device_logprobs = Sampler(torch.device("cpu"), seed=0).sample_with_logprobs(logits.clone(), batch)
+    assert device_logprobs is not None
+    rows = device_logprobs.read()
+    scaled = logits[1] / 0.5
+    kept = scaled.topk(3).indices
+    truncated = torch.full_like(scaled, float("-inf"))
+    truncated[kept] = scaled[kept]
+    check_row(rows[0]._replace(top=rows[0].top[:3]), truncated.log_softmax(-1), int(tokens[1]), 3)
+    assert rows[0].top[3][1] == FLOOR_LOGPROB  # a token top-k dropped: -inf, written as the floor
+    check_row(rows[1], logits[2].log_softmax(-1), int(tokens[2]), 2)
+    check_row(rows[2], logits[3].log_softmax(-1), int(tokens[3]), 1)  # greedy: processed is not scaled
+    assert int(tokens[0]) == int(logits[0].argmax())
