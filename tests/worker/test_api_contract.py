@@ -6,6 +6,7 @@ is in test_api_fuzz.py."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 from fastapi.testclient import TestClient
@@ -145,11 +146,23 @@ class _Interrupted:
         raise ApiError(503, "the worker goes to sleep", code="interrupted")
         yield  # an async generator
 
+    def generation_of(self, index):
+        return types.SimpleNamespace(prompt_token_ids=[1])
+
+
+class _PlainShape:
+    """A request that asked for nothing besides text."""
+
+    scores_only = False
+
+    def token_ids(self, token_ids):
+        return None
+
 
 @pytest.mark.parametrize("events", [completion_events, chat_events])
 def test_a_streamed_error_carries_the_code_the_response_would_have(events):
     async def collect() -> list[str]:
-        return [e async for e in events(_Interrupted(), "id", "m", False)]  # type: ignore[arg-type]
+        return [e async for e in events(_Interrupted(), "id", "m", False, _PlainShape())]  # type: ignore[arg-type]
 
     error = next(e for e in asyncio.run(collect()) if '"error"' in e)
     assert '"code":"interrupted"' in error and '"type":"service_unavailable"' in error
@@ -158,20 +171,29 @@ def test_a_streamed_error_carries_the_code_the_response_would_have(events):
 def test_fields_the_server_always_refuses_are_documented_as_their_default_only(serving_app):
     schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
-    assert completion["echo"]["const"] is False and chat["logprobs"]["const"] is False
-    assert completion["logprobs"]["type"] == "null" and completion["suffix"]["type"] == "null"
-    assert chat["top_logprobs"]["type"] == "null"
+    assert completion["suffix"]["type"] == "null"
     assert {"type": "array", "maxItems": 0} in chat["tools"]["anyOf"]
     assert chat["tool_choice"]["enum"] == ["none", "auto", None]
     content = schemas["ChatMessage"]["properties"]["content"]["anyOf"]
     assert any(member.get("items", {}).get("title") == "TextPart" for member in content)
 
 
+def test_logprobs_echo_and_token_ids_are_documented_with_their_bounds(serving_app):
+    schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
+    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    assert completion["echo"]["type"] == "boolean" and chat["logprobs"]["type"] == "boolean"
+    for field in (completion["logprobs"], completion["prompt_logprobs"], chat["top_logprobs"]):
+        bounded = next(m for m in field["anyOf"] if m.get("type") == "integer")
+        assert bounded["minimum"] == 0 and bounded["maximum"] == 20
+    assert completion["logprobs_mode"]["enum"] == ["raw", "processed"]
+    assert completion["return_token_ids"]["type"] == chat["return_token_ids"]["type"] == "boolean"
+    choice = schemas["CompletionChoice"]["properties"]
+    assert {"prompt_logprobs", "prompt_token_ids", "token_ids"} <= set(choice)
+
+
 @pytest.mark.parametrize(
     "body",
     [
-        {"echo": True},
-        {"logprobs": 1},
         {"suffix": "x"},
         {"best_of": 2},
     ],

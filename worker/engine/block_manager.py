@@ -191,8 +191,9 @@ class BlockManager:
     # ----- internals -----
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks equal to `seq`'s leading full blocks. The last token is never a hit: its logits are
-        needed, so at least one token must be computed."""
-        if not self.enable_prefix_caching:
+        needed, so at least one token must be computed. None for a sequence that needs every prompt position's
+        logits (prompt logprobs): a cached block has no logits."""
+        if not self.enable_prefix_caching or seq.params.needs_prompt_logits:
             return []
         hits: list[int] = []
         parent: int | None = None

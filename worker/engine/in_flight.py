@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
+from tidal.worker.engine.outputs import TokenLogprob
 from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.scheduler import SchedulerOutput
 from tidal.worker.engine.sequence import Sequence
@@ -22,6 +23,10 @@ class EngineRequest:
     detokenizer: IncrementalDetokenizer
     text: TextStream
     length_limit: int  # the sequence ends on reaching this many tokens, whatever they are (max_tokens, max_model_len)
+    # Prompt logprobs (sample 0 of a request asking): filed as the prefill's chunks are read (index = prompt position)
+    # while due, and handed out with the first output; a recompute after a preemption is not handed out again.
+    prompt_logprobs_due: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class PendingToken(NamedTuple):  # one per sampled row per step: the cheapest immutable record
@@ -36,6 +41,7 @@ class InFlightStep:
     scheduled: SchedulerOutput
     pending: list[PendingToken]  # [S] one per sampled row, in the step's row order
     samples: SampledTokens
+    prompt_positions: list[tuple[int, int]]  # [P] (seq_id, prompt position) of the step's prompt logprobs
 
     def sample_rows(self) -> dict[int, int]:
         """seq_id -> the row of this step's sampled tokens that holds the sequence's next token."""

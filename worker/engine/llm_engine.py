@@ -10,6 +10,10 @@ found a step late and its row in the step already launched is wasted and dropped
 
 A request asking for n samples is n sequences sharing one prefill (engine/fork.py); each sample's outputs carry its
 `sample_index`, and the request ends when all n have.
+
+Logprobs travel with the sampled tokens (`SampledTokens`): the sampler computes them for the rows that ask, and a
+prefill chunk of a sequence asking for prompt logprobs also keeps its positions' logits (`StepPlan.prompt_logit_rows`);
+the host reads them with the tokens, a step later.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from tidal.worker.engine.errors import (
 from tidal.worker.engine.fork import Forks, sample_params
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
+from tidal.worker.engine.logprobs import DeviceLogprobs
 from tidal.worker.engine.model_runner import ModelRunner
-from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationResult, RequestOutput
+from tidal.worker.engine.outputs import EngineStats, FinishReason, GenerationResult, RequestOutput, TokenLogprob
 from tidal.worker.engine.sample_batch import SampleBatch
 from tidal.worker.engine.sampled_tokens import SampledTokens
 from tidal.worker.engine.sampler import Sampler
@@ -90,6 +95,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_controlled = 0  # live requests with logit edits or penalties (see _sample_batch)
+        self._num_logprobs = 0  # live requests asking for logprobs (see _sample_batch)
 
     @classmethod
     def from_config(cls, config: EngineConfig, memory: MemoryProvider | None = None) -> Self:
@@ -157,6 +163,7 @@ class LLMEngine:
         for sample in samples:
             self._requests[sample.seq.seq_id] = sample
             self._num_controlled += sample.seq.params.has_controls
+            self._num_logprobs += sample.seq.params.logprobs is not None
         self.scheduler.add(samples[0].seq)
         if n > 1:
             self._forks.add(samples[0], samples[1:])
@@ -168,7 +175,9 @@ class LLMEngine:
         limit = self.max_model_len
         if params.max_tokens is not None:
             limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
-        return EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
+        request = EngineRequest(seq, detokenizer, TextStream(detokenizer, params), limit)
+        request.prompt_logprobs_due = params.prompt_logprobs is not None and index == 0
+        return request
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Drop a request (all its samples) and free its blocks; -> the final output of each sample still running
@@ -263,17 +272,36 @@ class LLMEngine:
     ) -> InFlightStep:
         self.scheduler.on_step_launched(scheduled)
         seq_ids = plan.sample_seq_ids
+        prompt_logprobs = None
+        if plan.prompt_logit_rows and logits is not None:  # the rows after the sampled ones (see ModelRunner)
+            num_sampled = len(plan.sample_indices)
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], plan)
+            logits = logits[:num_sampled] if num_sampled else None
         if self._forks and logits is not None:  # n > 1 requests wait for their first token
             logits, pending, seq_ids = self._fork_samples(logits, pending, seq_ids)
-        tokens = None if logits is None else self.sampler.sample_on_device(logits, self._sample_batch(pending, seq_ids))
-        return InFlightStep(scheduled, pending, SampledTokens(tokens, self.runner.device))
+        tokens = logprobs = None
+        if logits is not None:
+            tokens, logprobs = self.sampler.sample_with_logprobs(logits, self._sample_batch(pending, seq_ids))
+        samples = SampledTokens(tokens, self.runner.device, logprobs, prompt_logprobs)
+        return InFlightStep(scheduled, pending, samples, plan.prompt_logit_positions)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, plan: StepPlan) -> DeviceLogprobs:
+        """logits [P, V] of the plan's prompt positions -> their logprobs (raw: a prompt is not sampled)."""
+        with torch.inference_mode():
+            targets = to_device(int64_tensor(plan.prompt_logit_targets), logits.device)
+            ks = [self._requests[seq_id].seq.params.prompt_logprobs or 0 for seq_id, _ in plan.prompt_logit_positions]
+            return DeviceLogprobs(logits.log_softmax(dim=-1), targets, ks)
 
     def _sample_batch(self, pending: list[PendingToken], seq_ids: list[int]) -> SampleBatch:
         params = [p.request.seq.params for p in pending]  # the rows of `seq_ids`, in the same order
+        logprob_rows = None
+        if self._num_logprobs:  # some live request asks: which rows of this step
+            logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None] or None
         if not self._num_controlled:  # the usual case: plain requests only, no per-row columns to build
-            return SampleBatch(params, seq_ids)
+            return SampleBatch(params, seq_ids, logprob_rows=logprob_rows)
         num_tokens = [p.token_index for p in pending]
-        return SampleBatch(params, seq_ids, num_tokens, [p.request.seq.prompt_token_ids for p in pending])
+        prompts = [p.request.seq.prompt_token_ids for p in pending]
+        return SampleBatch(params, seq_ids, num_tokens, prompts, logprob_rows)
 
     def _fork_samples(
         self, logits: torch.Tensor, pending: list[PendingToken], seq_ids: list[int]
@@ -322,10 +350,17 @@ class LLMEngine:
     def _read(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""
         tokens = step.samples.wait()
+        if step.prompt_positions:
+            self._store_prompt_logprobs(step)
+        row_logprobs: dict[int, TokenLogprob] = {}  # row -> its logprobs, for the rows that asked
+        if self._num_logprobs:
+            rows = [i for i, p in enumerate(step.pending) if p.request.seq.params.logprobs is not None]
+            row_logprobs = dict(zip(rows, step.samples.logprobs(), strict=True))
         live: list[PendingToken] = []
         live_tokens: list[int] = []
+        live_logprobs: list[TokenLogprob | None] = []
         detokenizers: list[IncrementalDetokenizer] = []
-        for p, token in zip(step.pending, tokens, strict=True):
+        for row, (p, token) in enumerate(zip(step.pending, tokens, strict=True)):
             request = p.request
             seq = request.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted, or ended by the step before (a wasted row)
@@ -333,13 +368,14 @@ class LLMEngine:
             seq.token_ids[p.token_index] = token
             live.append(p)
             live_tokens.append(token)
+            live_logprobs.append(row_logprobs.get(row))
             detokenizers.append(request.detokenizer)
         if not live:
             return []
         texts = push_each(self._window_decoder, detokenizers, live_tokens)
         self._num_generated_tokens += len(live)
         outputs = []
-        for (request, index), token, text in zip(live, live_tokens, texts, strict=True):
+        for (request, index), token, text, logprob in zip(live, live_tokens, texts, live_logprobs, strict=True):
             seq = request.seq
             num_tokens = index + 1  # the sequence as of this step (the next step's token may follow)
             # min_tokens: a stop string that ends before enough tokens were generated does not count.
@@ -350,17 +386,32 @@ class LLMEngine:
             else:
                 reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len, num_tokens)
             if reason is None:
-                outputs.append(
-                    RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
-                                  num_tokens - len(seq.prompt_token_ids), seq.sample_index)
-                )  # fmt: skip
+                output = RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
+                                       num_tokens - len(seq.prompt_token_ids), seq.sample_index)  # fmt: skip
             else:
                 # A step already launched may sample past the end (a wasted row, never read): forget that token.
                 # The blocks freed here may be reused while that step still writes them: safe, the device runs
                 # steps in launch order.
                 del seq.token_ids[num_tokens:]
-                outputs.append(self._finish(request, reason, [token], new_text + request.text.flush()))
+                output = self._finish(request, reason, [token], new_text + request.text.flush())
+            if logprob is not None:
+                output = output._replace(logprobs=[logprob])
+            if request.prompt_logprobs_due:  # a one-token prompt has no positions to file: just its None
+                request.prompt_logprobs_due = False
+                output = output._replace(prompt_logprobs=request.prompt_logprobs or [None])
+            outputs.append(output)
         return outputs
+
+    def _store_prompt_logprobs(self, step: InFlightStep) -> None:
+        """File the step's prompt-position logprobs with their requests (a chunk at a time; kept until sent)."""
+        requests = self._requests
+        for (seq_id, position), entry in zip(step.prompt_positions, step.samples.prompt_logprobs(), strict=True):
+            request = requests.get(seq_id)
+            if request is None or not request.prompt_logprobs_due:  # gone, or a recompute of what was sent
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None] * len(request.seq.prompt_token_ids)
+            request.prompt_logprobs[position] = entry
 
     def _finish(
         self, request: EngineRequest, reason: FinishReason, new_token_ids: list[int], new_text: str
@@ -369,6 +420,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq.seq_id)
         self._num_controlled -= seq.params.has_controls
+        self._num_logprobs -= seq.params.logprobs is not None
         del self._requests[seq.seq_id]
         samples = self._samples[seq.request_id]
         if len(samples) == 1:

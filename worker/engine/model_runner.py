@@ -96,7 +96,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """-> logits [S, V] fp32 of the plan's sampled rows, or None when no sequence samples this step. Only
+        """-> logits [S + P, V] fp32 of the plan's sampled rows then its prompt-logprob rows (P is almost always 0),
+        or None when there are none. Only
         queues the work on a GPU. `previous_tokens` [S'] int64 on the device: what the previous step sampled,
         where the plan's unknown input tokens come from (async scheduling)."""
         if not self.kv_caches:
@@ -217,10 +218,13 @@ class ModelRunner:
         return self._logits(hidden, plan)
 
     def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
-        if not plan.sample_indices:
+        indices = plan.sample_indices
+        if plan.prompt_logit_rows:  # a sequence asks for its prompt's logprobs: those positions' logits too
+            indices = indices + plan.prompt_logit_rows
+        if not indices:
             return None
-        if len(plan.sample_indices) == hidden.shape[0]:  # every row samples (decode): no gather needed
+        if indices is plan.sample_indices and len(indices) == hidden.shape[0]:  # every row samples (decode)
             return self.model.compute_logits(hidden)  # [S, V]
         # Through pinned memory: torch.tensor(..., device=cuda) would wait for the device to finish the step.
-        rows = to_device(int64_tensor(plan.sample_indices), self.device)  # [S]
-        return self.model.compute_logits(hidden.index_select(0, rows))  # [S, V]
+        rows = to_device(int64_tensor(indices), self.device)  # [S + P]
+        return self.model.compute_logits(hidden.index_select(0, rows))  # [S + P, V]

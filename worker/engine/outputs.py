@@ -9,6 +9,15 @@ from pydantic import BaseModel, ConfigDict
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class TokenLogprob(NamedTuple):
+    """One position: the chosen (sampled, or the prompt's) token's logprob and rank, and the top k of its row."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 class RequestOutput(NamedTuple):
     """The new part of one request's output since the previous RequestOutput for it.
 
@@ -23,6 +32,9 @@ class RequestOutput(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     sample_index: int = 0  # which of the request's n samples this is
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    # Once, on the first output of sample 0 of a request that asked: one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class GenerationResult(BaseModel):

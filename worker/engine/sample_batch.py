@@ -18,6 +18,8 @@ class SampleBatch(NamedTuple):
     # new token's index in its sequence. Known at launch, so no row waits for the previous step's values.
     num_tokens: list[int] | None = None
     prompts: list[list[int]] | None = None  # [S] each row's prompt token ids
+    # Rows whose logprobs are returned, ascending; None (no live request asks for them) skips the stage.
+    logprob_rows: list[int] | None = None
 
     @property
     def has_control_columns(self) -> bool:

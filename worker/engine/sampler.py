@@ -3,8 +3,12 @@
 The order, per row: logit edits (logit_bias, min_tokens' bans) -> penalties (repetition, then frequency and
 presence) -> greedy argmax, or temperature -> min-p, top-k, top-p -> a draw. Each stage runs only when some row of the
 batch uses it, and then over the rows that do, with the rows' parameters as tensors: a batch that mixes them with
-plain requests is still one pass, and a batch of plain greedy rows is one argmax as before. A later stage returning
-log-probabilities would read the logits after the edits and penalties, next to the choice (`_choose`).
+plain requests is still one pass, and a batch of plain greedy rows is one argmax as before.
+
+Logprobs (`sample_with_logprobs`), only for the rows that ask (`SampleBatch.logprob_rows`; None, the usual case,
+costs nothing): mode "raw" takes a log_softmax of the model's logits before any edit; mode "processed" takes it of
+the distribution the row is drawn from, next to the choice (`_choose`): after edits and penalties, and for a random
+row after temperature and truncation (a greedy row's processed logits are not scaled).
 
 Random rows use the "exponential race" (argmax of probs / Exp(1) noise, which draws from `probs`) so each
 seeded request draws its noise from its own generator: its tokens don't depend on what else is in the batch.
@@ -20,6 +24,7 @@ import torch
 
 from tidal.worker.engine.host_tensors import float32_tensor, int64_tensor, to_device
 from tidal.worker.engine.logit_edits import LogitEdits
+from tidal.worker.engine.logprobs import DeviceLogprobs
 from tidal.worker.engine.penalties import Penalties
 from tidal.worker.engine.sample_batch import SampleBatch
 from tidal.worker.engine.truncation import truncate
@@ -48,6 +53,19 @@ class Sampler:
     def sample_on_device(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
         """logits [S, V] fp32 (edited in place) -> token ids [S] int64 on logits' device, queued without waiting
         for the device."""
+        return self.sample_with_logprobs(logits, batch)[0]
+
+    @torch.inference_mode()
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, batch: SampleBatch
+    ) -> tuple[torch.Tensor, DeviceLogprobs | None]:
+        """As `sample_on_device`, and the logprobs of `batch.logprob_rows` (in that order), also queued only."""
+        lp_rows = batch.logprob_rows
+        raw = None
+        if lp_rows:
+            raw_rows = [i for i in lp_rows if batch.params[i].logprobs_mode == "raw"]
+            if raw_rows:  # before the edits below change the logits in place
+                raw = logits.index_select(0, to_device(int64_tensor(raw_rows), logits.device)).log_softmax(dim=-1)
         penalised = None
         if batch.has_control_columns:
             logits = logits.contiguous()  # the edits write through a flat view (a no-op for a linear's output)
@@ -59,17 +77,52 @@ class Sampler:
                 self._edits.apply(logits, batch)
             if has_penalties:
                 penalised = self._penalties.apply(logits, batch)
-        tokens = self._choose(logits, batch)
+        tokens, scaled, random_rows = self._choose(logits, batch)
         if penalised is not None:
             self._penalties.record(penalised, tokens)
-        return tokens
+        if not lp_rows:
+            return tokens, None
+        return tokens, self._logprobs(logits, tokens, batch, raw, scaled, random_rows)
 
-    def _choose(self, logits: torch.Tensor, batch: SampleBatch) -> torch.Tensor:
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        batch: SampleBatch,
+        raw: torch.Tensor | None,
+        scaled: torch.Tensor | None,
+        random_rows: list[int],
+    ) -> DeviceLogprobs:
+        """The logprob rows' records: raw ones from `raw` (in their order), processed ones from the logits as
+        edited and penalised, a random row's from `scaled` (its row among `random_rows`)."""
+        device = logits.device
+        lp_rows = batch.logprob_rows or []
+        params = batch.params
+        processed = [i for i in lp_rows if params[i].logprobs_mode == "processed"]
+        parts = [] if raw is None else [raw]
+        if processed:
+            proc = logits.index_select(0, to_device(int64_tensor(processed), device))  # [P, V]
+            random_at = {row: r for r, row in enumerate(random_rows)}
+            from_scaled = [(p, random_at[i]) for p, i in enumerate(processed) if i in random_at]
+            if from_scaled and scaled is not None:
+                pairs = to_device(int64_tensor([x for pair in from_scaled for x in pair]), device).view(-1, 2)
+                proc.index_copy_(0, pairs[:, 0], scaled.index_select(0, pairs[:, 1]))
+            parts.append(proc.log_softmax(dim=-1))
+        order = [i for i in lp_rows if params[i].logprobs_mode == "raw"] + processed
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)  # [L, V] rows in `order`
+        if order != lp_rows:  # back to the batch's order
+            position = {row: j for j, row in enumerate(order)}
+            stacked = stacked.index_select(0, to_device(int64_tensor([position[i] for i in lp_rows]), device))
+        chosen = tokens.index_select(0, to_device(int64_tensor(lp_rows), device))
+        return DeviceLogprobs(stacked, chosen, [params[i].logprobs or 0 for i in lp_rows])
+
+    def _choose(self, logits: torch.Tensor, batch: SampleBatch) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """-> the tokens [S], and for the random rows (listed) the logits they were drawn from [R, V]."""
         greedy = logits.argmax(dim=-1)  # [S]
         all_params = batch.params
         random_rows = [i for i, p in enumerate(all_params) if not p.is_greedy]
         if not random_rows:
-            return greedy
+            return greedy, None, random_rows
         device = logits.device
         sub = [all_params[i] for i in random_rows]
         num = len(random_rows)
@@ -105,4 +158,4 @@ class Sampler:
             )  # [R_shared, V]
             noise.index_copy_(0, to_device(int64_tensor(shared_rows), device), shared)
         sampled = (probs / noise).argmax(dim=-1)  # [R]
-        return greedy.index_copy_(0, rows_t, sampled)
+        return greedy.index_copy_(0, rows_t, sampled), scaled, random_rows

@@ -9,7 +9,7 @@ down its batch mates.
 from __future__ import annotations
 
 import math
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,6 +19,8 @@ MAX_STOP_STRING_CHARS = 128
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ABS_LOGIT_BIAS = 100.0
+# Most alternatives returned per token: each costs a top-k over the row's vocabulary and host work to name them.
+MAX_LOGPROBS = 20
 
 
 class SamplingParams(BaseModel):
@@ -44,6 +46,17 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(default=False, description="Keep generating past the model's end-of-sequence tokens.")
     include_stop_str_in_output: bool = Field(default=False)
     skip_special_tokens: bool = Field(default=True, description="Leave special tokens out of the text.")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Each sampled token's logprob and this many top ones."
+    )
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="Each prompt token's logprob (the first has none) and top."
+    )
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        default="raw",
+        description="raw: the model's distribution; processed: the one sampled from (after edits, penalties, "
+        "temperature and truncation).",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -113,6 +126,11 @@ class SamplingParams(BaseModel):
     def has_controls(self) -> bool:
         """Whether the sampler keeps state for this request or edits its logits (edits or penalties)."""
         return self.has_logit_edits or self.has_penalties
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether every prompt position's logits are kept (prompt logprobs), which rules out prefix-cache hits."""
+        return self.prompt_logprobs is not None
 
     @property
     def truncates(self) -> bool:

@@ -28,6 +28,11 @@ class StepPlan:
     # unknown_sources[i], on the device.
     unknown_rows: list[int] = field(default_factory=list)  # [U] rows of input_ids
     unknown_sources: list[int] = field(default_factory=list)  # [U] rows of the previous step's sampled tokens
+    # Prompt logprobs: rows of the packed batch whose logits score the prompt's next token (only sequences that ask;
+    # chunk by chunk as the prefill goes), that token, and (seq_id, the token's position in its prompt).
+    prompt_logit_rows: list[int] = field(default_factory=list)  # [P]
+    prompt_logit_targets: list[int] = field(default_factory=list)  # [P]
+    prompt_logit_positions: list[tuple[int, int]] = field(default_factory=list)  # [P]
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +61,9 @@ def build_step_plan(out: SchedulerOutput, block_size: int, sample_rows: dict[int
     sample_seq_ids: list[int] = []
     unknown_rows: list[int] = []
     unknown_sources: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_targets: list[int] = []
+    prompt_positions: list[tuple[int, int]] = []
     num_tokens = 0
     for item in out.scheduled:
         seq = item.seq
@@ -73,6 +81,12 @@ def build_step_plan(out: SchedulerOutput, block_size: int, sample_rows: dict[int
             input_ids.extend(token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        # A position scores the prompt token after it; only a prefill chunk has such positions (cheap test first).
+        if start < len(seq.prompt_token_ids) - 1 and seq.params.needs_prompt_logits and seq.sample_index == 0:
+            last = min(end, len(seq.prompt_token_ids) - 1)  # positions start..last-1 score tokens start+1..last
+            prompt_rows.extend(range(num_tokens, num_tokens + last - start))
+            prompt_targets.extend(seq.prompt_token_ids[start + 1 : last + 1])
+            prompt_positions.extend((seq.seq_id, p) for p in range(start + 1, last + 1))
         num_tokens += num_new
         if end == len(token_ids) and token_ids[-1] == UNKNOWN_TOKEN:
             if sample_rows is None or seq.seq_id not in sample_rows:
@@ -97,6 +111,9 @@ def build_step_plan(out: SchedulerOutput, block_size: int, sample_rows: dict[int
         sample_seq_ids=sample_seq_ids,
         unknown_rows=unknown_rows,
         unknown_sources=unknown_sources,
+        prompt_logit_rows=prompt_rows,
+        prompt_logit_targets=prompt_targets,
+        prompt_logit_positions=prompt_positions,
     )
 
 

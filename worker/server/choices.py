@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tidal.worker.server.generation import Generation
 
 if TYPE_CHECKING:
-    from tidal.worker.engine.outputs import RequestOutput
+    from tidal.worker.engine.outputs import RequestOutput, TokenLogprob
 
 ChoiceOutput = tuple[int, "RequestOutput"]  # (choice index, the output of that choice's sample)
 
@@ -38,6 +39,10 @@ class Choices:
     @property
     def num_output_tokens(self) -> int:
         return sum(g.num_output_tokens for g in self.generations)
+
+    def generation_of(self, index: int) -> Generation:
+        """The generation (prompt) choice `index` samples."""
+        return self.generations[index // self.n]
 
     def finish_reason(self, index: int) -> str | None:
         return self.generations[index // self.n].finish_reasons[index % self.n]
@@ -95,15 +100,32 @@ class Choices:
             self._on_close()
 
 
-async def collect_texts(choices: Choices, is_disconnected: Callable[[], Awaitable[bool]]) -> list[str]:
-    """Each choice's whole text, by index; a client that has gone away stops them all early. `is_disconnected`:
+@dataclass
+class Collected:
+    """One choice as a whole: its text, token ids and (when asked for) their logprobs."""
+
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def collect(choices: Choices, is_disconnected: Callable[[], Awaitable[bool]]) -> list[Collected]:
+    """Each choice as a whole, by index; a client that has gone away stops them all early. `is_disconnected`:
     Starlette's `Request.is_disconnected` (awaited)."""
-    parts: list[list[str]] = [[] for _ in range(choices.num_choices)]
+    collected = [Collected() for _ in range(choices.num_choices)]
     try:
         async for index, output in choices.outputs():
-            parts[index].append(output.new_text)
+            choice = collected[index]
+            choice.parts.append(output.new_text)
+            choice.token_ids.extend(output.new_token_ids)
+            if output.logprobs:
+                choice.logprobs.extend(output.logprobs)
             if output.finish_reason is None and await is_disconnected():
                 break
     finally:
         choices.close()
-    return ["".join(p) for p in parts]
+    return collected

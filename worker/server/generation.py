@@ -24,7 +24,7 @@ from tidal.worker.server.errors import ApiError
 
 if TYPE_CHECKING:
     from tidal.worker.engine.async_engine import AsyncEngine
-    from tidal.worker.engine.outputs import RequestOutput
+    from tidal.worker.engine.outputs import RequestOutput, TokenLogprob
     from tidal.worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,10 @@ class Generation:
         n: int = 1,
     ) -> None:
         self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
+        # The prompt's logprobs, once the engine hands them out (with sample 0's first output), if asked for.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.num_output_tokens = 0  # all samples together
         self.finish_reasons: list[str | None] = [None] * n  # by sample index
         self._num_running = n
@@ -131,6 +134,8 @@ class Generation:
 
     def _observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         num_new = len(output.new_token_ids)
         index = output.sample_index
         if num_new:

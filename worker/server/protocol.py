@@ -1,10 +1,11 @@
 """Request bodies of the OpenAI-compatible API, validated at the boundary.
 
-A field this server cannot honour (logprobs, tools...) is rejected with a message naming it rather than silently
+A field this server cannot honour (tools, suffix...) is rejected with a message naming it rather than silently
 ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as OpenAI
 does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
-`add_generation_prompt` and `chat_template_kwargs`. docs/OPENAI.md lists every field.
+`add_generation_prompt` and `chat_template_kwargs`; and for logprobs `prompt_logprobs` (completions),
+`logprobs_mode` and `return_token_ids`. docs/OPENAI.md lists every field.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tidal.worker.engine.sampling_params import (
     MAX_ABS_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -76,6 +78,13 @@ class _SamplingFields(_Strict):
     # Keys are token ids written as strings (JSON object keys), as OpenAI's; checked against the vocabulary later.
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw",
+        description="non-OpenAI extension: raw = the model's own distribution (before logit_bias, penalties and "
+        "temperature); processed = the distribution each token was drawn from (after them, and after top-k/top-p/"
+        "min-p, whose dropped tokens read -9999)",
+    )
+    return_token_ids: bool = Field(False, description="non-OpenAI extension: the prompt's and completion's token ids")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -145,9 +154,14 @@ class CompletionRequest(_SamplingFields):
         ),
     )
     # The legacy completions endpoint's default, as in OpenAI's API.
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = Field(False, description=_NOT_SUPPORTED, json_schema_extra=_documented({"const": False}))
-    logprobs: int | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo: score the prompt, generate none")
+    echo: bool = Field(False, description="the prompt's text before the completion's (and its logprobs, if asked)")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"each token's logprob and its top 0..{MAX_LOGPROBS} alternatives"
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="non-OpenAI extension: each prompt token's logprob and top ones"
+    )
     best_of: int | None = Field(
         None,
         description="not supported beyond 1",
@@ -162,6 +176,8 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _min_tokens_within_limit(self) -> CompletionRequest:
         self._check_min_tokens(self.max_tokens)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is only allowed with echo")
         return self
 
     @field_validator("prompt")
@@ -179,20 +195,6 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[Prompt]:
         """The prompts, each a string or token ids, in order (choice i * n + j is prompt i's sample j)."""
         return as_prompt_list(self.prompt)
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported by this server")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs is not None:
-            raise ValueError("logprobs are not supported by this server")
-        return logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -257,8 +259,10 @@ class ChatCompletionRequest(_SamplingFields):
     # None: up to the model's context length.
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = Field(False, description=_NOT_SUPPORTED, json_schema_extra=_documented({"const": False}))
-    top_logprobs: int | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
+    logprobs: bool = Field(False, description="each content token's logprob")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description=f"with logprobs: 0..{MAX_LOGPROBS} alternatives per token"
+    )
     tools: list[dict[str, Any]] | None = Field(
         None,
         description="tool calling is not supported by this server: none or an empty list",
@@ -274,20 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs are not supported by this server")
-        return logprobs
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("top_logprobs is not supported by this server")
-        return value
-
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -302,6 +292,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("max_tokens and max_completion_tokens disagree; send only max_completion_tokens")
         if isinstance(self.tool_choice, dict):
             raise ValueError("tool calling is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
         self._check_min_tokens(self.token_limit)
         return self
 

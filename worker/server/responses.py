@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 # The engine's "abort" (shutdown, client gone) has no OpenAI name; it is passed through so a caller can tell.
 FinishReason = Literal["stop", "length", "abort"]
@@ -34,11 +34,48 @@ class Usage(BaseModel):
         )
 
 
-class CompletionChoice(BaseModel):
+class _WithExtensions(BaseModel):
+    """A response whose non-OpenAI fields (`_EXTENSIONS`) are left out unless set: a client that did not ask for
+    them sees OpenAI's shape exactly."""
+
+    _EXTENSIONS: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extensions(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        # No return annotation: with one (even Any) pydantic documents the response as {} in the OpenAPI document.
+        data = handler(self)
+        for key in self._EXTENSIONS:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: one entry per token of the choice's text (the echoed prompt's first, if echoed)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the prompt's first token (nothing scores it)
+    top_logprobs: list[dict[str, float] | None]  # the k most likely, and the token itself
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int  # 1 = the most likely
+    decoded_token: str
+
+
+class CompletionChoice(_WithExtensions):
+    _EXTENSIONS = frozenset({"prompt_logprobs", "prompt_token_ids", "token_ids"})
+
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    # vLLM's extensions: per prompt token (the first None) {token id: ...} of it and its top ones; the token ids.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # streamed: the chunk's new ones
 
 
 class CompletionResponse(BaseModel):
@@ -57,20 +94,41 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class ChatChoice(_WithExtensions):
+    _EXTENSIONS = frozenset({"token_ids"})
+
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None  # vLLM's extension (return_token_ids)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_WithExtensions):
+    _EXTENSIONS = frozenset({"prompt_token_ids"})
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # vLLM's extension (return_token_ids)
 
 
 class ChatDelta(BaseModel):
@@ -83,20 +141,26 @@ class ChatDelta(BaseModel):
         return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_WithExtensions):
+    _EXTENSIONS = frozenset({"token_ids"})
+
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None  # the chunk's new ones
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_WithExtensions):
+    _EXTENSIONS = frozenset({"prompt_token_ids"})
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # on each choice's first chunk (the role's), when asked
 
 
 class ModelCard(BaseModel):

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.admission import RequestSlots, Slot
-from tidal.worker.server.choices import Choices, collect_texts
+from tidal.worker.server.choices import Choices, collect
 from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.errors import ApiError, ErrorResponse
 from tidal.worker.server.generation import Generation
@@ -28,7 +28,6 @@ from tidal.worker.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
-    CompletionChoice,
     CompletionResponse,
     ModelCard,
     ModelList,
@@ -37,7 +36,9 @@ from tidal.worker.server.responses import (
 )
 from tidal.worker.server.runtime import WorkerRuntime
 from tidal.worker.server.sampling import sampling_params
+from tidal.worker.server.shaping import ChatShape, CompletionShape
 from tidal.worker.server.streaming import SSEResponse, chat_events, completion_events
+from tidal.worker.server.token_info import TokenTexts
 
 if TYPE_CHECKING:
     from tidal.worker.engine.async_engine import AsyncEngine
@@ -136,36 +137,59 @@ def openai_router(
     @router.post("/completions", response_model=None, responses=_answers(CompletionResponse))
     async def create_completion(body: CompletionRequest, http_request: Request) -> Response | CompletionResponse:
         response_id = new_id("cmpl")
-        choices = await start(engine_for(body.model), "completions", body, response_id)
+        engine = engine_for(body.model)
+        choices = await start(engine, "completions", body, response_id)
+        try:
+            shape = CompletionShape(body, await echoed_texts(engine, body, choices), TokenTexts(engine.tokenizer))
+        except BaseException:
+            choices.close()
+            raise
         if body.stream:
             include_usage = body.include_usage_in_stream
-            return stream(lambda: completion_events(choices, response_id, body.model, include_usage), choices)
-        texts = await collect_texts(choices, http_request.is_disconnected)
-        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
+            return stream(lambda: completion_events(choices, response_id, body.model, include_usage, shape), choices)
+        collected = await collect(choices, http_request.is_disconnected)
+        usage = Usage.of(choices.num_prompt_tokens, 0 if shape.scores_only else choices.num_output_tokens)
         return CompletionResponse(
             id=response_id, model=body.model, usage=usage,
             choices=[
-                CompletionChoice(index=i, text=text, finish_reason=choices.finish_reason(i))  # type: ignore[arg-type]
-                for i, text in enumerate(texts)
+                shape.whole(i, choices.generation_of(i), c, choices.finish_reason(i)) for i, c in enumerate(collected)
             ],
         )  # fmt: skip
+
+    async def echoed_texts(engine: AsyncEngine, body: CompletionRequest, choices: Choices) -> list[str]:
+        """Each prompt's text, for echo: as sent, or decoded from the token ids sent."""
+        if not body.echo:
+            return []
+        texts = []
+        for prompt, generation in zip(body.prompts, choices.generations, strict=True):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+            else:
+                texts.append(await prompt_builder.text_of(engine.tokenizer, generation.prompt_token_ids))
+        return texts
 
     @router.post("/chat/completions", response_model=None, responses=_answers(ChatCompletionResponse))
     async def create_chat_completion(
         body: ChatCompletionRequest, http_request: Request
     ) -> Response | ChatCompletionResponse:
         response_id = new_id("chatcmpl")
-        choices = await start(engine_for(body.model), "chat_completions", body, response_id)
+        engine = engine_for(body.model)
+        choices = await start(engine, "chat_completions", body, response_id)
+        shape = ChatShape(body, TokenTexts(engine.tokenizer))
         if body.stream:
             include_usage = body.include_usage_in_stream
-            return stream(lambda: chat_events(choices, response_id, body.model, include_usage), choices)
-        texts = await collect_texts(choices, http_request.is_disconnected)
+            return stream(lambda: chat_events(choices, response_id, body.model, include_usage, shape), choices)
+        collected = await collect(choices, http_request.is_disconnected)
         usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
         return ChatCompletionResponse(
             id=response_id, model=body.model, usage=usage,
+            prompt_token_ids=shape.token_ids(choices.generations[0].prompt_token_ids),
             choices=[
-                ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=choices.finish_reason(i))  # type: ignore[arg-type]
-                for i, text in enumerate(texts)
+                ChatChoice(
+                    index=i, message=AssistantMessage(content=c.text), finish_reason=choices.finish_reason(i),  # type: ignore[arg-type]
+                    logprobs=shape.logprobs(c.logprobs), token_ids=shape.token_ids(c.token_ids),
+                )
+                for i, c in enumerate(collected)
             ],
         )  # fmt: skip
 

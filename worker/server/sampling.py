@@ -23,7 +23,8 @@ def sampling_params(
     # At least 1, so that an oversized prompt reaches the engine, whose refusal names the real problem.
     room = max(1, max_model_len - num_prompt_tokens)
     requested = request.token_limit
-    max_tokens = room if requested is None else min(requested, room)
+    # max_tokens 0 (echo, scoring the prompt): the engine generates one token, which the response leaves out.
+    max_tokens = room if requested is None else max(1, min(requested, room))
     logit_bias = request.logit_bias_ids
     for token in logit_bias:
         if token >= vocab_size:
@@ -46,6 +47,8 @@ def sampling_params(
         "stop_token_ids": request.stop_token_ids,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "ignore_eos": request.ignore_eos,
+        "logprobs_mode": request.logprobs_mode,
+        **_logprobs_fields(request),
     }
     try:
         # Unset optional knobs keep the engine's defaults.
@@ -53,3 +56,13 @@ def sampling_params(
     except ValidationError as exc:  # the engine's own limits, stricter than the request model's
         message, param = describe_validation_errors([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()])
         raise ApiError(400, message, param=param) from exc
+
+
+def _logprobs_fields(request: CompletionRequest | ChatCompletionRequest) -> dict[str, int | None]:
+    """The engine's logprobs (generated tokens) and prompt_logprobs: k alternatives each, None = not wanted."""
+    if isinstance(request, ChatCompletionRequest):
+        return {"logprobs": (request.top_logprobs or 0) if request.logprobs else None}
+    prompt_k = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs, with the same k
+        prompt_k = max(request.logprobs, prompt_k or 0)
+    return {"logprobs": request.logprobs, "prompt_logprobs": prompt_k}

@@ -24,10 +24,10 @@ from tidal.worker.server.responses import (
     ChatCompletionChunk,
     ChatDelta,
     ChatStreamChoice,
-    CompletionChoice,
     CompletionResponse,
     Usage,
 )
+from tidal.worker.server.shaping import ChatShape, CompletionShape
 
 log = logging.getLogger(__name__)
 
@@ -83,38 +83,47 @@ def _error_event(exc: BaseException) -> str:
     return sse_event(error_body(500, "internal error in the engine", code="internal_error"))
 
 
-async def completion_events(choices: Choices, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """`text_completion` chunks: one per engine output with new text, each choice's last with its finish reason;
-    each chunk carries one choice, with its index."""
+async def completion_events(
+    choices: Choices, response_id: str, model: str, include_usage: bool, shape: CompletionShape
+) -> AsyncIterator[str]:
+    """`text_completion` chunks: one per engine output with something new (text, logprobs, token ids; a choice's
+    first also the echoed prompt), each choice's last with its finish reason; each carries one choice and its index."""
     try:
         async for index, output in choices.outputs():
-            if not output.new_text and output.finish_reason is None:
-                continue
-            choice = CompletionChoice(index=index, text=output.new_text, finish_reason=output.finish_reason)
-            yield sse_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
+            choice = shape.chunk(index, choices.generation_of(index), output)
+            if choice is not None:
+                yield sse_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
     except Exception as exc:  # the stream has started (status 200), so the error can only travel as an event
         yield _error_event(exc)
         return
     if include_usage:
-        usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
+        completion_tokens = 0 if shape.scores_only else choices.num_output_tokens
+        usage = Usage.of(choices.num_prompt_tokens, completion_tokens)
         yield sse_event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
     yield DONE
 
 
-async def chat_events(choices: Choices, response_id: str, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """`chat.completion.chunk`s, for each choice: the role first, then content deltas, then an empty delta with the
-    finish reason; each chunk carries one choice, with its index."""
+async def chat_events(
+    choices: Choices, response_id: str, model: str, include_usage: bool, shape: ChatShape
+) -> AsyncIterator[str]:
+    """`chat.completion.chunk`s, for each choice: the role first (with the prompt's token ids, if asked), then content
+    deltas (with their tokens' logprobs and ids, if asked), then an empty delta with the finish reason; each chunk
+    carries one choice, with its index."""
 
-    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None) -> str:
-        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason)  # type: ignore[arg-type]
+    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, **extra: object) -> str:
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason, **extra)  # type: ignore[arg-type]
         return sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
 
     for index in range(choices.num_choices):
-        yield chunk(index, ChatDelta(role="assistant", content=""))
+        choice = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        prompt_ids = shape.token_ids(choices.generation_of(index).prompt_token_ids)
+        yield sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice], prompt_token_ids=prompt_ids))
     try:
         async for index, output in choices.outputs():
-            if output.new_text:
-                yield chunk(index, ChatDelta(content=output.new_text))
+            logprobs = shape.logprobs(output.logprobs) if output.logprobs else None
+            token_ids = shape.token_ids(output.new_token_ids) if output.new_token_ids else None
+            if output.new_text or logprobs or token_ids:
+                yield chunk(index, ChatDelta(content=output.new_text), logprobs=logprobs, token_ids=token_ids)
             if output.finish_reason is not None:
                 yield chunk(index, ChatDelta(), output.finish_reason)
     except Exception as exc:  # see completion_events

@@ -1,0 +1,103 @@
+"""What each choice carries besides its text, as the request asked: logprobs, the echoed prompt, prompt logprobs,
+token ids; the same for a whole response and for a streamed chunk (a choice's first chunk carries what is said once:
+the echoed prompt, its logprobs, its token ids).
+
+`max_tokens: 0` with echo scores the prompt alone: the engine generates one token (it always samples after a
+prefill), which the choice leaves out, with finish_reason "length" and no completion tokens in the usage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.worker.engine.outputs import RequestOutput, TokenLogprob
+from tidal.worker.server.choices import Collected
+from tidal.worker.server.generation import Generation
+from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from tidal.worker.server.responses import ChatLogprobs, CompletionChoice
+from tidal.worker.server.token_info import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
+
+
+@dataclass
+class CompletionShape:
+    request: CompletionRequest
+    prompt_texts: list[str]  # by prompt, for echo
+    texts: TokenTexts
+
+    def __post_init__(self) -> None:
+        self._offsets: dict[int, int] = {}  # streamed: choice -> text offset of its next token
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0: the generated token is left out."""
+        return self.request.max_tokens == 0
+
+    def whole(self, index: int, generation: Generation, collected: Collected, finish: str | None) -> CompletionChoice:
+        return self._choice(index, generation, collected.text, collected.token_ids, collected.logprobs, finish, True)
+
+    def chunk(self, index: int, generation: Generation, output: RequestOutput) -> CompletionChoice | None:
+        """The chunk for a streamed output; None when it has nothing to say."""
+        first = index not in self._offsets
+        if self.scores_only and output.finish_reason is None:
+            return None
+        entries = output.logprobs or []
+        choice = self._choice(
+            index, generation, output.new_text, output.new_token_ids, entries, output.finish_reason, first
+        )
+        says_something = choice.text or choice.finish_reason or first or choice.logprobs or choice.token_ids
+        return choice if says_something else None
+
+    def _choice(
+        self,
+        index: int,
+        generation: Generation,
+        text: str,
+        token_ids: list[int],
+        entries: list[TokenLogprob],
+        finish: str | None,
+        first: bool,
+    ) -> CompletionChoice:
+        request = self.request
+        if self.scores_only:
+            text, token_ids, entries = "", [], []
+        echo = request.echo and first
+        prompt_ids = generation.prompt_token_ids
+        logprobs = None
+        if request.logprobs is not None:
+            ids: list[int] = list(token_ids)
+            all_entries: list[TokenLogprob | None] = list(entries)
+            if echo:
+                ids = prompt_ids + ids
+                all_entries = list(generation.prompt_logprobs or [None] * len(prompt_ids)) + all_entries
+            logprobs, self._offsets[index] = completion_logprobs(
+                ids, all_entries, request.logprobs, self.texts, self._offsets.get(index, 0)
+            )
+        else:
+            self._offsets.setdefault(index, 0)
+        prompt_lp = None
+        if first and request.prompt_logprobs is not None and generation.prompt_logprobs is not None:
+            prompt_lp = prompt_logprobs(generation.prompt_logprobs, request.prompt_logprobs, self.texts)
+        with_ids = request.return_token_ids
+        return CompletionChoice(
+            index=index,
+            text=(self.prompt_texts[index // request.n] if echo else "") + text,
+            logprobs=logprobs,
+            finish_reason=finish,  # type: ignore[arg-type]
+            prompt_logprobs=prompt_lp,
+            prompt_token_ids=prompt_ids if with_ids and first else None,
+            token_ids=token_ids if with_ids else None,
+        )
+
+
+@dataclass
+class ChatShape:
+    request: ChatCompletionRequest
+    texts: TokenTexts
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if not self.request.logprobs:
+            return None
+        return ChatLogprobs(content=chat_logprobs(entries or [], self.texts))
+
+    def token_ids(self, token_ids: list[int]) -> list[int] | None:
+        return token_ids if self.request.return_token_ids else None
