@@ -11,12 +11,14 @@ While the model sleeps the roll waits: a sleeping rank serves nothing, and readi
 sleep for long, perhaps through more spec changes, is work for nothing. When the model is to wake, a rank still asleep
 behind the desired weights gets its update before its wake (the worker stages it into its host copy while asleep), at
 either sleep level: woken first, it would serve the old weights until the roll reached it (level 1), or read them
-from disk only to replace them (level 2).
+from disk only to replace them (level 2). A worker that wakes itself for a request (`wakes_on_request`) does not wait
+for the operator's wake: its sleeping ranks get their update at once, as if the model were to wake.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
+from tidal.operator.api.spec import InferenceModelSpec
 from tidal.operator.api.status import WeightsRolloutStatus
 from tidal.operator.planner.actions import Action, UpdateWeights
 from tidal.operator.planner.facts import Facts, RankSlot
@@ -46,11 +48,21 @@ class RolloutPlan:
         return self.view.failure
 
 
+ASLEEP_REQUESTS_ENV = "TIDAL_ASLEEP_REQUESTS"  # the worker's setting (worker/lifecycle/config.py: reject | wake)
+
+
+def wakes_on_request(spec: InferenceModelSpec) -> bool:
+    """The workers wake themselves for a request that arrives while they sleep (`spec.worker.env` sets
+    TIDAL_ASLEEP_REQUESTS=wake): such a rank serves again before any pass of the operator could update it first."""
+    return any(e.name == ASLEEP_REQUESTS_ENV and e.value.strip().lower() == "wake" for e in spec.worker.env)
+
+
 def plan_rollout(
     facts: Facts, view: WeightsView, asleep: bool, budget: int, skip_replicas: frozenset[int]
 ) -> RolloutPlan:
-    """`budget`: replicas the roll may still take out of service (`PodPlan.budget_left`); `skip_replicas`: those
-    whose pods are being replaced in this pass."""
+    """`asleep`: the model is to sleep (the roll waits, unless its workers wake on a request); `budget`: replicas
+    the roll may still take out of service (`PodPlan.budget_left`); `skip_replicas`: those whose pods are being
+    replaced in this pass."""
     desired = view.desired
     if not facts.slots:
         return RolloutPlan([], view, "NoRanks")
@@ -67,7 +79,7 @@ def plan_rollout(
         # Nothing reports other weights: ranks are still loading (they start on the desired weights) or checksums
         # are not in yet.
         return RolloutPlan([], view, "WaitingForRanks")
-    if asleep:
+    if asleep and not wakes_on_request(facts.model.spec):
         return RolloutPlan([], view, "PausedWhileAsleep")
     actions: list[Action] = []
     for replica in range(facts.replicas):
@@ -78,8 +90,8 @@ def plan_rollout(
         if not stale:
             continue
         if all(s.loaded and s.asleep for s in slots):
-            # A replica still asleep in a model that is to wake serves nothing: its update costs no capacity, and
-            # it is woken only once it holds the desired weights (`sleep.plan_sleep`), never on the old ones.
+            # A replica still asleep serves nothing: its update costs no capacity, and it is woken only once it
+            # holds the desired weights (`sleep.plan_sleep`, or a request it wakes for), never on the old ones.
             actions += _updates(stale, replica, view)
             continue
         # Only a replica whose every rank is ready and awake is updated; the others get there first (a rank that
