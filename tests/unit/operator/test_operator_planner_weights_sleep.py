@@ -196,13 +196,16 @@ def test_a_level_two_sleeper_wakes_on_its_weights_once_the_new_version_failed():
 def test_sleepers_that_wake_on_a_request_get_new_weights_while_asleep(level):
     # TIDAL_ASLEEP_REQUESTS=wake: a request wakes the worker itself, before any pass could update it first; waking on
     # the old weights (level 1) or reloading them from disk (level 2) would serve what the spec no longer names.
-    extra = {
-        "sleep": {"state": "Asleep", "level": level},
-        "worker": {"env": [{"name": "TIDAL_ASLEEP_REQUESTS", "value": "wake"}]},
-    }
-    model, pods, _ = _served_base(2, extra)
+    wakes = {"worker": {"env": [{"name": "TIDAL_ASLEEP_REQUESTS", "value": "wake"}]}}
+    sleep = {"sleep": {"state": "Asleep", "level": level}}
+    base = make_model({"replicas": 2, **wakes, **sleep})
+    pods, _ = healthy(base)
     asleep = {p.name: worker(asleep=True, level=level) for p in pods}
+    model = with_status(make_model({"replicas": 2, **wakes, **sleep, **V2}, generation=2), run(base, pods, asleep))
     result = run(model, pods, asleep)
     assert [u.pod for u in _updates(result)] == ["tiny-r0-0", "tiny-r1-0"]
     assert not any(isinstance(a, WakeRank | SleepRank) for a in result.actions)  # they stay asleep, on v2
     assert _cond(result, "WeightsSynced").reason != "PausedWhileAsleep"
+    # Without the setting the roll waits for the wake, as before.
+    plain = with_status(make_model({"replicas": 2, **sleep, **V2}, generation=2), run(base, pods, asleep))
+    assert _updates(run(plain, pods, asleep)) == []
