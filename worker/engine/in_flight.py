@@ -5,7 +5,7 @@ where in its sequence the token goes. With async scheduling one such step is in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
 from tidal.worker.engine.sampled_tokens import SampledTokens
@@ -22,6 +22,8 @@ class EngineRequest:
     detokenizer: IncrementalDetokenizer
     text: TextStream
     length_limit: int  # the sequence ends on reaching this many tokens, whatever they are (max_tokens, max_model_len)
+    # Structured output: its xgrammar GrammarMatcher, advanced by each token read; dropped when the sample ends.
+    matcher: Any = None
 
 
 class PendingToken(NamedTuple):  # one per sampled row per step: the cheapest immutable record

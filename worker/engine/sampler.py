@@ -1,10 +1,11 @@
 """Turning logits into next tokens, for a whole batch at once on the device.
 
 The order, per row: logit edits (logit_bias, min_tokens' bans) -> penalties (repetition, then frequency and
-presence) -> greedy argmax, or temperature -> min-p, top-k, top-p -> a draw. Each stage runs only when some row of the
-batch uses it, and then over the rows that do, with the rows' parameters as tensors: a batch that mixes them with
-plain requests is still one pass, and a batch of plain greedy rows is one argmax as before. A later stage returning
-log-probabilities would read the logits after the edits and penalties, next to the choice (`_choose`).
+presence) -> the grammar's mask (structured outputs: disallowed tokens to -inf) -> greedy argmax, or temperature ->
+min-p, top-k, top-p -> a draw. Each stage runs only when some row of the batch uses it, and then over the rows that
+do, with the rows' parameters as tensors: a batch that mixes them with plain requests is still one pass, and a batch
+of plain greedy rows is one argmax as before. A later stage returning log-probabilities would read the logits after
+the edits, penalties and mask, next to the choice (`_choose`).
 
 Random rows use the "exponential race" (argmax of probs / Exp(1) noise, which draws from `probs`) so each
 seeded request draws its noise from its own generator: its tokens don't depend on what else is in the batch.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from tidal.worker.engine.grammar_masks import GrammarMasks
 from tidal.worker.engine.host_tensors import float32_tensor, int64_tensor, to_device
 from tidal.worker.engine.logit_edits import LogitEdits
 from tidal.worker.engine.penalties import Penalties
@@ -32,6 +34,7 @@ class Sampler:
         self._per_request: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self._edits = LogitEdits(device, eos_token_ids)
         self._penalties = Penalties(device)
+        self._grammars = GrammarMasks(device)
 
     def forget(self, seq_id: int) -> None:
         self._per_request.pop(seq_id, None)
@@ -59,6 +62,10 @@ class Sampler:
                 self._edits.apply(logits, batch)
             if has_penalties:
                 penalised = self._penalties.apply(logits, batch)
+        if batch.matchers is not None:
+            # Last before the choice: whatever the edits and penalties did, a token the grammar forbids cannot be
+            # drawn (a positive logit_bias added after the mask would otherwise revive it).
+            self._grammars.apply(logits, batch)
         tokens = self._choose(logits, batch)
         if penalised is not None:
             self._penalties.record(penalised, tokens)
