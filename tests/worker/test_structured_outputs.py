@@ -32,6 +32,18 @@ SCHEMAS = [
     },
     {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
     {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["x"],
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]}},
+        "required": ["a", "b"],
+    },
+    {
         "type": "object",
         "properties": {"inner": {"type": "object", "properties": {"n": {"type": "null"}}, "required": ["n"]}},
         "required": ["inner"],
@@ -51,8 +63,10 @@ def prompt(engine) -> list[int]:
     return list(engine.tokenizer.encode("write some json"))
 
 
-def structured(spec: StructuredOutput, seed: int | None = None, temperature: float = 1.0) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS, structured=spec)
+def structured(
+    spec: StructuredOutput, seed: int | None = None, temperature: float = 1.0, max_tokens: int = MAX_TOKENS
+) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, structured=spec)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -77,9 +91,8 @@ def test_strict_schema_forbids_extra_properties(engine, prompt):
 
 
 def test_json_object(engine, prompt):
-    results = engine.generate(
-        [prompt] * 3, [structured(StructuredOutput(kind="json_object"), seed=s) for s in range(3)]
-    )
+    spec = StructuredOutput(kind="json_object")
+    results = engine.generate([prompt] * 3, [structured(spec, seed=s, max_tokens=40) for s in range(3)])
     for result in results:
         if result.finish_reason == "stop":  # an unbounded object may run out of tokens with a random model
             assert isinstance(json.loads(result.text), dict)

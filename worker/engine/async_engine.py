@@ -128,6 +128,7 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self._engine.grammars.shutdown()  # compiles still queued are of requests that will not run now
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
