@@ -201,3 +201,15 @@ def test_logprobs_echo_and_token_ids_are_documented_with_their_bounds(serving_ap
 def test_what_the_completions_document_excludes_is_refused_in_words(serving_app, body):
     response = serving_app.post("/v1/completions", json={"model": "m", "prompt": "x", **body})
     assert response.status_code == 400 and "not supported" in response.json()["error"]["message"]
+
+
+def test_structured_outputs_are_documented_as_accepted(serving_app):
+    schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
+    response_format = schemas["ChatCompletionRequest"]["properties"]["response_format"]
+    formats = next(member for member in response_format["anyOf"] if "oneOf" in member)
+    assert set(formats["discriminator"]["mapping"]) == {"text", "json_object", "json_schema"}
+    assert set(schemas["JsonSchemaSpec"]["properties"]) == {"name", "description", "schema", "strict"}
+    extension = schemas["StructuredOutputs"]["properties"]
+    assert set(extension) == {"json", "json_object", "regex", "choice", "grammar"}
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        assert "structured_outputs" in schemas[request]["properties"]

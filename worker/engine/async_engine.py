@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Self
+from typing import Any, NamedTuple, Self
 
 from transformers import PreTrainedTokenizerBase
 
@@ -51,6 +51,7 @@ class _NewRequest(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     n: int
+    grammar: Any = None  # its structured output, compiled before it is queued (engine/grammars.py)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self._engine.grammars.shutdown()  # compiles still queued are of requests that will not run now
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1
@@ -142,6 +144,11 @@ class AsyncEngine:
     async def _stream(self, request: _NewRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
         self._engine.validate_prompt(request.prompt_token_ids)
+        structured = request.params.structured
+        if structured is not None:
+            # Compiled on the grammar pool, never on the step loop; a bad grammar raises InvalidGrammarError here.
+            grammar = await asyncio.wrap_future(self._engine.grammars.submit(structured))
+            request = request._replace(grammar=grammar)
         if self._admission is not None:
             await self._admission()
         queue: asyncio.Queue[_Item] = asyncio.Queue()

@@ -36,3 +36,10 @@ class InvalidLogitBiasError(RequestRejectedError):
     def __init__(self, token_id: int, vocab_size: int) -> None:
         super().__init__(f"logit_bias key {token_id} is outside the vocabulary [0, {vocab_size})")
         self.token_id = token_id
+
+
+class InvalidGrammarError(RequestRejectedError):
+    """A structured output (JSON schema, regex, choice, grammar) that the grammar engine cannot compile."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"invalid {kind}: {message}")

@@ -5,7 +5,7 @@ where in its sequence the token goes. With async scheduling one such step is in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer
 from tidal.worker.engine.outputs import TokenLogprob
@@ -27,6 +27,8 @@ class EngineRequest:
     # while due, and handed out with the first output; a recompute after a preemption is not handed out again.
     prompt_logprobs_due: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Structured output: its xgrammar GrammarMatcher, advanced by each token read; dropped when the sample ends.
+    matcher: Any = None
 
 
 class PendingToken(NamedTuple):  # one per sampled row per step: the cheapest immutable record

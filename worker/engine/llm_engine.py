@@ -6,7 +6,9 @@ its sequences' unknown last tokens come from the device, and the host reads, det
 previous step while the device computes this one. `step()` then returns the previous step's outputs. A sequence
 that must end by length once its pending token is read leaves the batch before the next step is scheduled, so
 the schedule is the one a step-at-a-time engine makes; one that ends on a token (EOS, stop id, stop string) is
-found a step late and its row in the step already launched is wasted and dropped.
+found a step late and its row in the step already launched is wasted and dropped. While a request with a structured
+output is live, each step is read before the next is launched (synchronous steps): its grammar's mask for the next
+token depends on the token sampled in the step before.
 
 A request asking for n samples is n sequences sharing one prefill (engine/fork.py); each sample's outputs carry its
 `sample_index`, and the request ends when all n have.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Self
+from typing import Any, Self
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -45,6 +47,7 @@ from tidal.worker.engine.errors import (
     PromptTooLongError,
 )
 from tidal.worker.engine.fork import Forks, sample_params
+from tidal.worker.engine.grammars import GrammarCompiler, new_matcher
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.in_flight import EngineRequest, InFlightStep, PendingToken
 from tidal.worker.engine.logprobs import DeviceLogprobs
@@ -96,6 +99,8 @@ class LLMEngine:
         self._num_generated_tokens = 0
         self._num_controlled = 0  # live requests with logit edits or penalties (see _sample_batch)
         self._num_logprobs = 0  # live requests asking for logprobs (see _sample_batch)
+        self._num_structured = 0  # live samples with a grammar matcher (see step)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig, memory: MemoryProvider | None = None) -> Self:
@@ -150,20 +155,29 @@ class LLMEngine:
             if token >= self.vocab_size:
                 raise InvalidLogitBiasError(token, self.vocab_size)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1) -> None:
-        """Queue a request for `n` samples of the prompt (n > 1: one prefill, then n sequences; see engine/fork.py)."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1, grammar: Any = None
+    ) -> None:
+        """Queue a request for `n` samples of the prompt (n > 1: one prefill, then n sequences; see engine/fork.py).
+        `grammar`: its structured output compiled (`self.grammars.submit`); without it, one is compiled here and
+        now, which only offline use may afford (the async engine compiles off the step loop first)."""
         if request_id in self._samples:
             raise DuplicateRequestError(request_id)
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)  # raises InvalidGrammarError before anything is queued
         samples = [self._new_sample(request_id, prompt_token_ids, sample_params(params, i), i) for i in range(n)]
         self._samples[request_id] = samples
         for sample in samples:
             self._requests[sample.seq.seq_id] = sample
             self._num_controlled += sample.seq.params.has_controls
             self._num_logprobs += sample.seq.params.logprobs is not None
+            if params.structured is not None:
+                sample.matcher = new_matcher(grammar)
+                self._num_structured += 1
         self.scheduler.add(samples[0].seq)
         if n > 1:
             self._forks.add(samples[0], samples[1:])
@@ -220,12 +234,15 @@ class LLMEngine:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
         async_scheduling the deltas are those of the step launched by the previous call, read while the step
         launched by this one runs on the device."""
-        if not self.config.async_scheduling:
+        if not self.config.async_scheduling or self._num_structured:
+            # A structured row's next mask needs the token of the step before: read each step before the next one
+            # is launched (the step in flight, from before such a request arrived, first).
+            outputs = self.drain()
             launched = self._launch(None)
             if launched is None:
-                return []
+                return outputs
             self.scheduler.commit(launched.scheduled)
-            return self._read(launched)
+            return outputs + self._read(launched)
         previous = self._in_flight
         launched = self._launch(previous)
         outputs = self._read(previous) if previous is not None else []
@@ -297,11 +314,12 @@ class LLMEngine:
         logprob_rows = None
         if self._num_logprobs:  # some live request asks: which rows of this step
             logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None] or None
+        matchers = [p.request.matcher for p in pending] if self._num_structured else None
         if not self._num_controlled:  # the usual case: plain requests only, no per-row columns to build
-            return SampleBatch(params, seq_ids, logprob_rows=logprob_rows)
+            return SampleBatch(params, seq_ids, logprob_rows=logprob_rows, matchers=matchers)
         num_tokens = [p.token_index for p in pending]
         prompts = [p.request.seq.prompt_token_ids for p in pending]
-        return SampleBatch(params, seq_ids, num_tokens, prompts, logprob_rows)
+        return SampleBatch(params, seq_ids, num_tokens, prompts, logprob_rows, matchers)
 
     def _fork_samples(
         self, logits: torch.Tensor, pending: list[PendingToken], seq_ids: list[int]
@@ -385,6 +403,8 @@ class LLMEngine:
                 reason: FinishReason | None = "stop"
             else:
                 reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len, num_tokens)
+            if reason is None and request.matcher is not None and not _grammar_goes_on(request.matcher, token):
+                reason = "stop"
             if reason is None:
                 output = RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
                                        num_tokens - len(seq.prompt_token_ids), seq.sample_index)  # fmt: skip
@@ -421,6 +441,9 @@ class LLMEngine:
         self.sampler.forget(seq.seq_id)
         self._num_controlled -= seq.params.has_controls
         self._num_logprobs -= seq.params.logprobs is not None
+        if request.matcher is not None:
+            request.matcher = None
+            self._num_structured -= 1
         del self._requests[seq.seq_id]
         samples = self._samples[seq.request_id]
         if len(samples) == 1:
@@ -481,3 +504,13 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=self.block_manager.num_prefix_hit_tokens,
         )
+
+
+def _grammar_goes_on(matcher: Any, token: int) -> bool:
+    """Advance a structured sample's matcher by its new token; False once its grammar is complete (the sample ends
+    there, whether or not the token was one of the engine's EOS ids)."""
+    if not matcher.accept_token(token):
+        # The mask allowed only what the matcher accepts, so this is a bug; end the sample rather than go on unmasked.
+        log.error("the grammar matcher refused token %d, which its own mask allowed", token)
+        return False
+    return not matcher.is_terminated()

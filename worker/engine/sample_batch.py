@@ -1,12 +1,13 @@
 """What the sampler knows of a step's sampled rows, as columns (pure, no torch).
 
 Columns rather than a record per row: a step of a few hundred plain rows then costs the sampler two lists the engine
-has anyway. The columns that only logit edits and penalties read are filled only when a live request uses them.
+has anyway. The columns that only logit edits, penalties and grammars read are filled only when a live request uses
+them.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tidal.worker.engine.sampling_params import SamplingParams
 
@@ -20,6 +21,10 @@ class SampleBatch(NamedTuple):
     prompts: list[list[int]] | None = None  # [S] each row's prompt token ids
     # Rows whose logprobs are returned, ascending; None (no live request asks for them) skips the stage.
     logprob_rows: list[int] | None = None
+    # [S] each row's grammar matcher (an xgrammar GrammarMatcher, None for an unconstrained row), as of the tokens
+    # already read: only while a live request has a structured output (the engine then reads each step before the
+    # next is launched).
+    matchers: list[Any] | None = None
 
     @property
     def has_control_columns(self) -> bool:

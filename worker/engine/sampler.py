@@ -1,14 +1,15 @@
 """Turning logits into next tokens, for a whole batch at once on the device.
 
 The order, per row: logit edits (logit_bias, min_tokens' bans) -> penalties (repetition, then frequency and
-presence) -> greedy argmax, or temperature -> min-p, top-k, top-p -> a draw. Each stage runs only when some row of the
-batch uses it, and then over the rows that do, with the rows' parameters as tensors: a batch that mixes them with
-plain requests is still one pass, and a batch of plain greedy rows is one argmax as before.
+presence) -> the grammar's mask (structured outputs: disallowed tokens to -inf) -> greedy argmax, or temperature ->
+min-p, top-k, top-p -> a draw. Each stage runs only when some row of the batch uses it, and then over the rows that
+do, with the rows' parameters as tensors: a batch that mixes them with plain requests is still one pass, and a batch
+of plain greedy rows is one argmax as before.
 
 Logprobs (`sample_with_logprobs`), only for the rows that ask (`SampleBatch.logprob_rows`; None, the usual case,
 costs nothing): mode "raw" takes a log_softmax of the model's logits before any edit; mode "processed" takes it of
-the distribution the row is drawn from, next to the choice (`_choose`): after edits and penalties, and for a random
-row after temperature and truncation (a greedy row's processed logits are not scaled).
+the distribution the row is drawn from, next to the choice (`_choose`): after edits, penalties and the grammar's
+mask, and for a random row after temperature and truncation (a greedy row's processed logits are not scaled).
 
 Random rows use the "exponential race" (argmax of probs / Exp(1) noise, which draws from `probs`) so each
 seeded request draws its noise from its own generator: its tokens don't depend on what else is in the batch.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from tidal.worker.engine.grammar_masks import GrammarMasks
 from tidal.worker.engine.host_tensors import float32_tensor, int64_tensor, to_device
 from tidal.worker.engine.logit_edits import LogitEdits
 from tidal.worker.engine.logprobs import DeviceLogprobs
@@ -37,6 +39,7 @@ class Sampler:
         self._per_request: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self._edits = LogitEdits(device, eos_token_ids)
         self._penalties = Penalties(device)
+        self._grammars = GrammarMasks(device)
 
     def forget(self, seq_id: int) -> None:
         self._per_request.pop(seq_id, None)
@@ -77,6 +80,10 @@ class Sampler:
                 self._edits.apply(logits, batch)
             if has_penalties:
                 penalised = self._penalties.apply(logits, batch)
+        if batch.matchers is not None:
+            # Last before the choice: whatever the edits and penalties did, a token the grammar forbids cannot be
+            # drawn (a positive logit_bias added after the mask would otherwise revive it).
+            self._grammars.apply(logits, batch)
         tokens, scaled, random_rows = self._choose(logits, batch)
         if penalised is not None:
             self._penalties.record(penalised, tokens)

@@ -13,6 +13,8 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tidal.worker.engine.structured_output import StructuredOutput
+
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 128
@@ -57,6 +59,7 @@ class SamplingParams(BaseModel):
         description="raw: the model's distribution; processed: the one sampled from (after edits, penalties, "
         "temperature and truncation).",
     )
+    structured: StructuredOutput | None = Field(default=None, description="What the output must conform to.")
 
     @field_validator("top_k")
     @classmethod
@@ -104,6 +107,9 @@ class SamplingParams(BaseModel):
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured is not None and self.min_tokens:
+            # Its ban on stop tokens would meet a complete grammar that allows nothing else.
+            raise ValueError("min_tokens cannot be combined with a structured output")
         return self
 
     @property

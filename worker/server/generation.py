@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from tidal.worker.engine.async_engine import EngineNotRunningError, RequestInterruptedError
-from tidal.worker.engine.errors import PromptTooLongError
+from tidal.worker.engine.errors import InvalidGrammarError, PromptTooLongError
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.errors import ApiError
 
@@ -79,6 +79,10 @@ class Generation:
             self._engine_done = True
             self._account("interrupted")
             raise ApiError(503, str(exc), code="interrupted") from exc
+        except InvalidGrammarError as exc:  # compiled before the request is queued
+            self._engine_done = True
+            self._account("rejected")
+            raise ApiError(400, str(exc), param="response_format", code="invalid_grammar") from exc
         except ValueError as exc:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
             self._engine_done = True

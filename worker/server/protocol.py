@@ -4,8 +4,8 @@ A field this server cannot honour (tools, suffix...) is rejected with a message 
 ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as OpenAI
 does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
-`add_generation_prompt` and `chat_template_kwargs`; and for logprobs `prompt_logprobs` (completions),
-`logprobs_mode` and `return_token_ids`. docs/OPENAI.md lists every field.
+`add_generation_prompt` and `chat_template_kwargs`; for logprobs `prompt_logprobs` (completions), `logprobs_mode` and
+`return_token_ids`; and vLLM's `structured_outputs` (regex, choice, grammar, json). docs/OPENAI.md lists every field.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tidal.worker.engine.sampling_params import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from tidal.worker.engine.structured_output import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from tidal.worker.server.prompt_batch import MAX_N, MAX_PROMPTS, Prompt, as_prompt_list, check_num_choices
 
 
@@ -55,6 +56,31 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema (an object, or its JSON text) the output must validate against"
+    )
+    json_object: bool | None = Field(None, description="true: the output is any JSON object")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="an EBNF grammar (xgrammar's dialect)"
+    )
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints, with OpenAI's ranges."""
 
@@ -77,6 +103,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     # Keys are token ids written as strings (JSON object keys), as OpenAI's; checked against the vocabulary later.
     logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="non-OpenAI extension (vLLM's)")
     user: str | None = None  # accepted and ignored
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw",
@@ -248,8 +275,29 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else ""
 
 
-class ResponseFormat(_Strict):
+class TextFormat(_Strict):
     type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="a JSON schema")
+    strict: bool | None = Field(None, description="true: no properties beyond the schema's (its default then)")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -294,6 +342,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tool calling is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.structured_outputs is not None and not isinstance(self.response_format, TextFormat | None):
+            raise ValueError("response_format and structured_outputs both constrain the output: send one")
         self._check_min_tokens(self.token_limit)
         return self
 

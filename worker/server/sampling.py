@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import ValidationError
 
 from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.structured_output import StructuredOutput
 from tidal.worker.server.errors import ApiError, describe_validation_errors
-from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
+from tidal.worker.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    StructuredOutputs,
+)
 
 
 def sampling_params(
@@ -49,6 +57,7 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "logprobs_mode": request.logprobs_mode,
         **_logprobs_fields(request),
+        "structured": structured_output(request),
     }
     try:
         # Unset optional knobs keep the engine's defaults.
@@ -66,3 +75,42 @@ def _logprobs_fields(request: CompletionRequest | ChatCompletionRequest) -> dict
     if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs, with the same k
         prompt_k = max(request.logprobs, prompt_k or 0)
     return {"logprobs": request.logprobs, "prompt_logprobs": prompt_k}
+
+
+def structured_output(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """What the request's output must conform to: chat's `response_format`, or the `structured_outputs` extension."""
+    response_format = getattr(request, "response_format", None)
+    param = "response_format"
+    try:
+        if isinstance(response_format, JsonObjectFormat):
+            return StructuredOutput(kind="json_object")
+        if isinstance(response_format, JsonSchemaFormat):
+            spec = response_format.json_schema
+            return StructuredOutput.json_schema(spec.schema_, strict=bool(spec.strict))
+        param = "structured_outputs"
+        if request.structured_outputs is not None:
+            return _extension(request.structured_outputs)
+    except ValidationError as exc:  # past the bounds of structured_output.py
+        message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ApiError(400, message, param=param) from exc
+    return None
+
+
+def _extension(fields: StructuredOutputs) -> StructuredOutput:
+    if fields.json_ is not None:
+        schema = fields.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ApiError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs") from exc
+            if not isinstance(schema, dict):
+                raise ApiError(400, "structured_outputs.json must be a JSON schema object", param="structured_outputs")
+        return StructuredOutput.json_schema(schema)
+    if fields.regex is not None:
+        return StructuredOutput(kind="regex", text=fields.regex)
+    if fields.choice is not None:
+        return StructuredOutput.choice(fields.choice)
+    if fields.grammar is not None:
+        return StructuredOutput(kind="grammar", text=fields.grammar)
+    return StructuredOutput(kind="json_object")

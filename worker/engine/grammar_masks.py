@@ -1,0 +1,41 @@
+"""Applying structured rows' grammars to a batch's logits, on the device.
+
+Each structured row's matcher fills its row of a packed bitmask on the host ([R, ceil(V / 32)] int32, one bit per
+allowed token); the bitmask goes over in one asynchronous copy, is unpacked on the device and sets every disallowed
+logit of those rows to -inf. Only the rows that have a grammar are touched (index_select / index_copy_), so the rest
+of the batch is bit for bit what it was, and nothing waits for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.worker.engine.host_tensors import int64_tensor, to_device
+from tidal.worker.engine.sample_batch import SampleBatch
+
+
+class GrammarMasks:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32] a bit's place in its word
+
+    def apply(self, logits: torch.Tensor, batch: SampleBatch) -> None:
+        """Mask logits [S, V] in place for the rows that have a matcher (the batch has its matchers column)."""
+        import xgrammar
+
+        matchers = batch.matchers or []
+        rows = [r for r, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        vocab = logits.shape[1]
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # [R, W] int32 on the host
+        for i, r in enumerate(rows):
+            matcher = matchers[r]
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(bitmask, i)
+        bits = to_device(bitmask, logits.device)  # [R, W]
+        allowed = (bits.unsqueeze(-1) >> self._shifts) & 1  # [R, W, 32]
+        allowed = allowed.view(len(rows), -1)[:, :vocab].bool()  # [R, V]
+        rows_t = to_device(int64_tensor(rows), logits.device)  # [R]
+        masked = logits.index_select(0, rows_t).masked_fill_(~allowed, float("-inf"))  # [R, V]
+        logits.index_copy_(0, rows_t, masked)

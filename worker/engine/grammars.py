@@ -1,0 +1,117 @@
+"""Compiling structured outputs (engine/structured_output.py) into xgrammar grammars, off the step loop.
+
+Compiling a JSON schema or a grammar against the vocabulary can take from a millisecond to seconds; the step loop
+must never wait for it. `submit` runs the compile on a small thread pool and returns a Future; the async engine awaits
+it before the request is queued, so a request is admitted with its grammar ready and a grammar that does not compile
+is refused (a 400 with the engine's message) before it takes any room. The Futures are kept in an LRU keyed by the
+spec: equal schemas compile once, and concurrent requests for one schema share the compile in progress (a failed one
+stays cached too, so repeating a bad schema costs nothing).
+
+xgrammar is imported on first use: a worker that never serves a structured request does not pay for it, nor for
+reading the tokenizer's vocabulary into xgrammar's form (about a second at a 150k vocabulary).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tidal.worker.engine.errors import InvalidGrammarError
+from tidal.worker.engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# xgrammar's messages start with a time and a C++ source location; the client needs only what follows.
+_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        max_workers: int = 2,
+        cache_size: int = 256,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tidal-grammar")
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    def submit(self, spec: StructuredOutput) -> Future[xgrammar.CompiledGrammar]:
+        """The compiled grammar of `spec`, cached or compiling; its result raises InvalidGrammarError."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """Compile (or find) `spec` and wait for it: for offline use, never on the serving step loop."""
+        return self.submit(spec).result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        compiler = self._xgrammar_compiler()
+        try:
+            # JSON without free whitespace between tokens (compact, as json.dumps(separators=(",", ":")) writes):
+            # a model would otherwise be free to spend its whole budget on blanks between the braces.
+            if spec.kind == "json_object":  # any object: the schema of OpenAI's json_object mode
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if spec.kind == "json_schema":
+                return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choices))
+            return compiler.compile_grammar(spec.text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidGrammarError(spec.kind.replace("_", " "), _LOCATION.sub("", str(exc)).strip()) from exc
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                # One thread per compile: the pool decides how many run at once.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def new_matcher(grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
+    """A fresh matcher (one per sample: each advances with its own tokens)."""
+    import xgrammar
+
+    return xgrammar.GrammarMatcher(grammar)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (string literals in JSON's escaping, which the EBNF takes)."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return '"' + escaped.replace("\t", "\\t") + '"'
