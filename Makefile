@@ -3,11 +3,12 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 ENV := source hack/env.sh &&
 
-.PHONY: help env binaries lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
+.PHONY: help env binaries image-tools images lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
 
 help:
 	@echo "make demo   - local control plane, helm install, an example tiny model, a request, kubectl get"
 	@echo "make test   - install what is missing, ruff and mypy, then every test tier (unit, kernels, worker, e2e)"
+	@echo "make images - the operator and worker images as OCI layouts (no registry needed), with their digests"
 
 env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
 	@bash hack/bootstrap-python.sh
@@ -15,13 +16,19 @@ env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
 binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm from their Go modules, cached by version
 	@bash hack/build-binaries.sh
 
+image-tools:  ## debootstrap, umoci, skopeo, crun from Debian's packages (hack/image-tools.sh)
+	@bash hack/image-tools.sh
+
+images: env image-tools  ## both images into $$TIDAL_CACHE/images/oci (docs/IMAGES.md says how to push them)
+	@$(ENV) python hack/images/build_images.py
+
 lint: env
 	@$(ENV) ruff check . && ruff format --check . && python hack/typecheck.py
 
 format: env
 	@$(ENV) ruff format . && ruff check --fix .
 
-test: env binaries lint
+test: env binaries image-tools lint
 	@$(ENV) python -m pytest
 
 test-unit: env
