@@ -27,20 +27,23 @@ mount -t proc proc "$rootfs/proc"
 mapfile -t image_env < <(python -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))["process"]["env"]))' \
   "$work/bundle/config.json")
 in_image() { env -i "${image_env[@]}" /usr/sbin/chroot --userspec=65532:65532 "$rootfs" "$@"; }
+port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
 echo "writing a tiny llama and serving it on the CPU, inside the image as user 65532..."
 in_image python -m tidal.worker.testing.tiny_models --arch llama --out /tmp/tiny-llama >/dev/null
-in_image tidal-worker --model /tmp/tiny-llama --device cpu --host 127.0.0.1 --port 18437 --log-level warning &
+# exec: $! is then the worker itself, which the cleanup stops.
+(exec env -i "${image_env[@]}" /usr/sbin/chroot --userspec=65532:65532 "$rootfs" \
+  tidal-worker --model /tmp/tiny-llama --device cpu --host 127.0.0.1 --port "$port" --log-level warning) &
 server=$!
 # Loading torch from a freshly unpacked image (nothing in the page cache) takes a minute or more on 2 cores.
 start=$(date +%s)
-until curl -sf http://127.0.0.1:18437/ready >/dev/null; do
+until curl -sf http://127.0.0.1:$port/ready >/dev/null; do
   kill -0 "$server" 2>/dev/null || { echo "the worker exited before it was ready" >&2; exit 1; }
   [ $(( $(date +%s) - start )) -lt 600 ] || { echo "the worker was not ready within 600 s" >&2; exit 1; }
   sleep 2
 done
 ready_s=$(( $(date +%s) - start ))
-answer=$(curl -sf http://127.0.0.1:18437/v1/chat/completions -H 'Content-Type: application/json' \
+answer=$(curl -sf http://127.0.0.1:$port/v1/chat/completions -H 'Content-Type: application/json' \
   -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8, "temperature": 0}')
 kill "$server" && wait "$server" 2>/dev/null || true
 server=""

@@ -87,9 +87,9 @@ def build_image(spec: ImageSpec, out: Path) -> BuiltImage:
     cache = cache_dir()
     base = rootfs.ensure_base(cache, spec.debian_packages)
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache, prefix=f"stage-{spec.name}-") as tmp:
-        stage = Path(tmp)
-        stage.chmod(0o755)  # it becomes the image's / in its layer
+    with tempfile.TemporaryDirectory(dir=cache, prefix=f"build-{spec.name}-") as tmp:
+        stage = Path(tmp) / "stage"
+        stage.mkdir(mode=0o755)  # it becomes the image's / in its layer
         print(f"{spec.name}: installing tidal[{spec.extra}] from PyPI", flush=True)
         python = python_layer.install(stage, spec.extra)
         manifest = {
@@ -105,9 +105,13 @@ def build_image(spec: ImageSpec, out: Path) -> BuiltImage:
         layout = out / spec.name
         ref = oci.new_image(layout, version)
         print(f"{spec.name}: assembling {ref}", flush=True)
+        bundle = Path(tmp) / "bundle"
+        image_root = oci.unpack(ref, bundle)
         packages = ",".join(spec.debian_packages)
-        oci.add_layer(ref, base, created, f"debootstrap --variant=minbase --include={packages} {DEBIAN_SUITE}")
-        oci.add_layer(ref, stage, created, f"pip install tidal[{spec.extra}] -c hack/constraints.txt")
+        oci.add_tree(image_root, base)
+        oci.commit_layer(ref, bundle, created, f"debootstrap --variant=minbase --include={packages} {DEBIAN_SUITE}")
+        oci.add_tree(image_root, stage)
+        oci.commit_layer(ref, bundle, created, f"pip install tidal[{spec.extra}] -c hack/constraints.txt")
     config = oci.ImageConfig(
         user=f"{USER_ID}:{USER_ID}",
         workdir=HOME,

@@ -1,5 +1,9 @@
-"""OCI image layouts through umoci (Debian's package): a new image, one layer per root directory inserted, its
-config; then the manifest's digest and size, read from the layout's index."""
+"""OCI image layouts through umoci (Debian's package): a new image, unpacked into a bundle; a layer for each tree
+copied into the bundle's root file system (umoci repack: what changed since the last layer); the config; then the
+manifest's digest and size, read from the layout's index.
+
+Layers come from `umoci repack`, not `umoci insert`: bookworm's umoci (0.4.7) leaves insert's tar stream without its
+end-of-archive blocks (umoci#436, fixed in 0.4.8), which GNU tar and Python's tarfile refuse."""
 
 from __future__ import annotations
 
@@ -41,9 +45,21 @@ def new_image(layout: Path, tag: str) -> str:
     return ref
 
 
-def add_layer(ref: str, root: Path, created: str, created_by: str) -> None:
-    """One layer holding `root`'s tree at /, owners and modes kept."""
-    _umoci("insert", "--image", ref, "--history.created", created, "--history.created_by", created_by, str(root), "/")
+def unpack(ref: str, bundle: Path) -> Path:
+    """The image's runtime bundle; returns its root file system, where the next layer's files are copied."""
+    _umoci("unpack", "--image", ref, str(bundle))
+    return bundle / "rootfs"
+
+
+def add_tree(rootfs: Path, tree: Path) -> None:
+    """Copy `tree` over the bundle's root file system as hard links (no data copied; the files are only read)."""
+    subprocess.run(["cp", "-a", "--link", f"{tree}/.", str(rootfs)], check=True)
+
+
+def commit_layer(ref: str, bundle: Path, created: str, created_by: str) -> None:
+    """One layer holding what changed in the bundle since the last one, owners and modes kept."""
+    history = ["--history.created", created, "--history.created_by", created_by]
+    _umoci("repack", "--refresh-bundle", *history, "--image", ref, str(bundle))
 
 
 def configure(ref: str, config: ImageConfig, created: str) -> None:

@@ -48,6 +48,16 @@ def _write_launchers(stage: Path) -> None:
         launcher.chmod(0o755)
 
 
+def _forget_wheel_location(site: Path) -> None:
+    """tidal's direct_url.json names the temporary path its wheel was built in: meaningless in the image, and
+    different on every build (so is its line in RECORD)."""
+    for dist_info in site.glob("tidal-*.dist-info"):
+        (dist_info / "direct_url.json").unlink(missing_ok=True)
+        record = dist_info / "RECORD"
+        kept = [line for line in record.read_text().splitlines() if not line.startswith(f"{dist_info.name}/direct_url")]
+        record.write_text("\n".join(kept) + "\n")
+
+
 def install(stage: Path, extra: str) -> dict[str, str]:
     """Install tidal[extra] into `stage` (laid out as the image's root); returns distribution -> version."""
     check_host_python()
@@ -60,6 +70,7 @@ def install(stage: Path, extra: str) -> dict[str, str]:
         subprocess.run([*pip, f"tidal[{extra}] @ {wheel.as_uri()}"], check=True)
     # pip's scripts start with the host interpreter's path; the image gets its own launchers instead.
     subprocess.run(["rm", "-rf", str(site / "bin")], check=True)
+    _forget_wheel_location(site)
     _write_launchers(stage)
     # The root file system may be read-only (the chart's operator): bytecode is written now, keyed by the source's
     # hash rather than its mtime. A few packages ship files that do not compile (templates, tests); those are only

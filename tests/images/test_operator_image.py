@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import build_images
@@ -74,6 +75,19 @@ def test_config_runs_the_operator_as_the_charts_user(built):
     assert labels["org.opencontainers.image.title"] == NAME
     assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     assert len(labels["org.opencontainers.image.revision"]) == 40
+
+
+def test_layers_are_complete_tar_archives(built):
+    # Registries and scanners read layers with GNU tar or tarfile, which refuse a stream without its end blocks.
+    layers = oci.read_manifest(built.layout, built.tag)["layers"]
+    assert len(layers) == 2
+    names = []
+    for layer in layers:
+        algorithm, digest = layer["digest"].split(":")
+        with tarfile.open(built.layout / "blobs" / algorithm / digest) as archive:
+            names.append(archive.getnames())
+    assert "usr/bin/python3" in names[0]
+    assert build_images.MANIFEST_PATH in names[1] and "usr/bin/python3" not in names[1]
 
 
 def test_image_is_small(built):
