@@ -3,11 +3,12 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 ENV := source hack/env.sh &&
 
-.PHONY: help env binaries monitoring-tools lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
+.PHONY: help env binaries monitoring-tools image-tools images lint format test test-unit test-kernels test-worker test-e2e demo demo-down crds clean-cache
 
 help:
 	@echo "make demo   - local control plane, helm install, SmolLM2 (a real small model), chat, sleep, wake, weight roll"
 	@echo "make test   - install what is missing, ruff and mypy, then every test tier (unit, kernels, worker, e2e)"
+	@echo "make images - the operator and worker images as OCI layouts (no registry needed), with their digests"
 
 env:  ## Python environment outside the clone (hack/bootstrap-python.sh)
 	@bash hack/bootstrap-python.sh
@@ -18,6 +19,12 @@ binaries:  ## kube-apiserver, controller-manager, scheduler, kubectl, etcd, helm
 monitoring-tools:  ## prometheus, promtool and the Prometheus Operator CRDs from their Go modules, cached by version
 	@bash hack/install-monitoring.sh
 
+image-tools:  ## debootstrap, umoci, skopeo, crun from Debian's packages (hack/image-tools.sh)
+	@bash hack/image-tools.sh
+
+images: env image-tools  ## both images into $$TIDAL_CACHE/images/oci (docs/IMAGES.md says how to push them)
+	@$(ENV) python hack/images/build_images.py
+
 lint: env
 	@$(ENV) ruff check . && ruff format --check . && python hack/typecheck.py
 
@@ -25,6 +32,7 @@ format: env
 	@$(ENV) ruff format . && ruff check --fix .
 
 test: env binaries monitoring-tools lint
+	@bash hack/image-tools.sh --optional
 	@$(ENV) python -m pytest
 
 test-unit: env monitoring-tools

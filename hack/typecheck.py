@@ -1,4 +1,5 @@
-"""Run mypy over every `tidal.*` module, reading the folder mapping from setup.py.
+"""Run mypy over every `tidal.*` module, reading the folder mapping from setup.py, and over the image builder
+(hack/images/).
 
 The top-level folders (operator/, worker/, ...) are imported as `tidal.operator`, `tidal.worker`, ... through the
 editable install's import hook, which no type checker follows, and mypy's command line can only name a module after
@@ -41,10 +42,19 @@ def tidal_sources() -> list[BuildSource]:
     return sources
 
 
+def image_builder_sources() -> list[BuildSource]:
+    """hack/images/: a script's folder whose modules import each other by their bare names."""
+    folder = REPO_ROOT / "hack" / "images"
+    return [
+        BuildSource(str(file.relative_to(REPO_ROOT)), file.stem, base_dir=str(folder))
+        for file in sorted(folder.glob("*.py"))
+    ]
+
+
 def main(args: list[str]) -> int:
     os.chdir(REPO_ROOT)  # paths in messages are relative to the repository root
     options = process_options(["--config-file", str(REPO_ROOT / "pyproject.toml"), *args], require_targets=False)[1]
-    sources = tidal_sources()
+    sources = tidal_sources() + image_builder_sources()
     try:
         result = build.build(sources, options)
         messages, blocking = result.errors, False

@@ -10,6 +10,7 @@ import kopf
 from kubernetes import client, config
 from prometheus_client import CollectorRegistry
 
+from tidal.operator import config as operator_config
 from tidal.operator.config import OperatorConfig, OperatorConfigError
 from tidal.operator.health import Health, serve_health
 from tidal.operator.kube.client import API_CONCURRENCY
@@ -32,7 +33,18 @@ def _api_client() -> client.ApiClient:
     return client.ApiClient(settings)
 
 
-def main() -> int:
+def usage() -> str:
+    """The operator takes no arguments; its configuration is the environment the config module documents."""
+    return f"usage: python -m tidal.operator\n\nConfigured by the environment:\n{operator_config.__doc__}"
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv:
+        print(f"tidal-operator: takes no arguments (got {argv[0]!r}); see --help", file=sys.stderr)
+        return 2
     try:
         cfg = OperatorConfig.from_env(os.environ)
     except OperatorConfigError as exc:
@@ -79,4 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

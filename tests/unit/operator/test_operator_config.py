@@ -26,3 +26,14 @@ def test_bad_environment_names_the_variable():
     text = str(err.value)
     assert "TIDAL_OPERATOR_NAMESPACE" in text and "TIDAL_OPERATOR_POD_LABELS" in text
     assert "TIDAL_OPERATOR_HEALTH_PORT" in text
+
+
+def test_main_help_documents_the_environment_and_other_arguments_are_refused(capsys):
+    from tidal.operator.__main__ import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m tidal.operator")
+    assert "TIDAL_OPERATOR_NAMESPACE" in out and "TIDAL_OPERATOR_LEASE_SECONDS" in out
+    assert main(["--namespace"]) == 2
+    assert "takes no arguments" in capsys.readouterr().err
