@@ -52,6 +52,8 @@ class OperatorMetrics:
         )
         # process_start_time_seconds and friends: a restart shows as a new start time.
         ProcessCollector(registry=registry)
+        for transition in ("sleep", "wake"):  # defined from the start, as the call errors are (runtime/workers.py)
+            self.transition_seconds.labels(transition)
         self._phases: dict[tuple[str, str], Phase] = {}
         for phase in PHASES:
             self.models.labels(phase).set(0)

@@ -54,12 +54,13 @@ class Target:
 
 
 class WorkerCall(StrEnum):
-    """The control-API calls the fleet makes for actions (named by their routes)."""
+    """The control-API calls the fleet makes (named by their routes): for actions, and the checksum it reads."""
 
     SLEEP = "sleep"
     WAKE_UP = "wake_up"
     WEIGHTS_UPDATE = "weights/update"
     GROUP_RECONFIGURE = "group/reconfigure"
+    WEIGHTS_CHECKSUM = "weights/checksum"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class WorkerFleet:
     def __init__(self, http: httpx.AsyncClient, metrics: OperatorMetrics) -> None:
         self._http = http
         self._metrics = metrics
+        # Every call's error series exists from the start at 0, so a dashboard shows "no failures" rather than no
+        # data, and a rate over it is defined before the first failure.
+        for call in WorkerCall:
+            metrics.worker_call_errors.labels(call)
 
     def _client(self, target: Target, port: int, token: SecretStr) -> WorkerClient:
         return WorkerClient(self._http, target.address, port, token)
@@ -129,7 +134,7 @@ class WorkerFleet:
                         checksum = (await client.checksum()).overall
                         checksums[cache_key] = checksum
                     except WorkerCallError as exc:
-                        self._metrics.worker_call_errors.labels("checksum").inc()
+                        self._metrics.worker_call_errors.labels(WorkerCall.WEIGHTS_CHECKSUM).inc()
                         log.warning("%s/%s: checksum of %s: %s", *key, pod, exc)
             return pod, RankObservation(state=state, checksum=checksum, update_failure=failures.get(pod))
 
@@ -178,7 +183,7 @@ class WorkerFleet:
             try:
                 result = await self._client(target, port, token).update_weights(action.source, action.version)
             except WorkerCallError as exc:
-                self._metrics.worker_call_errors.labels("weights_update").inc()
+                self._metrics.worker_call_errors.labels(WorkerCall.WEIGHTS_UPDATE).inc()
                 # Only a refusal of the checkpoint itself stops the roll. A rank that is unreachable (it may have
                 # died mid-call; its replacement starts on the new weights), busy (still applying an update that a
                 # previous operator process asked for), not loaded, asleep or draining is asked again next pass.
