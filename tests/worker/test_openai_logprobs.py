@@ -11,10 +11,8 @@ import openai
 import pytest
 import torch
 
-from tidal.worker.config import WorkerConfig
-from tidal.worker.process import assemble_worker
-from tidal.worker.server.background import BackgroundServers
 from tidal.worker.testing.hf_reference import load_reference_model
+from tidal.worker.testing.in_process import serving_worker
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 MODEL = "tiny-llama"
@@ -29,13 +27,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker_url(model_dir):
-    config = WorkerConfig.from_flat(
-        model_path=model_dir, served_model_name=MODEL, device="cpu", dtype="float32", max_model_len=256,
-        num_kv_blocks=128, host="127.0.0.1", port=0, log_level="warning",
-    )  # fmt: skip
-    worker = BackgroundServers(assemble_worker(config).servers).start().wait_ready()
-    yield worker.url()
-    assert worker.stop() == 0
+    with serving_worker(model_dir, MODEL) as worker:
+        yield worker.url()
 
 
 @pytest.fixture(scope="module")
