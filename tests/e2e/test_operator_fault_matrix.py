@@ -64,6 +64,9 @@ VICTIMS = {"load": "r1-0", "sleep": "r0-0", "wake": "r1-0", "roll": "r0-0"}
 # machine, and a scenario holds up to two worker starts in a row; a transition that stalls (a rank never put back
 # to sleep, a roll never resumed) never converges at all, so a generous bound still tells the two apart.
 CONVERGE_BOUND_S = 180.0
+# The status's readyRanks and the pods' Ready agree within this long: a pass follows a pod's Ready change within a
+# second or two, and a readiness probe runs every 5 s.
+READY_AGREE_S = 15
 # How long to wait for the operator to take a transition up (write the new generation), before the fault.
 TAKE_UP_S = 60.0
 
@@ -161,13 +164,24 @@ def mismatch(obj: dict[str, Any], chain: Chain, target: Target) -> str:
     return "" if status.get("phase") == phase else f"phase {status.get('phase')}"
 
 
-def check_workers(dc: DevCluster, namespace: str, chain: Chain, obj: dict[str, Any], target: Target) -> None:
+def check_workers(dc: DevCluster, namespace: str, chain: Chain, target: Target) -> None:
     """The status's claims against the pods and the workers themselves."""
     pods = model_pods(dc, namespace, chain.name)
     assert set(pods) == chain.pods, sorted(pods)
     assert all(p.metadata.deletion_timestamp is None for p in pods.values())
-    ready = sum(1 for p in pods.values() if is_ready(dc.api_client.sanitize_for_serialization(p)))
-    assert obj["status"]["readyRanks"] == ready, (obj["status"]["readyRanks"], ready)
+
+    # The status and the pods are two reads: a pod's Ready may flip (a readiness probe) after the status converged,
+    # and the pass it causes writes the count a moment later. The counts must agree within a pass or two.
+    def counts() -> tuple[int, int]:
+        listed = model_pods(dc, namespace, chain.name).values()
+        ready = sum(1 for p in listed if is_ready(dc.api_client.sanitize_for_serialization(p)))
+        return get_model(dc, namespace, chain.name)["status"]["readyRanks"], ready
+
+    seen: list[tuple[int, int]] = []
+    try:
+        wait_until(lambda: seen.append(counts()) or seen[-1][0] == seen[-1][1], READY_AGREE_S, "readyRanks")
+    except TimeoutError:
+        raise AssertionError(f"status readyRanks vs Ready pods: {seen[-1]} for {READY_AGREE_S} s") from None
     for pod in sorted(pods):
         state = worker_state(dc, namespace, chain.name, pod)
         assert state["sleep_state"] == ("asleep" if target.asleep else "awake"), (pod, state)
@@ -305,7 +319,7 @@ def test_a_transition_converges_through_a_fault(devcluster, matrix, transition, 
     _show(request, ["", line])
     assert took <= CONVERGE_BOUND_S, line
 
-    check_workers(devcluster, ns, chain, obj, target)
+    check_workers(devcluster, ns, chain, target)
     check_identity(chain, transition, victim, before, after)
     if killed_operator:
         wait_until(lambda: lease_holder(devcluster) != killed_operator, 30, "a new operator holding the Lease")
