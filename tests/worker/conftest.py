@@ -1,9 +1,11 @@
-"""Shared fixtures of the worker tier: tiny random models, written once per session on first use."""
+"""Shared fixtures of the worker tier: tiny random models, written once per session on first use, and the openai
+clients of a module's worker."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import pytest
 
 from tidal.worker.testing.tiny_models import write_tiny_model
@@ -22,3 +24,14 @@ def tiny_model(tmp_path_factory):
         return written[key]
 
     return get
+
+
+# The official openai clients of a module's worker: the module defines `worker_url` (the serving API's base URL).
+@pytest.fixture(scope="module")
+def client(worker_url):
+    return openai.OpenAI(base_url=f"{worker_url}/v1", api_key="not-checked", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def async_client(worker_url):
+    return openai.AsyncOpenAI(base_url=f"{worker_url}/v1", api_key="not-checked", max_retries=0, timeout=60)

@@ -30,16 +30,6 @@ def worker_url(tmp_path_factory):
         yield worker.url()
 
 
-@pytest.fixture(scope="module")
-def client(worker_url):
-    return openai.OpenAI(base_url=f"{worker_url}/v1", api_key="not-checked", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def async_client(worker_url):
-    return openai.AsyncOpenAI(base_url=f"{worker_url}/v1", api_key="not-checked", max_retries=0, timeout=60)
-
-
 def by_index(chunks, text_of) -> dict[int, str]:
     texts: dict[int, str] = defaultdict(str)
     for chunk in chunks:

@@ -32,11 +32,6 @@ def worker_url(model_dir):
 
 
 @pytest.fixture(scope="module")
-def client(worker_url):
-    return openai.OpenAI(base_url=f"{worker_url}/v1", api_key="not-checked", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
     model = load_reference_model(model_dir)
 
