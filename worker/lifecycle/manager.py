@@ -104,6 +104,7 @@ class LifecycleManager:
         llm = LLMEngine.from_config(engine_config, memory)
         residency = Residency(llm, engine_config.model_path, self.config.weights_version)
         residency.read_timeout_s = self.config.checkpoint_read_timeout_s
+        residency.settle.timeout_s = self.config.sleep_settle_timeout_s
         weights_path = self.config.weights_path
         if weights_path is not None and weights_path.resolve() != engine_config.model_path.resolve():
             residency.load_initial(weights_path)

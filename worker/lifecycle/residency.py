@@ -36,6 +36,7 @@ from tidal.worker.lifecycle.errors import (
     WeightsUnavailableError,
 )
 from tidal.worker.lifecycle.kv_fill import KVFill
+from tidal.worker.lifecycle.release_settle import ReleaseSettle
 from tidal.worker.lifecycle.resident import ResidentWeights
 from tidal.worker.lifecycle.staging import check_directory, spare_host_buffer, stage_tensors
 from tidal.worker.lifecycle.stray_reads import StrayReads
@@ -68,6 +69,8 @@ class Residency:
         self.on_version_installed: Callable[[str], None] | None = None
         self.read_timeout_s: float | None = None  # a checkpoint read's deadline (LifecycleConfig)
         self.stray_reads = StrayReads()
+        # After a sleep's release, wait for the driver to finish clearing the memory (release_settle says why).
+        self.settle = ReleaseSettle(self.weights.host, self.weights.device)
 
     def load_initial(self, weights_path: Path) -> None:
         """Serve `weights_path` instead of the model directory's weights (before the engine starts)."""
@@ -98,6 +101,7 @@ class Residency:
         num_bytes = 0
         try:
             with self._quiesced() as llm:
+                self.settle.take_reference()
                 if self.weights.is_resident:
                     if level == 1:
                         num_bytes += self.weights.to_host()
@@ -110,7 +114,10 @@ class Residency:
                     self.kv.release()
                     num_bytes += self.kv.nbytes
                 llm.reset_prefix_cache()
-                free_cached_device_memory(self.weights.device)
+                free_cached_device_memory(self.weights.device)  # the last steps' activations: cleared with the rest
+                if self.settle.wait() > 0:
+                    free_cached_device_memory(self.weights.device)  # the probe's buffer
+                    log.info("sleep: the device was quiet again %.3fs after the release", self.settle.last_wait_s)
         except BaseException:
             if held_here and self.weights.is_resident and self.kv.is_resident:
                 self._engine().release()  # nothing was released: serve on rather than hold requests for good
