@@ -158,6 +158,9 @@ class _PlainShape:
     def token_ids(self, token_ids):
         return None
 
+    def prompt_logprobs(self, generation):
+        return None
+
 
 @pytest.mark.parametrize("events", [completion_events, chat_events])
 def test_a_streamed_error_carries_the_code_the_response_would_have(events):
@@ -182,13 +185,15 @@ def test_logprobs_echo_and_token_ids_are_documented_with_their_bounds(serving_ap
     schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
     assert completion["echo"]["type"] == "boolean" and chat["logprobs"]["type"] == "boolean"
-    for field in (completion["logprobs"], completion["prompt_logprobs"], chat["top_logprobs"]):
+    fields = (completion["logprobs"], completion["prompt_logprobs"], chat["top_logprobs"], chat["prompt_logprobs"])
+    for field in fields:
         bounded = next(m for m in field["anyOf"] if m.get("type") == "integer")
         assert bounded["minimum"] == 0 and bounded["maximum"] == 20
     assert completion["logprobs_mode"]["enum"] == ["raw", "processed"]
     assert completion["return_token_ids"]["type"] == chat["return_token_ids"]["type"] == "boolean"
     choice = schemas["CompletionChoice"]["properties"]
     assert {"prompt_logprobs", "prompt_token_ids", "token_ids"} <= set(choice)
+    assert {"prompt_logprobs", "prompt_token_ids"} <= set(schemas["ChatCompletionResponse"]["properties"])
 
 
 @pytest.mark.parametrize(
@@ -205,9 +210,10 @@ def test_what_the_completions_document_excludes_is_refused_in_words(serving_app,
 
 def test_structured_outputs_are_documented_as_accepted(serving_app):
     schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
-    response_format = schemas["ChatCompletionRequest"]["properties"]["response_format"]
-    formats = next(member for member in response_format["anyOf"] if "oneOf" in member)
-    assert set(formats["discriminator"]["mapping"]) == {"text", "json_object", "json_schema"}
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        response_format = schemas[request]["properties"]["response_format"]
+        formats = next(member for member in response_format["anyOf"] if "oneOf" in member)
+        assert set(formats["discriminator"]["mapping"]) == {"text", "json_object", "json_schema"}
     assert set(schemas["JsonSchemaSpec"]["properties"]) == {"name", "description", "schema", "strict"}
     extension = schemas["StructuredOutputs"]["properties"]
     assert set(extension) == {"json", "json_object", "regex", "choice", "grammar"}

@@ -1,6 +1,7 @@
-"""Logprobs, echo, prompt logprobs and token ids through the official `openai` client (sync and async, streamed and
-not) on the real server and engine (tiny random Llama, CPU), against a log_softmax of transformers' logits on the same
-weights in fp32; and lm-eval's log-likelihood request (`local-completions`: echo, logprobs 1, max_tokens 0 or 1)."""
+"""Logprobs, echo, prompt logprobs (both endpoints) and token ids through the official `openai` client (sync and
+async, streamed and not) on the real server and engine (tiny random Llama, CPU), against a log_softmax of
+transformers' logits on the same weights in fp32; and lm-eval's log-likelihood request (`local-completions`: echo,
+logprobs 1, max_tokens 0 or 1)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,42 @@ def test_prompt_logprobs_extension(client, reference):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_chat_prompt_logprobs_equal_the_completions_ones(client, reference, model_dir, stream):
+    """The response's (streamed: each role chunk's) prompt_logprobs are the completions endpoint's for the chat
+    prompt's token ids, and transformers' log_softmax."""
+    from transformers import AutoTokenizer
+
+    body = {"prompt_logprobs": 3, **EXTRA}
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 2,
+              "temperature": 0, "extra_body": body}  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, n=2, stream=True))
+        firsts = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+        assert sorted(c.choices[0].index for c in firsts) == [0, 1]
+        assert all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks if c not in firsts)
+        prompt_ids, got = extra(firsts[0], "prompt_token_ids"), extra(firsts[0], "prompt_logprobs")
+        assert extra(firsts[1], "prompt_logprobs") == got
+    else:
+        whole = client.chat.completions.create(**kwargs)
+        prompt_ids, got = extra(whole, "prompt_token_ids"), extra(whole, "prompt_logprobs")
+        assert "prompt_logprobs" not in (whole.choices[0].model_extra or {})
+    completion = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=1, extra_body=body)
+    assert extra(completion.choices[0], "prompt_token_ids") == prompt_ids
+    want = extra(completion.choices[0], "prompt_logprobs")
+    assert len(got) == len(want) == len(prompt_ids) and got[0] is None and want[0] is None
+    texts = AutoTokenizer.from_pretrained(model_dir)
+    expected = reference(prompt_ids)
+    for p in range(1, len(prompt_ids)):
+        assert got[p].keys() == want[p].keys()
+        for key, entry in got[p].items():
+            assert entry["logprob"] == pytest.approx(want[p][key]["logprob"], abs=1e-6)
+            assert entry["rank"] == want[p][key]["rank"] and entry["decoded_token"] == texts.decode([int(key)])
+        token = prompt_ids[p]
+        assert got[p][str(token)]["logprob"] == pytest.approx(expected[p - 1, token].item(), abs=ATOL)
+        assert {int(k) for k in got[p]} >= set(expected[p - 1].topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_async(worker_url, reference, stream):
     async def run():
         async_client = openai.AsyncOpenAI(base_url=f"{worker_url}/v1", api_key="x", max_retries=0, timeout=60)
@@ -186,6 +223,11 @@ def test_n_and_batched_prompts_with_logprobs(client):
             "top_logprobs",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21},
+            "prompt_logprobs",
+        ),
     ],
 )
 def test_out_of_range_requests_are_400(worker_url, path, body, param):
@@ -199,3 +241,6 @@ def test_plain_responses_carry_no_extension_fields(worker_url):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     choice = httpx.post(f"{worker_url}/v1/completions", json=body, timeout=30).json()["choices"][0]
     assert set(choice) == {"index", "text", "logprobs", "finish_reason"} and choice["logprobs"] is None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    chat = httpx.post(f"{worker_url}/v1/chat/completions", json=body, timeout=30).json()
+    assert set(chat) == {"id", "object", "created", "model", "choices", "usage"}

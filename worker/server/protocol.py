@@ -4,7 +4,7 @@ A field this server cannot honour (tools, suffix...) is rejected with a message 
 ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as OpenAI
 does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
-`add_generation_prompt` and `chat_template_kwargs`; for logprobs `prompt_logprobs` (completions), `logprobs_mode` and
+`add_generation_prompt` and `chat_template_kwargs`; for logprobs `prompt_logprobs`, `logprobs_mode` and
 `return_token_ids`; and vLLM's `structured_outputs` (regex, choice, grammar, json). docs/OPENAI.md lists every field.
 """
 
@@ -112,6 +112,9 @@ class _SamplingFields(_Strict):
         "min-p, whose dropped tokens read -9999)",
     )
     return_token_ids: bool = Field(False, description="non-OpenAI extension: the prompt's and completion's token ids")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="non-OpenAI extension: each prompt token's logprob and top ones"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -186,15 +189,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description=f"each token's logprob and its top 0..{MAX_LOGPROBS} alternatives"
     )
-    prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="non-OpenAI extension: each prompt token's logprob and top ones"
-    )
     best_of: int | None = Field(
         None,
         description="not supported beyond 1",
         json_schema_extra=_documented({"anyOf": [{"const": 1}, {"type": "null"}]}),
     )
     suffix: str | None = Field(None, description=_NOT_SUPPORTED, json_schema_extra=_documented({"type": "null"}))
+    # As chat's (vLLM accepts it here too). ResponseFormat is defined below with chat's models; pydantic resolves
+    # the name once the module is loaded.
+    response_format: ResponseFormat | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -205,6 +208,8 @@ class CompletionRequest(_SamplingFields):
         self._check_min_tokens(self.max_tokens)
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: it is only allowed with echo")
+        if self.structured_outputs is not None and not isinstance(self.response_format, TextFormat | None):
+            raise ValueError("response_format and structured_outputs both constrain the output: send one")
         return self
 
     @field_validator("prompt")

@@ -65,6 +65,10 @@ class PromptLogprob(BaseModel):
     decoded_token: str
 
 
+# vLLM's prompt_logprobs: per prompt token (the first None) {token id: ...} of it and its top ones.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_WithExtensions):
     _EXTENSIONS = frozenset({"prompt_logprobs", "prompt_token_ids", "token_ids"})
 
@@ -72,8 +76,8 @@ class CompletionChoice(_WithExtensions):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
-    # vLLM's extensions: per prompt token (the first None) {token id: ...} of it and its top ones; the token ids.
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # vLLM's extensions: the prompt's logprobs, the prompt's and the choice's token ids.
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None  # streamed: the chunk's new ones
 
@@ -120,7 +124,7 @@ class ChatChoice(_WithExtensions):
 
 
 class ChatCompletionResponse(_WithExtensions):
-    _EXTENSIONS = frozenset({"prompt_token_ids"})
+    _EXTENSIONS = frozenset({"prompt_token_ids", "prompt_logprobs"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -129,6 +133,7 @@ class ChatCompletionResponse(_WithExtensions):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None  # vLLM's extension (return_token_ids)
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, as on a completion's choice
 
 
 class ChatDelta(BaseModel):
@@ -152,7 +157,7 @@ class ChatStreamChoice(_WithExtensions):
 
 
 class ChatCompletionChunk(_WithExtensions):
-    _EXTENSIONS = frozenset({"prompt_token_ids"})
+    _EXTENSIONS = frozenset({"prompt_token_ids", "prompt_logprobs"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -160,7 +165,9 @@ class ChatCompletionChunk(_WithExtensions):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None  # on each choice's first chunk (the role's), when asked
+    # On each choice's first chunk (the role's), when asked.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

@@ -184,6 +184,7 @@ def openai_router(
         return ChatCompletionResponse(
             id=response_id, model=body.model, usage=usage,
             prompt_token_ids=shape.token_ids(choices.generations[0].prompt_token_ids),
+            prompt_logprobs=shape.prompt_logprobs(choices.generations[0]),
             choices=[
                 ChatChoice(
                     index=i, message=AssistantMessage(content=c.text), finish_reason=choices.finish_reason(i),  # type: ignore[arg-type]

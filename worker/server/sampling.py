@@ -70,7 +70,8 @@ def sampling_params(
 def _logprobs_fields(request: CompletionRequest | ChatCompletionRequest) -> dict[str, int | None]:
     """The engine's logprobs (generated tokens) and prompt_logprobs: k alternatives each, None = not wanted."""
     if isinstance(request, ChatCompletionRequest):
-        return {"logprobs": (request.top_logprobs or 0) if request.logprobs else None}
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return {"logprobs": logprobs, "prompt_logprobs": request.prompt_logprobs}
     prompt_k = request.prompt_logprobs
     if request.echo and request.logprobs is not None:  # the echoed prompt's logprobs, with the same k
         prompt_k = max(request.logprobs, prompt_k or 0)
@@ -78,8 +79,8 @@ def _logprobs_fields(request: CompletionRequest | ChatCompletionRequest) -> dict
 
 
 def structured_output(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
-    """What the request's output must conform to: chat's `response_format`, or the `structured_outputs` extension."""
-    response_format = getattr(request, "response_format", None)
+    """What the request's output must conform to: `response_format`, or the `structured_outputs` extension."""
+    response_format = request.response_format
     param = "response_format"
     try:
         if isinstance(response_format, JsonObjectFormat):

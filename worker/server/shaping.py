@@ -1,6 +1,7 @@
 """What each choice carries besides its text, as the request asked: logprobs, the echoed prompt, prompt logprobs,
 token ids; the same for a whole response and for a streamed chunk (a choice's first chunk carries what is said once:
-the echoed prompt, its logprobs, its token ids).
+the echoed prompt, its logprobs, its token ids; chat's prompt logprobs and ids are the response's, each role chunk's
+when streamed).
 
 `max_tokens: 0` with echo scores the prompt alone: the engine generates one token (it always samples after a
 prefill), which the choice leaves out, with finish_reason "length" and no completion tokens in the usage.
@@ -14,7 +15,7 @@ from tidal.worker.engine.outputs import RequestOutput, TokenLogprob
 from tidal.worker.server.choices import Collected
 from tidal.worker.server.generation import Generation
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
-from tidal.worker.server.responses import ChatLogprobs, CompletionChoice
+from tidal.worker.server.responses import ChatLogprobs, CompletionChoice, PromptLogprobs
 from tidal.worker.server.token_info import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
 
 
@@ -101,3 +102,11 @@ class ChatShape:
 
     def token_ids(self, token_ids: list[int]) -> list[int] | None:
         return token_ids if self.request.return_token_ids else None
+
+    def prompt_logprobs(self, generation: Generation) -> PromptLogprobs | None:
+        """The prompt's, as a completion's choice carries them; the engine hands them out with the generation's
+        first output, which the response (or the role chunks of a stream) waits for."""
+        k = self.request.prompt_logprobs
+        if k is None or generation.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(generation.prompt_logprobs, k, self.texts)

@@ -106,9 +106,9 @@ async def completion_events(
 async def chat_events(
     choices: Choices, response_id: str, model: str, include_usage: bool, shape: ChatShape
 ) -> AsyncIterator[str]:
-    """`chat.completion.chunk`s, for each choice: the role first (with the prompt's token ids, if asked), then content
-    deltas (with their tokens' logprobs and ids, if asked), then an empty delta with the finish reason; each chunk
-    carries one choice, with its index."""
+    """`chat.completion.chunk`s, for each choice: the role first (with the prompt's token ids and logprobs, if asked),
+    then content deltas (with their tokens' logprobs and ids, if asked), then an empty delta with the finish reason;
+    each chunk carries one choice, with its index."""
 
     def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, **extra: object) -> str:
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason, **extra)  # type: ignore[arg-type]
@@ -116,8 +116,12 @@ async def chat_events(
 
     for index in range(choices.num_choices):
         choice = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-        prompt_ids = shape.token_ids(choices.generation_of(index).prompt_token_ids)
-        yield sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice], prompt_token_ids=prompt_ids))
+        generation = choices.generation_of(index)
+        prompt_ids, prompt_lp = shape.token_ids(generation.prompt_token_ids), shape.prompt_logprobs(generation)
+        first = ChatCompletionChunk(
+            id=response_id, model=model, choices=[choice], prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lp
+        )
+        yield sse_event(first)
     try:
         async for index, output in choices.outputs():
             logprobs = shape.logprobs(output.logprobs) if output.logprobs else None
