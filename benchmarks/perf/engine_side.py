@@ -71,13 +71,21 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
     return engine, facts
 
 
-def measure_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int, warmup: int) -> DecodeRun:
+def measure_decode(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    warmup: int,
+    params: list[SamplingParams] | None = None,
+) -> DecodeRun:
+    """`params`: one per prompt (default greedy); each row must generate exactly `new_tokens` (ignore_eos, no
+    grammar that can end it), so that the rows decode in lock step."""
+    rows = params or [SamplingParams(temperature=0.0, ignore_eos=True)] * len(prompts)
     # Untimed first, as on transformers' side: first calls of this batch's prefill shapes compile kernels.
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=min(4, new_tokens), ignore_eos=True))
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts, [p.model_copy(update={"max_tokens": min(4, new_tokens)}) for p in rows])
     ids = [f"decode-{len(prompts)}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
+    for request_id, prompt, p in zip(ids, prompts, rows, strict=True):
+        engine.add_request(request_id, prompt, p.model_copy(update={"max_tokens": new_tokens}))
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     marks: list[float] = []  # marks[k]: when every row had k + 1 tokens
     while engine.has_unfinished_requests():
@@ -152,10 +160,14 @@ def measure_ttft(engine: LLMEngine, prompt: list[int], repeats: int) -> list[flo
     return times[1:]
 
 
-def measure_offline(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> OfflineRun:
-    """All prompts at once through `generate`; an untimed short run first compiles every prefill shape."""
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=min(4, output_len), ignore_eos=True))
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def measure_offline(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, params: SamplingParams | None = None
+) -> OfflineRun:
+    """All prompts at once through `generate` with `params` (default greedy, ignore_eos), at most `output_len`
+    tokens each; an untimed short run first compiles every prefill shape (and the request's grammar, if any)."""
+    params = params or SamplingParams(temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params.model_copy(update={"max_tokens": min(4, output_len)}))
+    params = params.model_copy(update={"max_tokens": output_len})
     start = now(engine.runner.device)
     results = engine.generate(prompts, params)
     seconds = now(engine.runner.device) - start
