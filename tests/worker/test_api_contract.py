@@ -173,10 +173,7 @@ def test_a_streamed_error_carries_the_code_the_response_would_have(events):
 
 def test_fields_the_server_always_refuses_are_documented_as_their_default_only(serving_app):
     schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
-    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
-    assert completion["suffix"]["type"] == "null"
-    assert {"type": "array", "maxItems": 0} in chat["tools"]["anyOf"]
-    assert chat["tool_choice"]["enum"] == ["none", "auto", None]
+    assert schemas["CompletionRequest"]["properties"]["suffix"]["type"] == "null"
     content = schemas["ChatMessage"]["properties"]["content"]["anyOf"]
     assert any(member.get("items", {}).get("title") == "TextPart" for member in content)
 
@@ -219,3 +216,17 @@ def test_structured_outputs_are_documented_as_accepted(serving_app):
     assert set(extension) == {"json", "json_object", "regex", "choice", "grammar"}
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         assert "structured_outputs" in schemas[request]["properties"]
+
+
+def test_tool_calling_is_documented_as_accepted(serving_app):
+    schemas = serving_app.get("/openapi.json").json()["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    tools = next(member for member in chat["tools"]["anyOf"] if member.get("type") == "array")
+    assert tools["items"]["$ref"].endswith("/ChatTool") and tools["maxItems"] == 128
+    assert schemas["FunctionDefinition"]["properties"]["name"]["pattern"] == "^[a-zA-Z0-9_-]{1,64}$"
+    choices = chat["tool_choice"]["anyOf"]
+    assert {"type": "string", "enum": ["none", "auto", "required"]} in choices
+    assert any(member.get("$ref", "").endswith("/NamedToolChoice") for member in choices)
+    message = schemas["AssistantMessage"]["properties"]
+    assert "tool_calls" in message and {"type": "null"} in message["content"]["anyOf"]
+    assert "tool_calls" in schemas["ChatChoice"]["properties"]["finish_reason"]["anyOf"][0]["enum"]

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,6 +21,9 @@ from tidal.worker.engine.errors import DuplicateRequestError
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.outputs import EngineStats, RequestOutput
 from tidal.worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.worker.models.base import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,11 @@ class AsyncEngine:
     @property
     def model_name(self) -> str:
         return self._engine.model_name
+
+    @property
+    def model_class(self) -> type[CausalLM]:
+        """The implementation serving the model, which names its architecture (models/registry.py)."""
+        return type(self._engine.runner.model)
 
     @property
     def max_model_len(self) -> int:

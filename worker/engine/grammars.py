@@ -83,6 +83,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec.text)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choices))
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.text)
             return compiler.compile_grammar(spec.text)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidGrammarError(spec.kind.replace("_", " "), _LOCATION.sub("", str(exc)).strip()) from exc

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all choices together
 MAX_CHOICES = 256
 
-StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar", "structural_tag"]
 
 
 class StructuredOutput(BaseModel):
@@ -23,13 +23,18 @@ class StructuredOutput(BaseModel):
 
     kind: StructuredKind
     # json_schema: the schema as JSON text (sorted keys, so equal schemas share a cache entry); regex and grammar: the
-    # pattern or EBNF text; choice: a JSON list of the strings; json_object: empty.
+    # pattern or EBNF text; choice: a JSON list of the strings; structural_tag: xgrammar's structural tag as JSON
+    # (forced tool calls); json_object: empty.
     text: str = ""
     strict: bool = Field(default=True, description="json_schema: no properties beyond the schema's.")
 
     @classmethod
     def json_schema(cls, schema: dict[str, object], strict: bool = True) -> Self:
         return cls(kind="json_schema", text=json.dumps(schema, sort_keys=True), strict=strict)
+
+    @classmethod
+    def structural_tag(cls, tag: dict[str, object]) -> Self:
+        return cls(kind="structural_tag", text=json.dumps(tag, sort_keys=True))
 
     @classmethod
     def choice(cls, choices: list[str]) -> Self:

@@ -27,6 +27,28 @@ MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
 )
 
 
+# The tool-call format (server/tool_calls/families.py) each architecture's chat templates write.
+TOOL_CALL_FORMATS: Mapping[str, str] = MappingProxyType(
+    {
+        "LlamaForCausalLM": "llama",
+        "MistralForCausalLM": "mistral",
+        "MixtralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen",
+        "Qwen2MoeForCausalLM": "qwen",
+        "Qwen3ForCausalLM": "qwen",
+        "Qwen3MoeForCausalLM": "qwen",
+    }
+)
+
+
+def tool_call_format_of(model_class: type[CausalLM]) -> str | None:
+    """The tool-call format of the architecture `model_class` implements; None if none is known."""
+    for architecture, implementation in MODEL_REGISTRY.items():
+        if implementation is model_class:
+            return TOOL_CALL_FORMATS.get(architecture)
+    return None
+
+
 class UnsupportedArchitectureError(ValueError):
     def __init__(self, architectures: list[str]) -> None:
         super().__init__(

@@ -80,6 +80,13 @@ class ServerConfig(BaseModel):
         "chat_template_kwargs (renders Jinja the client wrote); off: such requests are refused (400).",
     )
 
+    tool_call_parser: Literal["auto", "qwen", "llama", "mistral"] = Field(
+        default="auto",
+        description="How chat requests' tool calls are written and read: auto = the format of the model's "
+        "architecture (Qwen2/3: <tool_call> tags; Llama: JSON objects; Mistral/Mixtral: [TOOL_CALLS] arrays), or "
+        "one named for a model whose chat template uses another family's.",
+    )
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: object) -> object:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -26,7 +27,8 @@ T = TypeVar("T")
 # them, whatever the flags say.
 _SET_BY_SERVER = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict"})
 # Arguments that replace the model's template (`chat_template`: Jinja the client wrote, or another named template) or
-# put client-written structure into it (`tools`, `documents`, which this API otherwise refuses).
+# put client-written structure into it (`tools`, `documents`). The request's own `tools` field is different: those are
+# checked function definitions (protocol.py), handed to the template as its `tools` argument.
 TEMPLATE_CHANGING_KWARGS = frozenset({"chat_template", "tools", "documents"})
 
 
@@ -63,10 +65,13 @@ class PromptBuilder:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         check_template_kwargs(tokenizer, template_kwargs, self._allow_request_chat_template)
+        if tools and template_kwargs and "tools" in template_kwargs:
+            raise ApiError(400, "send tools in the tools field or in chat_template_kwargs, not both", param="tools")
         return await self._run(
-            chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs, add_special_tokens
+            chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs, add_special_tokens, tools
         )
 
     async def text_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -144,8 +149,10 @@ def chat_prompt_ids(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Render the conversation with the model's chat template, then tokenize the text.
+    """Render the conversation with the model's chat template, then tokenize the text. `tools`: the function
+    definitions the template writes into the prompt, in its family's words.
 
     Rendering to text first (rather than `tokenize=True`) keeps one code path across tokenizer versions, whose
     return type for tokenized templates has changed; the template already writes the special tokens it wants, so
@@ -160,6 +167,7 @@ def chat_prompt_ids(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **(template_kwargs or {}),
+            **({"tools": tools} if tools else {}),
         )
     except Exception as exc:  # a Jinja template raises whatever it likes (e.g. "roles must alternate")
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
@@ -172,4 +180,23 @@ def _as_template_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.text}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        # Templates write a call's arguments with `tojson`: they expect an object, not the JSON text OpenAI sends.
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:  # as sent: the template shows what the model wrote, malformed or not
+        return text

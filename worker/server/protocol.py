@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API, validated at the boundary.
 
-A field this server cannot honour (tools, suffix...) is rejected with a message naming it rather than silently
+A field this server cannot honour (suffix, best_of > 1...) is rejected with a message naming it rather than silently
 ignored: a caller who asked for it should learn that it did not happen. Unknown fields are rejected too, as OpenAI
 does. The widely used non-OpenAI sampling extensions (vLLM's names) are accepted: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos` and, for chat,
@@ -25,6 +25,14 @@ from tidal.worker.engine.sampling_params import (
 )
 from tidal.worker.engine.structured_output import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from tidal.worker.server.prompt_batch import MAX_N, MAX_PROMPTS, Prompt, as_prompt_list, check_num_choices
+from tidal.worker.server.tool_calls.request import (
+    MAX_TOOLS,
+    ChatTool,
+    FunctionDefinition,
+    MessageToolCall,
+    NamedToolChoice,
+    ToolMode,
+)
 
 
 class _Strict(BaseModel):
@@ -252,7 +260,7 @@ _TEXT_PARTS = {"type": "array", "items": TextPart.model_json_schema()}
 
 
 class ChatMessage(BaseModel):
-    # Assistant turns replayed by clients may carry extra keys (tool_calls: null, refusal: null...); ignore those.
+    # Assistant turns replayed by clients may carry extra keys (refusal: null, audio: null...); ignore those.
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -262,6 +270,8 @@ class ChatMessage(BaseModel):
         json_schema_extra=_documented({"anyOf": [{"type": "string"}, _TEXT_PARTS, {"type": "null"}]}),
     )
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
 
     @field_validator("content")
     @classmethod
@@ -316,35 +326,52 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description=f"with logprobs: 0..{MAX_LOGPROBS} alternatives per token"
     )
-    tools: list[dict[str, Any]] | None = Field(
-        None,
-        description="tool calling is not supported by this server: none or an empty list",
-        json_schema_extra=_documented({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}),
+    tools: list[ChatTool] | None = Field(
+        None, max_length=MAX_TOOLS, description="functions the model may call; they go into the chat template"
     )
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
-        description="a named tool is not supported by this server",
-        json_schema_extra=_documented({"enum": ["none", "auto", None]}),
+        description="none: no calls (the tools are left out of the prompt); auto (the default with tools): the model "
+        "decides; required or a named function: a call is forced by a grammar",
     )
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several allowed)")
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if tools:
-            raise ValueError("tool calling is not supported by this server")
+    def _unique_tool_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(repeated)}")
         return tools
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+            raise ValueError(f"tool_choice {shown} needs tools: the request lists none")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not among the tools")
+        if choice != "auto" and (
+            self.structured_outputs is not None or not isinstance(self.response_format, TextFormat | None)
+        ):
+            raise ValueError(
+                "a required or named tool_choice constrains the output to tool calls; it cannot be combined with "
+                "response_format or structured_outputs"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_token_limit(self) -> ChatCompletionRequest:
         limits = {self.max_tokens, self.max_completion_tokens} - {None}
         if len(limits) > 1:
             raise ValueError("max_tokens and max_completion_tokens disagree; send only max_completion_tokens")
-        if isinstance(self.tool_choice, dict):
-            raise ValueError("tool calling is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         if self.structured_outputs is not None and not isinstance(self.response_format, TextFormat | None):
@@ -355,3 +382,24 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """What the tools ask of this request: nothing (no tools, or none), parsing (auto), or forced calls."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> list[FunctionDefinition]:
+        """The tools a forced call may use: the named one, or all of them (`required`)."""
+        tools = [tool.function for tool in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in tools if f.name == self.tool_choice.function.name]
+        return tools
+
+    @property
+    def allows_parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False and self.tool_mode != "named"

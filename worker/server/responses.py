@@ -9,7 +9,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 # The engine's "abort" (shutdown, client gone) has no OpenAI name; it is passed through so a caller can tell.
-FinishReason = Literal["stop", "length", "abort"]
+# "tool_calls": chat only, the model stopped after calling tools.
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 def new_id(prefix: str) -> str:
@@ -93,9 +94,24 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class AssistantMessage(BaseModel):
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class AssistantMessage(_WithExtensions):
+    # Left out when there are none, as OpenAI does (not an extension, but dropped the same way).
+    _EXTENSIONS = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the message is only tool calls
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -136,14 +152,38 @@ class ChatCompletionResponse(_WithExtensions):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension, as on a completion's choice
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer(mode="plain")
     def _only_set_keys(self) -> dict[str, Any]:
-        # A delta carries just what changed: {"role": ...} first, then {"content": ...}, and {} with the finish.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first delta has the id, type and name (and empty arguments), later ones argument text."""
+
+    index: int  # the call's place in the message
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _only_set_keys(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_keys(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        # A delta carries just what changed: {"role": ...} first, then {"content": ...} or {"tool_calls": ...}, and
+        # {} with the finish.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(_WithExtensions):

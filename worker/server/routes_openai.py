@@ -17,15 +17,15 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.models.registry import tool_call_format_of
 from tidal.worker.server.admission import RequestSlots, Slot
-from tidal.worker.server.choices import Choices, collect
+from tidal.worker.server.choices import Choices, Collected, collect
 from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.errors import ApiError, ErrorResponse
 from tidal.worker.server.generation import Generation
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from tidal.worker.server.responses import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
     CompletionResponse,
@@ -39,6 +39,8 @@ from tidal.worker.server.sampling import sampling_params
 from tidal.worker.server.shaping import ChatShape, CompletionShape
 from tidal.worker.server.streaming import SSEResponse, chat_events, completion_events
 from tidal.worker.server.token_info import TokenTexts
+from tidal.worker.server.tool_calls.families import choose_format
+from tidal.worker.server.tool_calls.format import ToolCallFormat
 
 if TYPE_CHECKING:
     from tidal.worker.engine.async_engine import AsyncEngine
@@ -89,9 +91,11 @@ def openai_router(
         request_id: str,
     ) -> Choices:
         try:
+            tool_format = tool_format_for(engine, request)
             all_prompt_ids = await prompts_for(engine, request)
             all_params = [
-                sampling_params(request, len(ids), engine.max_model_len, engine.vocab_size) for ids in all_prompt_ids
+                sampling_params(request, len(ids), engine.max_model_len, engine.vocab_size, tool_format)
+                for ids in all_prompt_ids
             ]
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
@@ -105,11 +109,30 @@ def openai_router(
         await choices.start()  # each generation accounts for its own refusal
         return choices
 
+    def tool_format_for(
+        engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest
+    ) -> ToolCallFormat | None:
+        """The format the request's tool calls are written in; None when it has none to make."""
+        if not isinstance(request, ChatCompletionRequest) or request.tool_mode == "none":
+            return None
+        tool_format = choose_format(config.tool_call_parser, tool_call_format_of(engine.model_class))
+        if tool_format is None:
+            raise ApiError(
+                400, "tool calls are not supported for this model: its architecture has no known tool-call format "
+                "and the worker was not given one (tool_call_parser)", param="tools",
+            )  # fmt: skip
+        return tool_format
+
     async def prompts_for(engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
         if isinstance(request, ChatCompletionRequest):
-            chat_ids = await prompt_builder.chat_ids(
-                engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs
+            # tool_choice none leaves the tools out of the prompt: a model that is not told of them will not call.
+            tools = (
+                [t.model_dump(exclude_none=True) for t in request.tools or []] if request.tool_mode != "none" else []
             )
+            chat_ids = await prompt_builder.chat_ids(
+                engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs,
+                tools=tools or None,
+            )  # fmt: skip
             all_prompt_ids, param = [chat_ids], "messages"
         else:
             tokenizer = engine.tokenizer
@@ -175,7 +198,7 @@ def openai_router(
         response_id = new_id("chatcmpl")
         engine = engine_for(body.model)
         choices = await start(engine, "chat_completions", body, response_id)
-        shape = ChatShape(body, TokenTexts(engine.tokenizer))
+        shape = ChatShape(body, TokenTexts(engine.tokenizer), tool_format_for(engine, body))
         if body.stream:
             include_usage = body.include_usage_in_stream
             return stream(lambda: chat_events(choices, response_id, body.model, include_usage, shape), choices)
@@ -185,13 +208,15 @@ def openai_router(
             id=response_id, model=body.model, usage=usage,
             prompt_token_ids=shape.token_ids(choices.generations[0].prompt_token_ids),
             prompt_logprobs=shape.prompt_logprobs(choices.generations[0]),
-            choices=[
-                ChatChoice(
-                    index=i, message=AssistantMessage(content=c.text), finish_reason=choices.finish_reason(i),  # type: ignore[arg-type]
-                    logprobs=shape.logprobs(c.logprobs), token_ids=shape.token_ids(c.token_ids),
-                )
-                for i, c in enumerate(collected)
-            ],
+            choices=[chat_choice(shape, i, c, choices.finish_reason(i)) for i, c in enumerate(collected)],
         )  # fmt: skip
 
     return router
+
+
+def chat_choice(shape: ChatShape, index: int, collected: Collected, finish: str | None) -> ChatChoice:
+    message, finish = shape.message(collected.text, finish)
+    return ChatChoice(
+        index=index, message=message, finish_reason=finish,  # type: ignore[arg-type]
+        logprobs=shape.logprobs(collected.logprobs), token_ids=shape.token_ids(collected.token_ids),
+    )  # fmt: skip

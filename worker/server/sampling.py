@@ -17,12 +17,18 @@ from tidal.worker.server.protocol import (
     JsonSchemaFormat,
     StructuredOutputs,
 )
+from tidal.worker.server.tool_calls.format import ToolCallFormat
 
 
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int, vocab_size: int
+    request: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+    tool_format: ToolCallFormat | None = None,
 ) -> SamplingParams:
-    """The request's sampling settings; the token budget is capped by what is left of the context.
+    """The request's sampling settings; the token budget is capped by what is left of the context. `tool_format`:
+    the model's tool-call format, which a required or named tool_choice forces.
 
     Capping rather than refusing keeps a request whose limit was only a default (16 for completions) or an
     over-generous guess working: it ends with finish_reason "length" where the context ends, as OpenAI's does.
@@ -57,7 +63,7 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "logprobs_mode": request.logprobs_mode,
         **_logprobs_fields(request),
-        "structured": structured_output(request),
+        "structured": structured_output(request, tool_format),
     }
     try:
         # Unset optional knobs keep the engine's defaults.
@@ -78,11 +84,17 @@ def _logprobs_fields(request: CompletionRequest | ChatCompletionRequest) -> dict
     return {"logprobs": request.logprobs, "prompt_logprobs": prompt_k}
 
 
-def structured_output(request: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
-    """What the request's output must conform to: `response_format`, or the `structured_outputs` extension."""
+def structured_output(
+    request: CompletionRequest | ChatCompletionRequest, tool_format: ToolCallFormat | None = None
+) -> StructuredOutput | None:
+    """What the request's output must conform to: forced tool calls, `response_format`, or the
+    `structured_outputs` extension (the request model lets at most one of them through)."""
     response_format = request.response_format
     param = "response_format"
     try:
+        if isinstance(request, ChatCompletionRequest) and request.tool_mode in ("required", "named"):
+            param = "tools"
+            return forced_tool_calls(request, tool_format)
         if isinstance(response_format, JsonObjectFormat):
             return StructuredOutput(kind="json_object")
         if isinstance(response_format, JsonSchemaFormat):
@@ -115,3 +127,13 @@ def _extension(fields: StructuredOutputs) -> StructuredOutput:
     if fields.grammar is not None:
         return StructuredOutput(kind="grammar", text=fields.grammar)
     return StructuredOutput(kind="json_object")
+
+
+def forced_tool_calls(request: ChatCompletionRequest, tool_format: ToolCallFormat | None) -> StructuredOutput:
+    """A structural tag that admits only calls, in the model's format, of the tools the request allows, each with
+    arguments that match its parameters' schema: one call, or several when parallel calls are allowed."""
+    if tool_format is None:
+        raise ApiError(400, "this model has no known tool-call format (see tool_call_parser)", param="tool_choice")
+    tools = [(function.name, function.parameters_schema) for function in request.forced_tools]
+    parallel = request.allows_parallel_calls and request.tool_mode == "required"
+    return StructuredOutput.structural_tag({"type": "structural_tag", "format": tool_format.forced(tools, parallel)})

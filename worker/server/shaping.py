@@ -9,14 +9,26 @@ prefill), which the choice leaves out, with finish_reason "length" and no comple
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tidal.worker.engine.outputs import RequestOutput, TokenLogprob
 from tidal.worker.server.choices import Collected
 from tidal.worker.server.generation import Generation
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
-from tidal.worker.server.responses import ChatLogprobs, CompletionChoice, PromptLogprobs
+from tidal.worker.server.responses import (
+    AssistantMessage,
+    CalledFunction,
+    ChatLogprobs,
+    CompletionChoice,
+    FunctionDelta,
+    PromptLogprobs,
+    ToolCallDelta,
+    ToolCallOut,
+)
 from tidal.worker.server.token_info import TokenTexts, chat_logprobs, completion_logprobs, prompt_logprobs
+from tidal.worker.server.tool_calls.calls import ToolCall
+from tidal.worker.server.tool_calls.format import ToolCallFormat, parse_output
+from tidal.worker.server.tool_calls.stream import StreamDelta, ToolCallStream
 
 
 @dataclass
@@ -92,8 +104,54 @@ class CompletionShape:
 
 @dataclass
 class ChatShape:
+    """`tool_format`: the format the output's tool calls are read in; None when the request has no tools to call
+    (no tools, or tool_choice none), and the output is all content."""
+
     request: ChatCompletionRequest
     texts: TokenTexts
+    tool_format: ToolCallFormat | None = None
+    _streams: dict[int, ToolCallStream] = field(default_factory=dict, init=False)
+
+    def message(self, text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+        """A whole choice's message and finish reason ("tool_calls" when it ended calling tools)."""
+        if self.tool_format is None:
+            return AssistantMessage(content=text), finish
+        parsed = parse_output(self.tool_format, text)
+        calls = self._allowed(parsed.calls, 0)
+        if not calls:
+            return AssistantMessage(content=parsed.content), finish
+        out = [ToolCallOut(id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments)) for c in calls]
+        return AssistantMessage(content=parsed.content, tool_calls=out), _with_calls(finish)
+
+    def stream_delta(self, index: int, text: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """A streamed choice's new content and tool-call deltas (each call: its name, then its arguments)."""
+        if self.tool_format is None:
+            return text, []
+        stream = self._streams.setdefault(index, ToolCallStream(self.tool_format))
+        num_before = stream.num_calls
+        delta = stream.feed(text)
+        if finished:
+            rest = stream.finish()
+            delta = StreamDelta(delta.content + rest.content, delta.calls + rest.calls)
+        deltas = []
+        for place, call in enumerate(self._allowed(delta.calls, num_before), start=num_before):
+            deltas.append(
+                ToolCallDelta(
+                    index=place, id=call.id, type="function", function=FunctionDelta(name=call.name, arguments="")
+                )
+            )
+            deltas.append(ToolCallDelta(index=place, function=FunctionDelta(arguments=call.arguments)))
+        return delta.content, deltas
+
+    def stream_finish_reason(self, index: int, finish: str) -> str:
+        stream = self._streams.get(index)
+        return "tool_calls" if finish == "stop" and stream is not None and stream.num_calls else finish
+
+    def _allowed(self, calls: list[ToolCall], num_before: int) -> list[ToolCall]:
+        """Without parallel_tool_calls, only the first call of the message counts."""
+        if self.request.parallel_tool_calls is False:
+            return calls[: max(0, 1 - num_before)]
+        return calls
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not self.request.logprobs:
@@ -110,3 +168,8 @@ class ChatShape:
         if k is None or generation.prompt_logprobs is None:
             return None
         return prompt_logprobs(generation.prompt_logprobs, k, self.texts)
+
+
+def _with_calls(finish: str | None) -> str | None:
+    # A message cut short by the token limit says so, whatever calls it completed before.
+    return "tool_calls" if finish == "stop" else finish

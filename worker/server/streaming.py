@@ -107,8 +107,8 @@ async def chat_events(
     choices: Choices, response_id: str, model: str, include_usage: bool, shape: ChatShape
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk`s, for each choice: the role first (with the prompt's token ids and logprobs, if asked),
-    then content deltas (with their tokens' logprobs and ids, if asked), then an empty delta with the finish reason;
-    each chunk carries one choice, with its index."""
+    then content deltas (with their tokens' logprobs and ids, if asked) and tool-call deltas, then an empty delta with
+    the finish reason; each chunk carries one choice, with its index."""
 
     def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, **extra: object) -> str:
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason, **extra)  # type: ignore[arg-type]
@@ -126,10 +126,15 @@ async def chat_events(
         async for index, output in choices.outputs():
             logprobs = shape.logprobs(output.logprobs) if output.logprobs else None
             token_ids = shape.token_ids(output.new_token_ids) if output.new_token_ids else None
-            if output.new_text or logprobs or token_ids:
-                yield chunk(index, ChatDelta(content=output.new_text), logprobs=logprobs, token_ids=token_ids)
+            finished = output.finish_reason is not None
+            # With tools, text that may start a call is held back; calls go out whole, as their own deltas.
+            content, calls = shape.stream_delta(index, output.new_text, finished)
+            if content or logprobs or token_ids:
+                yield chunk(index, ChatDelta(content=content), logprobs=logprobs, token_ids=token_ids)
+            for call in calls:
+                yield chunk(index, ChatDelta(tool_calls=[call]))
             if output.finish_reason is not None:
-                yield chunk(index, ChatDelta(), output.finish_reason)
+                yield chunk(index, ChatDelta(), shape.stream_finish_reason(index, output.finish_reason))
     except Exception as exc:  # see completion_events
         yield _error_event(exc)
         return

@@ -1,4 +1,5 @@
-"""A small byte-level BPE tokenizer trained locally on built-in text, with a ChatML-style chat template.
+"""A small byte-level BPE tokenizer trained locally on built-in text, with a ChatML-style chat template (that lists
+tools when given).
 
 Saved with transformers' fast-tokenizer wrapper so `AutoTokenizer.from_pretrained(dir)` loads it offline.
 Byte-level means any text encodes (no unknown tokens) and every token decodes.
@@ -15,8 +16,12 @@ BOS, EOS, IM_START, IM_END, PAD = "<|begin_of_text|>", "<|endoftext|>", "<|im_st
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]
 VOCAB_SIZE = 512
 
+# Tools, when given, come first as a system turn of their JSON (the way Qwen's templates list them), so that the
+# tests of tool calling see them reach the prompt; without tools the prompt is as it always was.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"

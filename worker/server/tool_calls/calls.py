@@ -1,0 +1,75 @@
+"""What every family's parser shares: a parsed call, the scan of a call region, and reading one call's JSON object.
+
+A parser reads a *region*: the output from where a family's calls begin (a marker such as `<tool_call>`, or the
+first character of an output that is nothing but calls). It returns the calls that are complete and well-formed,
+in order, and the text after the last of them. A streamed region is scanned again as it grows, so a call counts once
+its closing text has arrived; whatever cannot be read as a call (malformed JSON, a name missing) ends the scan there
+and is handed back as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+_DECODER = json.JSONDecoder()
+_WHITESPACE = " \t\r\n"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI's `function.arguments`
+    id: str = field(default_factory=lambda: new_call_id())
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class RegionScan:
+    calls: list[ToolCall]
+    rest: str  # the region's text after the last complete call: incomplete, malformed, or text the model added
+
+
+def skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in _WHITESPACE:
+        pos += 1
+    return pos
+
+
+def read_object(text: str, pos: int) -> tuple[dict[str, Any], int] | None:
+    """The JSON object starting at `pos` and the position after it; None when there is none (yet)."""
+    if not text.startswith("{", pos):
+        return None
+    try:
+        value, end = _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return None
+    return (value, end) if isinstance(value, dict) else None
+
+
+def as_call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """`{"name": ..., <argument key>: {...}}` as a call, or None when it is not one. Arguments written as a JSON
+    string of an object are accepted too; missing arguments are an empty object."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    arguments: object = {}
+    for key in argument_keys:
+        if key in value:
+            arguments = value[key]
+            break
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
