@@ -19,6 +19,7 @@ import pytest
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.structured_output import StructuredOutput
 from tidal.worker.testing.hf_reference import prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
@@ -62,7 +63,19 @@ def run(model_dir, workload: Workload, async_scheduling: bool) -> Run:
         assert calls < 5000, "no progress"
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+    assert_sampler_forgot_everything(engine)
     return Run(dict(streams), stats.model_dump(), in_flight)
+
+
+def assert_sampler_forgot_everything(engine: LLMEngine) -> None:
+    """No per-sequence sampler state outlives its sequence (a row sampled after its sequence ended must not make
+    some again: token histories, logit edits, seeded generators)."""
+    sampler = engine.sampler
+    history = sampler._penalties._history
+    assert history is None or history.num_tracked == 0
+    assert not sampler._edits._bias and not sampler._edits._bans
+    assert not sampler._per_request
+    assert engine._num_structured == engine._num_controlled == engine._num_logprobs == 0
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +96,22 @@ def probe(model_dir, prompts):
     )
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     return [(r.output_token_ids, r.text) for r in results]
+
+
+SHORT_SCHEMAS = [
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"c": {"enum": ["red", "green"]}}, "required": ["c"]},
+]
+
+
+def structured_or_controlled(i: int) -> SamplingParams:
+    if i % 3 == 0:  # structured, half of them with stateful controls and logprobs
+        controls = {"presence_penalty": 0.5, "logit_bias": {5: 1.0}, "logprobs": 2} if i % 2 else {}
+        spec = StructuredOutput.json_schema(SHORT_SCHEMAS[i % 2])
+        return SamplingParams(temperature=0.9, seed=40 + i, max_tokens=40, structured=spec, **controls)
+    if i % 3 == 1:
+        return SamplingParams(temperature=0.8, seed=i, frequency_penalty=0.3, max_tokens=6 + i, ignore_eos=True)
+    return GREEDY.model_copy(update={"max_tokens": 5 + i})
 
 
 def staggered(prompts, params_for, calls=(0, 0, 0, 2, 3, 5, 5, 8, 13)):
@@ -173,6 +202,14 @@ def workloads(prompts, probe) -> dict[str, Workload]:
             same_schedule=True,
             expect={"prefix_hits"},
         ),
+        # Structured rows (their sampling waits for the read of the step before) among plain, seeded and penalised
+        # ones; the structured ones end on their grammar, some with penalties, a seed and logprobs of their own.
+        "structured_among_controls": Workload(
+            {"num_kv_blocks": 256},
+            staggered(prompts, structured_or_controlled),
+            eos_token_ids=eos,
+            expect={"stop", "length"},
+        ),
         "chunked_prefill_unseeded": Workload(
             {"num_kv_blocks": 128, "block_size": 8, "max_num_batched_tokens": 7, "max_num_seqs": 3},
             staggered(repeated, lambda i: SamplingParams(temperature=1.0, max_tokens=4 + i % 7, ignore_eos=True)),
@@ -192,6 +229,7 @@ NAMES = [
     "chunked_prefill_and_prefix_cache",
     "chunked_prefill_unseeded",
     "continuations_hit_generated_blocks",
+    "structured_among_controls",
 ]
 
 

@@ -7,8 +7,10 @@ previous step while the device computes this one. `step()` then returns the prev
 that must end by length once its pending token is read leaves the batch before the next step is scheduled, so
 the schedule is the one a step-at-a-time engine makes; one that ends on a token (EOS, stop id, stop string) is
 found a step late and its row in the step already launched is wasted and dropped. While a request with a structured
-output is live, each step is read before the next is launched (synchronous steps): its grammar's mask for the next
-token depends on the token sampled in the step before.
+output is live, a step's sampling waits for the read: its grammar's mask for the next token depends on the token
+sampled in the step before. So the step's forward is launched first, the previous step read while the device runs
+it (advancing the matchers), and the sampling queued last with masks that know those tokens: the device stays busy
+as in plain async scheduling, and only the mask's bytes go over between the read and the sampling.
 
 A request asking for n samples is n sequences sharing one prefill (engine/fork.py); each sample's outputs carry its
 `sample_index`, and the request ends when all n have.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -234,9 +236,7 @@ class LLMEngine:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
         async_scheduling the deltas are those of the step launched by the previous call, read while the step
         launched by this one runs on the device."""
-        if not self.config.async_scheduling or self._num_structured:
-            # A structured row's next mask needs the token of the step before: read each step before the next one
-            # is launched (the step in flight, from before such a request arrived, first).
+        if not self.config.async_scheduling:
             outputs = self.drain()
             launched = self._launch(None)
             if launched is None:
@@ -244,8 +244,15 @@ class LLMEngine:
             self.scheduler.commit(launched.scheduled)
             return outputs + self._read(launched)
         previous = self._in_flight
-        launched = self._launch(previous)
-        outputs = self._read(previous) if previous is not None else []
+        if self._num_structured:
+            # A structured row's next mask needs the token of the step before: launch the forward, read the step
+            # before while it runs (advancing the matchers), then queue the sampling.
+            forward = self._launch_forward(previous)
+            outputs = self._read(previous) if previous is not None else []
+            launched = self._sample(forward) if forward is not None else None
+        else:
+            launched = self._launch(previous)
+            outputs = self._read(previous) if previous is not None else []
         if launched is not None:
             # Its input tokens are all known now (the previous step's were just read): hash its full blocks.
             self.scheduler.commit(launched.scheduled)
@@ -263,6 +270,11 @@ class LLMEngine:
 
     def _launch(self, previous: InFlightStep | None) -> InFlightStep | None:
         """Schedule and launch a step (`previous`: the step in flight, not read yet); None if nothing runs."""
+        forward = self._launch_forward(previous)
+        return self._sample(forward) if forward is not None else None
+
+    def _launch_forward(self, previous: InFlightStep | None) -> LaunchedForward | None:
+        """Schedule a step and queue its forward (up to the logits), not its sampling; None if nothing runs."""
         if previous is not None:
             self._retire_length_stops(previous)
         scheduled = self.scheduler.schedule()
@@ -273,7 +285,7 @@ class LLMEngine:
         pending = self._pending_tokens(scheduled)
         previous_tokens = previous.samples.on_device if previous is not None else None
         logits = self.runner.execute(plan, previous_tokens)
-        return self._sampled(scheduled, plan, pending, logits)
+        return self._launched_forward(scheduled, plan, pending, logits)
 
     def _pending_tokens(self, scheduled: SchedulerOutput) -> list[PendingToken]:
         """The sequences that sample, in batch order (the plan's sample_seq_ids), and where their tokens will go."""
@@ -284,9 +296,10 @@ class LLMEngine:
             if item.will_sample
         ]
 
-    def _sampled(
+    def _launched_forward(
         self, scheduled: SchedulerOutput, plan: StepPlan, pending: list[PendingToken], logits: torch.Tensor | None
-    ) -> InFlightStep:
+    ) -> LaunchedForward:
+        """The step counts as launched (its sequences advance); its prompt logprobs and n > 1 forks are queued."""
         self.scheduler.on_step_launched(scheduled)
         seq_ids = plan.sample_seq_ids
         prompt_logprobs = None
@@ -296,11 +309,16 @@ class LLMEngine:
             logits = logits[:num_sampled] if num_sampled else None
         if self._forks and logits is not None:  # n > 1 requests wait for their first token
             logits, pending, seq_ids = self._fork_samples(logits, pending, seq_ids)
+        return LaunchedForward(scheduled, pending, seq_ids, logits, prompt_logprobs, plan.prompt_logit_positions)
+
+    def _sample(self, forward: LaunchedForward) -> InFlightStep:
+        """Queue the sampling of a launched forward's logits."""
         tokens = logprobs = None
-        if logits is not None:
-            tokens, logprobs = self.sampler.sample_with_logprobs(logits, self._sample_batch(pending, seq_ids))
-        samples = SampledTokens(tokens, self.runner.device, logprobs, prompt_logprobs)
-        return InFlightStep(scheduled, pending, samples, plan.prompt_logit_positions)
+        if forward.logits is not None:
+            batch = self._sample_batch(forward.pending, forward.seq_ids)
+            tokens, logprobs = self.sampler.sample_with_logprobs(forward.logits, batch)
+        samples = SampledTokens(tokens, self.runner.device, logprobs, forward.prompt_logprobs)
+        return InFlightStep(forward.scheduled, forward.pending, samples, forward.prompt_positions)
 
     def _prompt_logprobs(self, logits: torch.Tensor, plan: StepPlan) -> DeviceLogprobs:
         """logits [P, V] of the plan's prompt positions -> their logprobs (raw: a prompt is not sampled)."""
@@ -310,7 +328,7 @@ class LLMEngine:
             return DeviceLogprobs(logits.log_softmax(dim=-1), targets, ks)
 
     def _sample_batch(self, pending: list[PendingToken], seq_ids: list[int]) -> SampleBatch:
-        params = [p.request.seq.params for p in pending]  # the rows of `seq_ids`, in the same order
+        params = [_row_params(p.request.seq) for p in pending]  # the rows of `seq_ids`, in the same order
         logprob_rows = None
         if self._num_logprobs:  # some live request asks: which rows of this step
             logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None] or None
@@ -350,7 +368,7 @@ class LLMEngine:
         plan = build_step_plan(scheduled, self.config.block_size, None)
         pending = self._pending_tokens(scheduled)
         logits = self.runner.execute(plan, None)
-        launched = self._sampled(scheduled, plan, pending, logits)
+        launched = self._sample(self._launched_forward(scheduled, plan, pending, logits))
         self.scheduler.commit(launched.scheduled)
         return self._read(launched)
 
@@ -504,6 +522,38 @@ class LLMEngine:
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=self.block_manager.num_prefix_hit_tokens,
         )
+
+
+class LaunchedForward(NamedTuple):
+    """A step whose forward is queued and whose sampling is not (yet)."""
+
+    scheduled: SchedulerOutput
+    pending: list[PendingToken]  # [S] one per sampled row (forked followers appended)
+    seq_ids: list[int]  # [S]
+    logits: torch.Tensor | None  # [S, V] the sampled rows' logits
+    prompt_logprobs: DeviceLogprobs | None
+    prompt_positions: list[tuple[int, int]]
+
+
+def _row_params(seq: Sequence) -> SamplingParams:
+    """A row's sampling parameters. A sequence that ended after its step's forward was queued (its sampling waited
+    for the read that ended it: structured outputs) is sampled without the controls that keep per-sequence state on
+    the device (token histories, bias, a seeded generator): `_finish` already forgot that state, and the row is
+    dropped when read. Its logprobs stay, so the rows asking for them are the ones the read expects."""
+    params = seq.params
+    if seq.status is not SequenceStatus.FINISHED or not (params.has_controls or params.seed is not None):
+        return params
+    return params.model_copy(update=_NO_STATEFUL_CONTROLS)
+
+
+_NO_STATEFUL_CONTROLS: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+    "min_tokens": 0,
+    "seed": None,
+}
 
 
 def _grammar_goes_on(matcher: Any, token: int) -> bool:
