@@ -8,20 +8,17 @@ import triton.language as tl
 
 
 @triton.jit
-def topk_softmax_kernel(
-    logits_ptr,
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int32
-    logits_stride,
+def route_token(
+    logits_row_ptr,
     num_experts,
     TOP_K: tl.constexpr,
     TOP_K_P2: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """One token's routing: (weights [TOP_K_P2] fp32, expert ids [TOP_K_P2] int32), slots past TOP_K unused."""
     experts = tl.arange(0, EXPERTS_P2)
-    logits = tl.load(logits_ptr + token * logits_stride + experts, mask=experts < num_experts, other=float("-inf"))
+    logits = tl.load(logits_row_ptr + experts, mask=experts < num_experts, other=float("-inf"))
     logits = logits.to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
@@ -38,6 +35,26 @@ def topk_softmax_kernel(
         remaining = tl.where(experts == best_id, -1.0, remaining)
     if RENORMALIZE:
         chosen_w = chosen_w / tl.sum(tl.where(slots < TOP_K, chosen_w, 0.0), axis=0)
+    return chosen_w, chosen_id
+
+
+@triton.jit
+def topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,  # [T, TOP_K] fp32
+    ids_ptr,  # [T, TOP_K] int32
+    logits_stride,
+    num_experts,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    chosen_w, chosen_id = route_token(
+        logits_ptr + token * logits_stride, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE
+    )
+    slots = tl.arange(0, TOP_K_P2)
     tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
 
