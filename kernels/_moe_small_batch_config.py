@@ -22,13 +22,23 @@ class GemvTiles:
 class SmallBatchMoeConfig:
     gate_up: GemvTiles
     down: GemvTiles
-    down_splits: int = 1  # programs per token over its top-k pairs in the down pass; > 1 adds a summing launch
+    # Programs per token over its top-k pairs in the down pass, each loading its top_k / down_splits pairs' tiles side
+    # by side ([pairs, block_n, block_k] a step); > 1 adds a summing launch.
+    down_splits: int = 1
 
 
-DEFAULT_SMALL_BATCH_CONFIG = SmallBatchMoeConfig(
-    gate_up=GemvTiles(block_n=16, block_k=256, num_warps=4),
-    down=GemvTiles(block_n=16, block_k=256, num_warps=4),
-)
+# Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,
+# 128 bytes a thread at four warps, as the gate/up default's two 16 x 256 tiles.
+DOWN_TILE_ELEMENTS = 8192
+
+
+def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
+    """Tiles for a shape the sweep has not measured: 16 outputs a program (many programs at one token), and a down
+    pass whose K step shrinks as more pairs load side by side."""
+    pairs = _next_power_of_2(top_k)
+    down_k = min(256, max(32, DOWN_TILE_ELEMENTS // (16 * pairs)))
+    return SmallBatchMoeConfig(gate_up=GemvTiles(16, 256, 4), down=GemvTiles(16, down_k, 4))
+
 
 # Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe_small_batch.py prints these
 # entries): (experts, top-k, hidden, expert intermediate) -> (up to this many tokens, config) in increasing token
@@ -46,7 +56,7 @@ def small_batch_moe_config(
     table = TUNED_SMALL_BATCH_CONFIGS.get((num_experts, top_k, hidden, inter))
     if table is not None:
         return next((config for up_to, config in table if num_tokens <= up_to), None)
-    return DEFAULT_SMALL_BATCH_CONFIG if num_tokens * top_k <= DEFAULT_MAX_PAIRS else None
+    return default_small_batch_config(top_k) if num_tokens * top_k <= DEFAULT_MAX_PAIRS else None
 
 
 def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:

@@ -7,9 +7,10 @@ batch size only (one variant per CUDA graph) and nothing waits on the host.
 `pair_gate_up_kernel`: program (pair, N-tile) -> silu(gate) * up of BLOCK_N intermediate columns of that pair, over
 the whole hidden size; with ROUTE it first routes the pair's token from the router logits (softmax, top-k), so the
 top-k kernel is not a launch of its own. `token_down_kernel`: program (token, split, H-tile) -> the routing-weighted
-sum over the token's pairs of this split of W2 @ intermediate: with one split it is the layer's output, written once,
-no atomics and no combine; with several each writes fp32 partial sums that `sum_splits_kernel` adds in a fixed
-order (more programs in flight when a batch has few tokens, for one more launch).
+sum over the token's pairs of this split of W2 @ intermediate, the pairs' weight tiles loaded side by side: with one
+split it is the layer's output, written once, no atomics and no combine; with several each writes fp32 partial sums
+that `sum_splits_kernel` adds in a fixed order (more programs in flight when a batch has few tokens, for one more
+launch).
 
 Pairs (tokens) are grid axis 0, the fastest-varying, so programs reading the same N-tile of an expert two tokens
 chose run at about the same time and the second read tends to come from L2.
@@ -95,35 +96,39 @@ def token_down_kernel(
     out_ptr,  # SPLITS == 1: [T, H] in the output dtype; else [T * SPLITS, H] fp32 partial sums
     hidden_size,
     inter_size,
-    TOP_K: tl.constexpr,
-    SPLITS: tl.constexpr,
+    PAIRS: tl.constexpr,  # pairs per program: TOP_K // SPLITS
+    PAIRS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """All PAIRS experts' tiles are loaded in one step of the K loop ([PAIRS, BLOCK_N, BLOCK_K]): a token's pairs
+    stream side by side, so even one token keeps many loads in flight without a second launch."""
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)  # token * SPLITS + split
     h_tile = tl.program_id(1)
+    slots = tl.arange(0, PAIRS_P2)
+    slot_ok = slots < PAIRS
+    pairs = row * PAIRS + slots  # [PAIRS_P2]
+    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
+    weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
     cols = h_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
     ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(0, TOP_K // SPLITS):  # this split's pairs of the token in k order: a fixed summation order
-        pair = row * (TOP_K // SPLITS) + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        weight = tl.load(weights_ptr + pair)
-        a_ptrs = inter_ptr + pair.to(tl.int64) * inter_size + ks  # [BLOCK_K]
-        w_ptrs = (w2_ptr + expert * hidden_size * inter_size + cols[:, None].to(tl.int64) * inter_size) + ks[None, :]
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k in range(0, inter_size, BLOCK_K):
-            k_ok = k + ks < inter_size
-            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        total += acc * weight
+    a_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + ks[None, :]  # [PAIRS_P2, BLOCK_K]
+    w_rows = experts[:, None] * hidden_size + cols[None, :].to(tl.int64)  # [PAIRS_P2, BLOCK_N]
+    w_ptrs = w2_ptr + w_rows[:, :, None] * inter_size + ks[None, None, :]  # [PAIRS_P2, BLOCK_N, BLOCK_K]
+    w_tile_ok = (slot_ok[:, None] & col_ok[None, :])[:, :, None]
+    acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
+    for k in range(0, inter_size, BLOCK_K):
+        k_ok = k + ks < inter_size
+        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
+    total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
     tl.store(out_ptr + row.to(tl.int64) * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 

@@ -62,7 +62,8 @@ def _down(
     target = out if splits == 1 else torch.empty(partial, dtype=torch.float32, device=out.device)  # [T * splits, H]
     token_down_kernel[(num_tokens * splits, triton.cdiv(hidden_size, tiles.block_n))](
         intermediate, w2, weights, ids, target, hidden_size, inter,
-        TOP_K=top_k, SPLITS=splits, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **launch,
+        PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **launch,
     )  # fmt: skip
     if splits > 1:
         block = min(triton.next_power_of_2(hidden_size), 1024)

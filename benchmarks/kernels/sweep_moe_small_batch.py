@@ -5,7 +5,8 @@ as CUDA graphs (as the engine runs them), routing included, every weight copy in
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--out DIR]
 
 Per token count: the grouped path, the small-batch default config, then a coordinate descent over the small-batch
-tiles (gate/up tiles, then down tiles, then the down pass's splits), one line each with us/call and the achieved
+tiles (gate/up tiles, then down tiles, then the down pass's splits, and the down tiles
+again for a split), one line each with us/call and the achieved
 bandwidth (bytes of the distinct experts the tokens chose, over the time). Ends with the best per token count, its
 gain over the grouped path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the
 token counts where the small-batch path wins, from 1 up). --out writes the figures as JSON.
@@ -25,10 +26,12 @@ from common import graph_ms, relative_error
 from sweep_moe import SHAPES
 
 from tidal.kernels._moe_config import tuned_moe_config
-from tidal.kernels._moe_small_batch_config import DEFAULT_SMALL_BATCH_CONFIG, GemvTiles, SmallBatchMoeConfig
+from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig, default_small_batch_config
 from tidal.kernels.fused_moe import fused_moe_triton
 
-TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
+GATE_UP_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
+# The down pass loads its pairs' tiles side by side ([pairs, n, k] a step), so its K steps are shorter.
+DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128, 256) for w in (4, 8)]
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
 
 
@@ -79,18 +82,22 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
         results[key] = (config, timed(config))
         report(key, results[key][1])
 
-    best = DEFAULT_SMALL_BATCH_CONFIG
+    default = best = default_small_batch_config(top_k)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
-    for tiles in TILES:
+    for tiles in GATE_UP_TILES:
         try_config(replace(best, gate_up=tiles))
     best = min(results.values(), key=lambda r: r[1])[0]
-    for tiles in TILES:
+    for tiles in DOWN_TILES:
         try_config(replace(best, down=tiles))
     best = min(results.values(), key=lambda r: r[1])[0]
     for splits in (s for s in (1, 2, 4, 8) if top_k % s == 0):
         try_config(replace(best, down_splits=splits))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
+        for tiles in DOWN_TILES:
+            try_config(replace(best, down=tiles))
     best, best_ms = min(results.values(), key=lambda r: r[1])
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
     print(
@@ -106,7 +113,7 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
         "best": asdict(best),
         "best_literal": literal(best),
         "best_ms": best_ms,
-        "default_ms": results[describe(DEFAULT_SMALL_BATCH_CONFIG)][1],
+        "default_ms": results[describe(default)][1],
         "relative_error_vs_grouped": err,
     }
 

@@ -11,10 +11,10 @@ from tolerances import assert_close
 import tidal.worker.layers.moe as moe_layer
 from tidal.kernels._moe_small_batch_config import (
     DEFAULT_MAX_PAIRS,
-    DEFAULT_SMALL_BATCH_CONFIG,
     TUNED_SMALL_BATCH_CONFIGS,
     GemvTiles,
     SmallBatchMoeConfig,
+    default_small_batch_config,
     down_splits,
     fit_tiles,
     small_batch_moe_config,
@@ -83,9 +83,10 @@ def test_default_tiles_on_a_wider_shape_and_no_tokens(device):
     x = torch.randn(tokens, hidden, device=device)
     w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
     logits = torch.randn(tokens, num_experts, device=device)
-    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=DEFAULT_SMALL_BATCH_CONFIG)
+    config = default_small_batch_config(top_k)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
     assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True))
-    empty = fused_moe_triton(x[:0], w13, w2, logits[:0], top_k, True, config=DEFAULT_SMALL_BATCH_CONFIG)
+    empty = fused_moe_triton(x[:0], w13, w2, logits[:0], top_k, True, config=config)
     assert empty.shape == (0, hidden)
 
 
@@ -104,8 +105,8 @@ def test_routing_folded_into_the_kernel_picks_what_topk_picks(device):
 
 def test_the_path_follows_the_shapes_and_the_switch(monkeypatch):
     w13 = torch.empty(8, 2 * 16, 32)
-    assert auto_small_batch_config(1, 2, w13) == DEFAULT_SMALL_BATCH_CONFIG
-    assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2, 2, w13) == DEFAULT_SMALL_BATCH_CONFIG
+    assert auto_small_batch_config(1, 2, w13) == default_small_batch_config(2)
+    assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2, 2, w13) == default_small_batch_config(2)
     assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2 + 1, 2, w13) is None
     assert auto_small_batch_config(0, 2, w13) is None
     monkeypatch.setenv("TIDAL_MOE_SMALL_BATCH", "0")
@@ -119,6 +120,12 @@ def test_a_tuned_shape_takes_its_table(monkeypatch):
     assert small_batch_moe_config(1, 8, 128, 2048, 768) == TINY
     assert small_batch_moe_config(3, 8, 128, 2048, 768) == wide
     assert small_batch_moe_config(5, 8, 128, 2048, 768) is None  # past the table: grouped GEMMs
+
+
+def test_default_down_tiles_keep_one_step_of_loads_near_constant():
+    assert default_small_batch_config(8).down == GemvTiles(16, 64, 4)  # Qwen3-30B-A3B: 8 pairs side by side
+    assert default_small_batch_config(2).down == GemvTiles(16, 256, 4)  # Mixtral
+    assert default_small_batch_config(6).down == default_small_batch_config(8).down  # padded to 8 slots
 
 
 def test_tiles_fit_small_problems_and_splits_divide_top_k():
