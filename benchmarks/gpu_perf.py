@@ -219,6 +219,8 @@ def decode_on_grouped_path(config: Any, loaded: LoadedModel, workload: Workload,
     """The decode batches again on an engine whose MoE layers never take the small-batch path (graphs captured with
     the switch off), beside the first run's figures: the A/B of the small-batch MoE path in one process."""
     os.environ[SMALL_BATCH_SWITCH] = "0"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the first engine's blocks back to the device, so this one sizes its cache alike
     try:
         engine, setup = engine_side.build_engine(config, loaded)
         rows = []

@@ -227,7 +227,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             + _measured_copy_note(bw),
         ]
     lines += _moe_markdown(report.get("moe") or {})
-    lines += _moe_ab_markdown(engine, report.get("moe_ab") or {})
+    lines += moe_ab_markdown(engine, report.get("moe_ab") or {})
     agree = report.get("agreement") or {}
     if agree.get("per_batch"):
         lines += ["", "## Greedy output vs transformers (same prompts)", ""]
@@ -278,7 +278,7 @@ def _moe_markdown(facts: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _moe_ab_markdown(engine: dict[str, Any], ab: dict[str, Any]) -> list[str]:
+def moe_ab_markdown(engine: dict[str, Any], ab: dict[str, Any]) -> list[str]:
     """gpu_perf.py --moe-ab: the decode batches on the default MoE paths against the grouped GEMMs alone."""
     if not ab.get("grouped_decode"):
         return []
