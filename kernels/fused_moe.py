@@ -154,7 +154,7 @@ def fused_moe_triton(
     if isinstance(config, SmallBatchMoeConfig):
         return small_batch_moe_routed(hidden, w13, w2, router_logits, top_k, renormalize, config)
     weights, ids = topk_route_triton(router_logits, top_k, renormalize)
-    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config)
+    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config, allow_small_batch=False)  # decided above
 
 
 def auto_small_batch_config(num_tokens: int, top_k: int, w13: torch.Tensor) -> SmallBatchMoeConfig | None:
