@@ -25,6 +25,9 @@ class SmallBatchMoeConfig:
     # Programs per token over its top-k pairs in the down pass, each loading its top_k / down_splits pairs' tiles side
     # by side ([pairs, block_n, block_k] a step); > 1 adds a summing launch.
     down_splits: int = 1
+    # Route in the gate/up kernel (every program redoes its token's softmax and top-k, ~18 reductions over the
+    # experts, before its first weight load) rather than in a top-k launch of its own before it.
+    fold_routing: bool = True
 
 
 # Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,

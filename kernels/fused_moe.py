@@ -151,9 +151,11 @@ def fused_moe_triton(
     _check_inputs(hidden, w13, w2, router_logits, top_k)
     if config is None:
         config = auto_small_batch_config(hidden.shape[0], top_k, w13)
-    if isinstance(config, SmallBatchMoeConfig):
+    if isinstance(config, SmallBatchMoeConfig) and config.fold_routing:
         return small_batch_moe_routed(hidden, w13, w2, router_logits, top_k, renormalize, config)
     weights, ids = topk_route_triton(router_logits, top_k, renormalize)
+    if isinstance(config, SmallBatchMoeConfig):
+        return small_batch_moe_experts(hidden, w13, w2, weights, ids, config)
     return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config, allow_small_batch=False)  # decided above
 
 

@@ -5,11 +5,12 @@ as CUDA graphs (as the engine runs them), routing included, every weight copy in
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--out DIR]
 
 Per token count: the grouped path, the small-batch default config, then a coordinate descent over the small-batch
-tiles (gate/up tiles, then down tiles, then the down pass's splits, and the down tiles
-again for a split), one line each with us/call and the achieved
-bandwidth (bytes of the distinct experts the tokens chose, over the time). Ends with the best per token count, its
-gain over the grouped path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the
-token counts where the small-batch path wins, from 1 up). --out writes the figures as JSON.
+config (gate/up tiles; down tiles; the down pass's splits, with the down tiles again for a split; routing in a top-k
+launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth (bytes of
+the distinct experts the tokens chose, over the time). Ends with the best per token count, its gain over the grouped
+path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the token counts where the
+small-batch path wins, from 1 up). --out writes the figures as JSON. About 100 configs per token count: the first
+count compiles each (a few minutes); later counts reuse the compiled kernels.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured 
 def describe(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
     gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps})"
-    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps}) s{config.down_splits}"
+    routing = "" if config.fold_routing else " topk-launch"
+    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps}) s{config.down_splits}{routing}"
 
 
 def literal(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
     return (
         f"SmallBatchMoeConfig(GemvTiles({g.block_n}, {g.block_k}, {g.num_warps}), "
-        f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}), down_splits={config.down_splits})"
+        f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}), down_splits={config.down_splits}"
+        + ("" if config.fold_routing else ", fold_routing=False")
+        + ")"
     )
 
 
@@ -98,6 +102,8 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
     if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
         for tiles in DOWN_TILES:
             try_config(replace(best, down=tiles))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    try_config(replace(best, fold_routing=not best.fold_routing))  # a top-k launch of its own instead
     best, best_ms = min(results.values(), key=lambda r: r[1])
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
     print(

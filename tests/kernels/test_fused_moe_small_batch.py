@@ -90,6 +90,17 @@ def test_default_tiles_on_a_wider_shape_and_no_tokens(device):
     assert empty.shape == (0, hidden)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_in_a_launch_of_its_own(device, dtype):
+    tokens, num_experts, top_k, hidden, inter = 2, 8, 2, 32, 24
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, fold_routing=False)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
+
+
 def test_routing_folded_into_the_kernel_picks_what_topk_picks(device):
     """Equal logits (ties) take the experts the top-k kernel takes (the lowest ids; torch.topk on a CPU does not)."""
     tokens, num_experts, top_k, hidden, inter = 2, 8, 3, 32, 16
