@@ -19,7 +19,7 @@ chose run at about the same time and the second read tends to come from L2.
 import triton
 import triton.language as tl
 
-from tidal.kernels._moe_routing_kernels import route_token
+from tidal.kernels._moe_routing_kernels import route_token_slot
 from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
 
 
@@ -50,13 +50,11 @@ def pair_gate_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     if ROUTE:
         # Every N-tile of the pair routes the token again (E logits, a few KB at most): cheaper than a launch.
-        chosen_w, chosen_id = route_token(
-            logits_ptr + token * logits_stride, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE
+        weight, expert = route_token_slot(
+            logits_ptr + token * logits_stride, num_experts, pair % TOP_K, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE
         )
-        slot = tl.arange(0, TOP_K_P2) == pair % TOP_K
-        expert = tl.sum(tl.where(slot, chosen_id, 0), axis=0)
         if n_tile == 0:
-            tl.store(weights_ptr + pair, tl.sum(tl.where(slot, chosen_w, 0.0), axis=0))
+            tl.store(weights_ptr + pair, weight)
             tl.store(ids_ptr + pair, expert)
     else:
         expert = tl.load(ids_ptr + pair)

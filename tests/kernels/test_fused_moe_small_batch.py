@@ -44,8 +44,10 @@ def _weights(num_experts, hidden, inter, dtype, device):
     ("tokens", "num_experts", "top_k", "hidden", "inter"),
     [
         (1, 16, 8, 64, 48),  # Qwen3-MoE-like: top-8, I not a multiple of the tile
+        (2, 100, 8, 32, 16),  # the folded routing ranks 100 experts in 4 chunks, the last one part padding
         (4, 8, 2, 48, 40),  # Mixtral-like: 8 experts, top-2; H and I not multiples of the tiles
         (3, 6, 1, 32, 16),
+        (2, 130, 4, 32, 16),  # past 128 experts the folded routing picks the top k one by one
     ],
 )
 @pytest.mark.parametrize("splits", [1, 2])
