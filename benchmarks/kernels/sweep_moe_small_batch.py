@@ -105,10 +105,12 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
     best = min(results.values(), key=lambda r: r[1])[0]
     try_config(replace(best, fold_routing=not best.fold_routing))  # a top-k launch of its own instead
     best, best_ms = min(results.values(), key=lambda r: r[1])
+    err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want))
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
     print(
         f"T{tokens:<3} BEST {describe(best)}: {best_ms * 1e3:.2f} us ({tbs:.2f} TB/s, {tbs / H200_TBS:.0%} of "
-        f"{H200_TBS}), grouped {grouped_ms * 1e3:.2f} us ({grouped_ms / best_ms:.2f}x)",
+        f"{H200_TBS}), grouped {grouped_ms * 1e3:.2f} us ({grouped_ms / best_ms:.2f}x); relative error vs grouped "
+        f"at most {err:.1e}",
         flush=True,
     )
     return {
