@@ -6,7 +6,12 @@ the batch-1 decode against the memory-bandwidth bound, and greedy agreement. Wri
     python benchmarks/gpu_perf.py --preset qwen3-30b-a3b --device cuda  # MoE: decode to batch 256, experts counted
 
 A MoE preset's bound counts the bytes a step reads (dense weights, the experts its tokens touch, the KV cache:
-perf/moe.py) instead of every weight.
+perf/moe.py) instead of every weight. Its decode steps with few (token, k) pairs take the small-batch MoE path by
+themselves (kernels/fused_moe_small_batch.py); `--moe-path grouped` keeps every batch on the grouped GEMMs (it sets
+TIDAL_MOE_SMALL_BATCH=0; results then go to perf-<preset>-<gpu>-grouped.*), and `--moe-ab` times the decode batches
+once more on the grouped GEMMs after the engine's run, in the same process (`moe_ab` in the JSON):
+
+    python benchmarks/gpu_perf.py --preset qwen3-30b-a3b --device cuda --skip-transformers --moe-ab
 
 Both sides run the same random weights (drawn on the device, no checkpoint on disk), the same prompts, greedy,
 exactly N new tokens per row. Results: benchmarks/results/perf-<preset>-<gpu|cpu>[-smoke].{json,md}; the JSON is
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -41,6 +47,7 @@ from tidal.worker.loader.model_loader import LoadedModel
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 T0 = time.monotonic()
+SMALL_BATCH_SWITCH = "TIDAL_MOE_SMALL_BATCH"  # kernels/fused_moe.py: "0" keeps every MoE batch on the grouped GEMMs
 
 
 def progress(message: str) -> None:
@@ -60,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="the engine one step at a time (no host/device overlap)"
     )
+    parser.add_argument(
+        "--moe-path", choices=["auto", "grouped"], default="auto", help="grouped: no small-batch MoE path (A/B)"
+    )
+    parser.add_argument("--moe-ab", action="store_true", help="decode again on the grouped MoE path, same process")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
@@ -126,7 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "transformers": None if args.skip_transformers else {"decode": []},
         "comparison": {},
     }
-    stem = result_stem(preset.name, env, args.smoke)
+    if args.moe_path == "grouped":
+        os.environ[SMALL_BATCH_SWITCH] = "0"  # read by fused_moe at each call, so also at graph capture
+        report["moe_path"] = "grouped"
+    stem = result_stem(preset.name, env, args.smoke) + ("-grouped" if args.moe_path == "grouped" else "")
     outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             save()
         del engine  # frees the KV cache and the graphs' pool; the weights stay (transformers copies them)
         gc.collect()
+        if args.moe_ab and report.get("moe") and args.moe_path == "auto":
+            report["moe_ab"] = decode_on_grouped_path(config, loaded, workload, vocab)
+            save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             report["engine"]["memory_after_teardown"] = devinfo.memory_gib(device)
@@ -196,6 +213,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(to_markdown(report), flush=True)
     progress(f"wrote {args.out / stem}.json and .md")
     return report
+
+
+def decode_on_grouped_path(config: Any, loaded: LoadedModel, workload: Workload, vocab: int) -> dict[str, Any]:
+    """The decode batches again on an engine whose MoE layers never take the small-batch path (graphs captured with
+    the switch off), beside the first run's figures: the A/B of the small-batch MoE path in one process."""
+    os.environ[SMALL_BATCH_SWITCH] = "0"
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the first engine's blocks back to the device, so this one sizes its cache alike
+    try:
+        engine, setup = engine_side.build_engine(config, loaded)
+        rows = []
+        for batch in workload.decode_batches:
+            prompts = random_prompts(batch, workload.decode_prompt_len, vocab, seed=1000 + batch)
+            run = engine_side.measure_decode(engine, prompts, workload.decode_new_tokens, workload.decode_warmup_tokens)
+            rows.append(run.figures())
+            progress(f"tidal, grouped MoE path: decode batch {batch}: {run.ms_per_step:.3f} ms/step")
+        del engine
+        gc.collect()
+    finally:
+        os.environ.pop(SMALL_BATCH_SWITCH, None)
+    return {"grouped_decode": rows, "grouped_setup": setup}
 
 
 def count_touched_experts(engine: Any, workload: Workload, vocab: int, facts: dict[str, Any]) -> None:

@@ -8,20 +8,17 @@ import triton.language as tl
 
 
 @triton.jit
-def topk_softmax_kernel(
-    logits_ptr,
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int32
-    logits_stride,
+def route_token(
+    logits_row_ptr,
     num_experts,
     TOP_K: tl.constexpr,
     TOP_K_P2: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """One token's routing: (weights [TOP_K_P2] fp32, expert ids [TOP_K_P2] int32), slots past TOP_K unused."""
     experts = tl.arange(0, EXPERTS_P2)
-    logits = tl.load(logits_ptr + token * logits_stride + experts, mask=experts < num_experts, other=float("-inf"))
+    logits = tl.load(logits_row_ptr + experts, mask=experts < num_experts, other=float("-inf"))
     logits = logits.to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
@@ -38,6 +35,70 @@ def topk_softmax_kernel(
         remaining = tl.where(experts == best_id, -1.0, remaining)
     if RENORMALIZE:
         chosen_w = chosen_w / tl.sum(tl.where(slots < TOP_K, chosen_w, 0.0), axis=0)
+    return chosen_w, chosen_id
+
+
+@triton.jit
+def route_token_slot(
+    logits_row_ptr,
+    num_experts,
+    slot,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """(weight fp32, expert int32) of one slot of one token's routing, for a kernel that routes before its first
+    load. Up to 128 experts it ranks all of them at once: an expert's rank is how many come before it, by a higher
+    logit or an equal one at a lower id (softmax keeps the order; only logits so close that their probabilities
+    round equal may order differently from `route_token`, which compares probabilities). That is a few reductions
+    instead of the ~2k of picking the top k one by one; the comparison runs RANK_CHUNK experts at a time to keep
+    the [E, chunk] tile in registers."""
+    RANK_CHUNK: tl.constexpr = 32
+    if EXPERTS_P2 <= 128:
+        experts = tl.arange(0, EXPERTS_P2)
+        valid = experts < num_experts
+        logits = tl.load(logits_row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
+        rank = tl.zeros([EXPERTS_P2], tl.int32)  # 0 for the most probable
+        for first in tl.static_range(0, EXPERTS_P2, RANK_CHUNK):
+            others = first + tl.arange(0, RANK_CHUNK)
+            theirs = tl.load(logits_row_ptr + others, mask=others < num_experts, other=float("-inf")).to(tl.float32)
+            before = (theirs[None, :] > logits[:, None]) | (
+                (theirs[None, :] == logits[:, None]) & (others[None, :] < experts[:, None])
+            )  # [EXPERTS_P2, RANK_CHUNK]
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        probs = tl.exp(logits - tl.max(logits, axis=0))
+        probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
+        here = rank == slot
+        weight = tl.sum(tl.where(here, probs, 0.0), axis=0)
+        expert = tl.sum(tl.where(here, experts, 0), axis=0)
+        if RENORMALIZE:
+            weight = weight / tl.sum(tl.where(rank < TOP_K, probs, 0.0), axis=0)
+    else:
+        chosen_w, chosen_id = route_token(logits_row_ptr, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE)
+        here = tl.arange(0, TOP_K_P2) == slot
+        weight = tl.sum(tl.where(here, chosen_w, 0.0), axis=0)
+        expert = tl.sum(tl.where(here, chosen_id, 0), axis=0)
+    return weight, expert
+
+
+@triton.jit
+def topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,  # [T, TOP_K] fp32
+    ids_ptr,  # [T, TOP_K] int32
+    logits_stride,
+    num_experts,
+    TOP_K: tl.constexpr,
+    TOP_K_P2: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    chosen_w, chosen_id = route_token(
+        logits_ptr + token * logits_stride, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE
+    )
+    slots = tl.arange(0, TOP_K_P2)
     tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)
     tl.store(ids_ptr + token * TOP_K + slots, chosen_id, mask=slots < TOP_K)
 

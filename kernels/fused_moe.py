@@ -1,8 +1,12 @@
 """Fused mixture-of-experts: top-k softmax routing, the torch reference expert loop, the Triton path (token sorting by
-expert + grouped GEMMs, in `_moe_align` and `_moe_kernels`) and the dispatching entry point.
+expert + grouped GEMMs, kernels in `_moe_routing_kernels` and `_moe_gemm_kernels`) and the dispatching entry point.
+A few (token, k) pairs take the small-batch path instead (`fused_moe_small_batch`), chosen from the static shapes
+(`_moe_small_batch_config`); TIDAL_MOE_SMALL_BATCH=0 turns it off (A/B timing against the grouped GEMMs).
 
 Weights: w13 [E, 2*I, H] (gate rows, then up rows), w2 [E, H, I]. out [T, H] = sum_k w_k * W2_e(silu(W1_e x) * W3_e x).
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,7 @@ from tidal.kernels._moe_routing_kernels import (
     place_pairs_kernel,
     topk_softmax_kernel,
 )
+from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, small_batch_moe_config
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     check_contiguous,
@@ -25,6 +30,10 @@ from tidal.kernels._validate import (
     check_same_dtype,
     check_shape,
 )
+from tidal.kernels.fused_moe_small_batch import small_batch_moe_experts, small_batch_moe_routed
+
+# Either path's tiles; None picks the path and its tiles from the shapes.
+AnyMoeConfig = MoeConfig | SmallBatchMoeConfig | None
 
 
 def _check_routing(router_logits: torch.Tensor, top_k: int) -> None:
@@ -135,12 +144,29 @@ def fused_moe_triton(
     router_logits: torch.Tensor,
     top_k: int,
     renormalize: bool,
-    config: MoeConfig | None = None,
+    config: AnyMoeConfig = None,
 ) -> torch.Tensor:
-    """The Triton path; same contract as `fused_moe_reference`."""
+    """The Triton path; same contract as `fused_moe_reference`. A `MoeConfig` runs the grouped GEMMs with its tiles,
+    a `SmallBatchMoeConfig` the small-batch path; None chooses by shape."""
     _check_inputs(hidden, w13, w2, router_logits, top_k)
+    if config is None:
+        config = auto_small_batch_config(hidden.shape[0], top_k, w13)
+    if isinstance(config, SmallBatchMoeConfig) and config.fold_routing:
+        return small_batch_moe_routed(hidden, w13, w2, router_logits, top_k, renormalize, config)
     weights, ids = topk_route_triton(router_logits, top_k, renormalize)
-    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config)
+    if isinstance(config, SmallBatchMoeConfig):
+        return small_batch_moe_experts(hidden, w13, w2, weights, ids, config)
+    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config, allow_small_batch=False)  # decided above
+
+
+def auto_small_batch_config(num_tokens: int, top_k: int, w13: torch.Tensor) -> SmallBatchMoeConfig | None:
+    """The small-batch config where this batch takes that path, else None. Static shapes only, so a CUDA graph
+    captured for a batch size runs one path; TIDAL_MOE_SMALL_BATCH=0 (read per call, so a benchmark can switch it
+    between runs in one process) keeps every batch on the grouped GEMMs."""
+    if os.environ.get("TIDAL_MOE_SMALL_BATCH", "1") == "0":
+        return None
+    num_experts, two_inter, hidden_size = w13.shape
+    return small_batch_moe_config(num_tokens, top_k, num_experts, hidden_size, two_inter // 2)
 
 
 def align_chunk(num_pairs: int, experts_p2: int) -> int:
@@ -182,9 +208,11 @@ def fused_moe_experts_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    config: MoeConfig | None = None,
+    config: AnyMoeConfig = None,
+    allow_small_batch: bool = True,
 ) -> torch.Tensor:
-    """The expert computation for given routing (weights [T, k] fp32, ids [T, k] int32) -> [T, H] in hidden's dtype."""
+    """The expert computation for given routing (weights [T, k] fp32, ids [T, k] int32) -> [T, H] in hidden's dtype.
+    `config` as for `fused_moe_triton`; without one, `allow_small_batch=False` keeps the grouped GEMMs."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -201,6 +229,10 @@ def fused_moe_experts_triton(
         ("topk_weights", topk_weights),
     ):
         check_contiguous(name, t)
+    if config is None and allow_small_batch:
+        config = auto_small_batch_config(num_tokens, top_k, w13)
+    if isinstance(config, SmallBatchMoeConfig):
+        return small_batch_moe_experts(hidden, w13, w2, topk_weights, topk_ids, config)
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out

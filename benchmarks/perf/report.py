@@ -227,6 +227,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             + _measured_copy_note(bw),
         ]
     lines += _moe_markdown(report.get("moe") or {})
+    lines += moe_ab_markdown(engine, report.get("moe_ab") or {})
     agree = report.get("agreement") or {}
     if agree.get("per_batch"):
         lines += ["", "## Greedy output vs transformers (same prompts)", ""]
@@ -274,6 +275,25 @@ def _moe_markdown(facts: dict[str, Any]) -> list[str]:
                 f"| {_f(b['ms_per_step'], '.3f')} | {_f(b['step_over_bound'])}x | {_f(b['forward_ms'], '.3f')} "
                 f"| {_f(b['forward_over_bound'])}x |"
             )
+    return lines
+
+
+def moe_ab_markdown(engine: dict[str, Any], ab: dict[str, Any]) -> list[str]:
+    """gpu_perf.py --moe-ab: the decode batches on the default MoE paths against the grouped GEMMs alone."""
+    if not ab.get("grouped_decode"):
+        return []
+    ours = {d["batch"]: d["ms_per_step"] for d in engine.get("decode", [])}
+    lines = [
+        "",
+        "## MoE paths A/B: small-batch path where it applies vs the grouped GEMMs alone (same process)",
+        "",
+        "| batch | default paths ms/step | grouped only ms/step | grouped / default |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for d in ab["grouped_decode"]:
+        mine = ours.get(d["batch"])
+        ratio = d["ms_per_step"] / mine if mine else None
+        lines.append(f"| {d['batch']} | {_f(mine, '.3f')} | {d['ms_per_step']:.3f} | {_f(ratio, '.3f')}x |")
     return lines
 
 

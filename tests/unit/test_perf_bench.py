@@ -11,7 +11,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from perf.presets import PRESETS, SMOKE_WORKLOAD, Workload, write_model_dir  # noqa: E402
-from perf.report import agreement, bandwidth_bound, common_prefix, comparison, result_stem, targets  # noqa: E402
+from perf.report import (  # noqa: E402
+    agreement,
+    bandwidth_bound,
+    common_prefix,
+    comparison,
+    moe_ab_markdown,
+    result_stem,
+    targets,
+)
 from perf.timing import steady_ms_per_step  # noqa: E402
 
 
@@ -159,6 +167,14 @@ def test_moe_targets_read_the_touched_bound_as_at_most():
     assert verdicts == [(">= 0.8", "PASS"), ("<= 1.25", "MISS"), (">= 38097.5", "PASS"), (">= 20", "PASS")]
     assert len(targets("mixtral-8x7b", "cuda", report)) == 3  # no offline target: the issue sets it for Qwen3 only
     assert targets("qwen3-30b-a3b", "cpu", report) == []
+
+
+def test_moe_ab_table_sets_the_grouped_path_beside_the_default_paths():
+    engine = {"decode": [{"batch": 1, "ms_per_step": 2.0}, {"batch": 8, "ms_per_step": 4.0}]}
+    ab = {"grouped_decode": [{"batch": 1, "ms_per_step": 3.0}, {"batch": 8, "ms_per_step": 4.0}]}
+    lines = moe_ab_markdown(engine, ab)
+    assert "| 1 | 2.000 | 3.000 | 1.500x |" in lines and "| 8 | 4.000 | 4.000 | 1.000x |" in lines
+    assert moe_ab_markdown(engine, {}) == []  # no --moe-ab: no section
 
 
 @pytest.mark.slow

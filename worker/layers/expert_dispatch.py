@@ -44,8 +44,13 @@ def dispatch_and_combine(
     rows = comm.all_to_all(pack_rows(hidden.index_select(0, tokens), slots), sends, recvs)  # [M, 4 + H * b]
     received, received_slots = unpack_rows(rows, hidden.dtype, hidden.shape[1])  # [M, H], [M, 1]
     ones = torch.ones(received_slots.shape, dtype=torch.float32, device=hidden.device)  # [M, 1]
-    run_experts = fused_moe_experts_triton if hidden.is_cuda else fused_moe_experts_reference
-    expert_out = run_experts(received, w13, w2, ones, received_slots)  # [M, H]
+    if hidden.is_cuda:
+        # The received row count changes every step (the host learns it above, so no graph holds this); the grouped
+        # GEMMs do not specialise on it, and staying on them means a step never compiles the small-batch kernels
+        # for the first time while its peers wait on it.
+        expert_out = fused_moe_experts_triton(received, w13, w2, ones, received_slots, allow_small_batch=False)
+    else:
+        expert_out = fused_moe_experts_reference(received, w13, w2, ones, received_slots)  # [M, H]
     returned = comm.all_to_all(expert_out, recvs, sends)  # [T * k, H], in `order`
     weights = topk_weights.reshape(-1)[order].float()  # [T * k]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]

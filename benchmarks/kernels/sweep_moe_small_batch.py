@@ -1,0 +1,169 @@
+"""The small-batch MoE path (kernels/fused_moe_small_batch.py: per-pair matrix-vector products, routing folded in, no
+sort) against the grouped path with its tuned tiles, on a model's expert shape at decode token counts. Both are timed
+as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
+
+    python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--out DIR]
+
+Per token count: the grouped path, the small-batch default config, then a coordinate descent over the small-batch
+config (gate/up tiles; down tiles; the down pass's splits, with the down tiles again for a split; routing in a top-k
+launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth (bytes of
+the distinct experts the tokens chose, over the time). Ends with the best per token count, its gain over the grouped
+path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the token counts where the
+small-batch path wins, from 1 up). --out writes the figures as JSON. About 100 configs per token count: the first
+count compiles each (a few minutes); later counts reuse the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from common import graph_ms, relative_error
+from sweep_moe import SHAPES
+
+from tidal.kernels._moe_config import tuned_moe_config
+from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig, default_small_batch_config
+from tidal.kernels.fused_moe import fused_moe_triton
+
+GATE_UP_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
+# The down pass loads its pairs' tiles side by side ([pairs, n, k] a step), so its K steps are shorter.
+DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128, 256) for w in (4, 8)]
+H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
+
+
+def describe(config: SmallBatchMoeConfig) -> str:
+    g, d = config.gate_up, config.down
+    gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps})"
+    routing = "" if config.fold_routing else " topk-launch"
+    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps}) s{config.down_splits}{routing}"
+
+
+def literal(config: SmallBatchMoeConfig) -> str:
+    g, d = config.gate_up, config.down
+    return (
+        f"SmallBatchMoeConfig(GemvTiles({g.block_n}, {g.block_k}, {g.num_warps}), "
+        f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}), down_splits={config.down_splits}"
+        + ("" if config.fold_routing else ", fold_routing=False")
+        + ")"
+    )
+
+
+def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]]):
+    experts, top_k, hidden, inter = shape
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, device="cuda")
+    distinct = int(logits.topk(top_k, dim=-1).indices.unique().numel())
+    expert_bytes = distinct * 3 * hidden * inter * 2
+
+    def timed(config) -> float:  # a MoeConfig (grouped) or a SmallBatchMoeConfig
+        def run() -> None:
+            for w13, w2 in weights:
+                fused_moe_triton(x, w13, w2, logits, top_k, True, config)
+
+        run()
+        return graph_ms(run) / len(weights)
+
+    def report(name: str, ms: float) -> None:
+        tbs = expert_bytes / (ms * 1e-3) / 1e12
+        print(f"T{tokens:<3} {name:<58} {ms * 1e3:8.2f} us {tbs:6.2f} TB/s", flush=True)
+
+    grouped_config = tuned_moe_config(tokens, top_k, experts, hidden, inter)
+    grouped_ms = timed(grouped_config)
+    report("grouped (tuned tiles)", grouped_ms)
+    w13, w2 = weights[0]
+    want = fused_moe_triton(x, w13, w2, logits, top_k, True, grouped_config)
+    results: dict[str, tuple[SmallBatchMoeConfig, float]] = {}
+
+    def try_config(config: SmallBatchMoeConfig) -> None:
+        key = describe(config)
+        if key in results:
+            return
+        results[key] = (config, timed(config))
+        report(key, results[key][1])
+
+    default = best = default_small_batch_config(top_k)
+    try_config(best)
+    err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want)
+    print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
+    for tiles in GATE_UP_TILES:
+        try_config(replace(best, gate_up=tiles))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    for tiles in DOWN_TILES:
+        try_config(replace(best, down=tiles))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    for splits in (s for s in (1, 2, 4, 8) if top_k % s == 0):
+        try_config(replace(best, down_splits=splits))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
+        for tiles in DOWN_TILES:
+            try_config(replace(best, down=tiles))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    try_config(replace(best, fold_routing=not best.fold_routing))  # a top-k launch of its own instead
+    best, best_ms = min(results.values(), key=lambda r: r[1])
+    err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want))
+    tbs = expert_bytes / (best_ms * 1e-3) / 1e12
+    print(
+        f"T{tokens:<3} BEST {describe(best)}: {best_ms * 1e3:.2f} us ({tbs:.2f} TB/s, {tbs / H200_TBS:.0%} of "
+        f"{H200_TBS}), grouped {grouped_ms * 1e3:.2f} us ({grouped_ms / best_ms:.2f}x); relative error vs grouped "
+        f"at most {err:.1e}",
+        flush=True,
+    )
+    return {
+        "tokens": tokens,
+        "distinct_experts": distinct,
+        "expert_bytes": expert_bytes,
+        "grouped_ms": grouped_ms,
+        "best": asdict(best),
+        "best_literal": literal(best),
+        "best_ms": best_ms,
+        "default_ms": results[describe(default)][1],
+        "relative_error_vs_grouped": err,
+    }
+
+
+def table_entry(shape: tuple[int, int, int, int], rows: list[dict]) -> str:
+    """The config table's entry: the best config of each token count from the smallest up, while it beats grouped."""
+    lines = [f"    {shape}: ("]
+    for row in sorted(rows, key=lambda r: r["tokens"]):
+        if row["best_ms"] >= row["grouped_ms"]:
+            break
+        lines.append(f"        ({row['tokens']}, {row['best_literal']}),")
+    return "\n".join([*lines, "    ),"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
+    shape = SHAPES[args.shape]
+    experts, _, hidden, inter = shape
+    layer_bytes = experts * 3 * hidden * inter * 2
+    copies = max(2, min(8, int(4e9 // layer_bytes)))
+    weights = [
+        (
+            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
+            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
+        )
+        for _ in range(copies)
+    ]
+    print(f"{args.shape}: E{experts} top{shape[1]} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
+    rows = [sweep_tokens(t, shape, weights) for t in sorted(args.tokens)]
+    print("\nTUNED_SMALL_BATCH_CONFIGS entry (kernels/_moe_small_batch_config.py):")
+    print(table_entry(shape, rows))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"moe-small-batch-sweep-{args.shape}-h200.json"
+        path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

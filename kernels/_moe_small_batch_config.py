@@ -1,0 +1,77 @@
+"""When the MoE takes the small-batch path (per-pair matrix-vector products, no sort by expert) and with which tiles
+(pure, no torch). The choice depends on static shapes only (the token count, the expert shape), so a CUDA graph
+captured for one batch size always runs one path."""
+
+import math
+from dataclasses import dataclass
+
+# Pairs (tokens x top-k) up to which an expert shape the sweep has not measured takes the small-batch path. Each pair
+# reads its expert's weights on its own (repeats across tokens only share what L2 keeps), while the grouped GEMMs read
+# each chosen expert once but first sort the pairs (three launches); at a few pairs the sort costs more.
+DEFAULT_MAX_PAIRS = 16
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int  # output columns per program
+    block_k: int  # input elements per load of each weight row: wide, vectorised loads along K
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class SmallBatchMoeConfig:
+    gate_up: GemvTiles
+    down: GemvTiles
+    # Programs per token over its top-k pairs in the down pass, each loading its top_k / down_splits pairs' tiles side
+    # by side ([pairs, block_n, block_k] a step); > 1 adds a summing launch.
+    down_splits: int = 1
+    # Route in the gate/up kernel (every program redoes its token's softmax and top-k before its first weight load:
+    # a few reductions over the experts up to 128 of them, ~2k + 2 beyond) rather than in a top-k launch of its own.
+    fold_routing: bool = True
+
+
+# Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,
+# 128 bytes a thread at four warps, as the gate/up default's two 16 x 256 tiles.
+DOWN_TILE_ELEMENTS = 8192
+
+
+def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
+    """Tiles for a shape the sweep has not measured: 16 outputs a program (many programs at one token), and a down
+    pass whose K step shrinks as more pairs load side by side."""
+    pairs = _next_power_of_2(top_k)
+    down_k = min(256, max(32, DOWN_TILE_ELEMENTS // (16 * pairs)))
+    return SmallBatchMoeConfig(gate_up=GemvTiles(16, 256, 4), down=GemvTiles(16, down_k, 4))
+
+
+# Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe_small_batch.py prints these
+# entries): (experts, top-k, hidden, expert intermediate) -> (up to this many tokens, config) in increasing token
+# order; a count above the last entry takes the grouped GEMMs. A shape not listed takes the default config up to
+# DEFAULT_MAX_PAIRS pairs.
+TUNED_SMALL_BATCH_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, SmallBatchMoeConfig], ...]] = {}
+
+
+def small_batch_moe_config(
+    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int
+) -> SmallBatchMoeConfig | None:
+    """The small-batch config for this batch and expert shape, or None where the grouped GEMMs should run."""
+    if num_tokens < 1:
+        return None
+    table = TUNED_SMALL_BATCH_CONFIGS.get((num_experts, top_k, hidden, inter))
+    if table is not None:
+        return next((config for up_to, config in table if num_tokens <= up_to), None)
+    return default_small_batch_config(top_k) if num_tokens * top_k <= DEFAULT_MAX_PAIRS else None
+
+
+def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:
+    """`tiles` narrowed to a small problem: no wider than the next power of two of N and K (at least 16)."""
+    return GemvTiles(min(tiles.block_n, max(16, _next_power_of_2(n))), min(tiles.block_k, max(16, _next_power_of_2(k))),
+                     tiles.num_warps)  # fmt: skip
+
+
+def down_splits(config: SmallBatchMoeConfig, top_k: int) -> int:
+    """The config's splits of a token's pairs, lowered to divide top-k (every split sums as many pairs)."""
+    return math.gcd(max(config.down_splits, 1), top_k)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,171 @@
+"""The small-batch MoE path (per-pair matrix-vector products, routing folded in) vs the torch reference, and the
+choice between it and the grouped GEMMs.
+
+Its kernels use no tl.dot, so bf16 is checked on CPU too (the interpreter's bf16 tl.dot is what keeps the grouped
+path's bf16 tests on the GPU, see tolerances.py)."""
+
+import pytest
+import torch
+from tolerances import assert_close
+
+import tidal.worker.layers.moe as moe_layer
+from tidal.kernels._moe_small_batch_config import (
+    DEFAULT_MAX_PAIRS,
+    TUNED_SMALL_BATCH_CONFIGS,
+    GemvTiles,
+    SmallBatchMoeConfig,
+    default_small_batch_config,
+    down_splits,
+    fit_tiles,
+    small_batch_moe_config,
+)
+from tidal.kernels.fused_moe import (
+    auto_small_batch_config,
+    fused_moe_experts_reference,
+    fused_moe_experts_triton,
+    fused_moe_reference,
+    fused_moe_triton,
+    topk_route_triton,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Tiles narrower than the test shapes, so each program loops over K and the grid has several N-tiles.
+TINY = SmallBatchMoeConfig(gate_up=GemvTiles(16, 16, 4), down=GemvTiles(16, 16, 4))
+
+
+def _weights(num_experts, hidden, inter, dtype, device):
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device).div(hidden**0.5).to(dtype)
+    w2 = torch.randn(num_experts, hidden, inter, device=device).div(inter**0.5).to(dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "top_k", "hidden", "inter"),
+    [
+        (1, 16, 8, 64, 48),  # Qwen3-MoE-like: top-8, I not a multiple of the tile
+        (2, 100, 8, 32, 16),  # the folded routing ranks 100 experts in 4 chunks, the last one part padding
+        (4, 8, 2, 48, 40),  # Mixtral-like: 8 experts, top-2; H and I not multiples of the tiles
+        (3, 6, 1, 32, 16),
+        (2, 130, 4, 32, 16),  # past 128 experts the folded routing picks the top k one by one
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routed_small_batch_matches_reference(device, dtype, tokens, num_experts, top_k, hidden, inter, splits,
+                                              renormalize):  # fmt: skip
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=splits)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, renormalize, config=config)
+    assert got.dtype == dtype
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, renormalize), scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4, 8])
+def test_experts_repeated_across_tokens(device, dtype, splits):
+    """Tokens sharing experts (and one token's pairs in a non-sorted order) with given routing weights."""
+    tokens, num_experts, top_k, hidden, inter = 4, 10, 8, 32, 24
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int()
+    ids[1] = ids[0]  # two tokens on the very same experts
+    ids[2] = ids[0].flip(0)  # the same experts in the other order
+    ids, weights = ids.to(device), torch.rand(tokens, top_k, device=device)
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=splits)
+    got = fused_moe_experts_triton(x, w13, w2, weights, ids, config=config)
+    assert_close(got, fused_moe_experts_reference(x, w13, w2, weights, ids), scale=2.0)
+
+
+def test_default_tiles_on_a_wider_shape_and_no_tokens(device):
+    """The default config's tiles (fitted to the shape), and an empty batch."""
+    tokens, num_experts, top_k, hidden, inter = 2, 8, 2, 512, 272
+    x = torch.randn(tokens, hidden, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = default_small_batch_config(top_k)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True))
+    empty = fused_moe_triton(x[:0], w13, w2, logits[:0], top_k, True, config=config)
+    assert empty.shape == (0, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_in_a_launch_of_its_own(device, dtype):
+    tokens, num_experts, top_k, hidden, inter = 2, 8, 2, 32, 24
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, fold_routing=False)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
+
+
+def test_routing_folded_into_the_kernel_picks_what_topk_picks(device):
+    """Equal logits (ties) take the experts the top-k kernel takes (the lowest ids; torch.topk on a CPU does not)."""
+    tokens, num_experts, top_k, hidden, inter = 2, 8, 3, 32, 16
+    x = torch.randn(tokens, hidden, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
+    logits = torch.zeros(tokens, num_experts, device=device)
+    logits[0, 5] = 1.0
+    weights, ids = topk_route_triton(logits, top_k, False)
+    assert ids.tolist() == [[5, 0, 1], [0, 1, 2]]
+    want = fused_moe_experts_reference(x, w13, w2, weights, ids)
+    assert_close(fused_moe_triton(x, w13, w2, logits, top_k, False, config=TINY), want)
+
+
+def test_the_path_follows_the_shapes_and_the_switch(monkeypatch):
+    w13 = torch.empty(8, 2 * 16, 32)
+    assert auto_small_batch_config(1, 2, w13) == default_small_batch_config(2)
+    assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2, 2, w13) == default_small_batch_config(2)
+    assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2 + 1, 2, w13) is None
+    assert auto_small_batch_config(0, 2, w13) is None
+    monkeypatch.setenv("TIDAL_MOE_SMALL_BATCH", "0")
+    assert auto_small_batch_config(1, 2, w13) is None
+
+
+def test_a_tuned_shape_takes_its_table(monkeypatch):
+    shape = (128, 8, 2048, 768)
+    wide = SmallBatchMoeConfig(GemvTiles(32, 512, 8), GemvTiles(8, 256, 4), down_splits=2)
+    monkeypatch.setitem(TUNED_SMALL_BATCH_CONFIGS, shape, ((1, TINY), (4, wide)))
+    assert small_batch_moe_config(1, 8, 128, 2048, 768) == TINY
+    assert small_batch_moe_config(3, 8, 128, 2048, 768) == wide
+    assert small_batch_moe_config(5, 8, 128, 2048, 768) is None  # past the table: grouped GEMMs
+
+
+def test_default_down_tiles_keep_one_step_of_loads_near_constant():
+    assert default_small_batch_config(8).down == GemvTiles(16, 64, 4)  # Qwen3-30B-A3B: 8 pairs side by side
+    assert default_small_batch_config(2).down == GemvTiles(16, 256, 4)  # Mixtral
+    assert default_small_batch_config(6).down == default_small_batch_config(8).down  # padded to 8 slots
+
+
+def test_tiles_fit_small_problems_and_splits_divide_top_k():
+    assert fit_tiles(GemvTiles(64, 512, 4), 24, 40) == GemvTiles(32, 64, 4)
+    assert fit_tiles(GemvTiles(16, 256, 4), 768, 2048) == GemvTiles(16, 256, 4)
+    assert down_splits(SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=4), 8) == 4
+    assert down_splits(SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=4), 2) == 2
+    assert down_splits(SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=4), 3) == 1
+
+
+def test_the_moe_layer_takes_the_small_batch_path(device, monkeypatch):
+    """SparseMoE's forward with the Triton op (interpreted on CPU): a decode-sized batch takes the small-batch path
+    and gives the reference's output."""
+    from tidal.kernels import fused_moe_small_batch
+
+    names = moe_layer.ExpertCheckpointNames(block="mlp", router="gate", gate="gate_proj", up="up_proj",
+                                            down="down_proj")  # fmt: skip
+    spec = moe_layer.MoeSpec(num_experts=8, top_k=2, expert_intermediate_size=24, renormalize=True, names=names)
+    layer = moe_layer.SparseMoE(32, spec, torch.float32, torch.device(device))
+    for weight in (layer.router, layer.w13, layer.w2):
+        weight.data.normal_(std=0.2)
+    x = torch.randn(3, 32, device=device)
+    want = fused_moe_reference(x, layer.w13, layer.w2, x @ layer.router.t(), 2, True)
+    calls = []
+    routed = fused_moe_small_batch.small_batch_moe_routed
+    monkeypatch.setattr("tidal.kernels.fused_moe.small_batch_moe_routed", lambda *a: calls.append(1) or routed(*a))
+    monkeypatch.setattr(moe_layer, "fused_moe", fused_moe_triton)
+    with torch.no_grad():
+        assert_close(layer(x), want)
+    assert calls == [1]
