@@ -10,6 +10,7 @@ for bit what it was, and nothing waits for the device.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ class GrammarMasks:
         vocab = logits.shape[1]
         bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # [R, W] int32 on the host
         if self._filler is None:
-            self._filler = xgrammar.BatchGrammarMatcher(max_threads="auto")
+            self._filler = xgrammar.BatchGrammarMatcher(max_threads=fill_threads())
         self._filler.batch_fill_next_token_bitmask([matchers[r] for r in rows], bitmask)
         bits = to_device(bitmask, logits.device)  # [R, W]
         allowed = (bits.unsqueeze(-1) >> self._shifts) & 1  # [R, W, 32]
@@ -43,3 +44,10 @@ class GrammarMasks:
         rows_t = to_device(int64_tensor(rows), logits.device)  # [R]
         masked = logits.index_select(0, rows_t).masked_fill_(~allowed, float("-inf"))  # [R, V]
         logits.index_copy_(0, rows_t, masked)
+
+
+def fill_threads() -> int:
+    """Threads for filling masks: xgrammar's "auto" is the host's whole core count, which in a container limited to
+    a few of them oversubscribes it; half the cores this process may run on (the step thread and the server's
+    event loop need the rest), at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
