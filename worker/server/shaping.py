@@ -32,6 +32,13 @@ class CompletionShape:
         """max_tokens 0: the generated token is left out."""
         return self.request.max_tokens == 0
 
+    @property
+    def is_plain(self) -> bool:
+        """Streamed chunks carry a choice's text and finish reason alone (sse_chunks.py writes them)."""
+        r = self.request
+        plain = r.logprobs is None and r.prompt_logprobs is None and not r.echo and not r.return_token_ids
+        return plain and not self.scores_only
+
     def whole(self, index: int, generation: Generation, collected: Collected, finish: str | None) -> CompletionChoice:
         return self._choice(index, generation, collected.text, collected.token_ids, collected.logprobs, finish, True)
 
@@ -93,6 +100,11 @@ class CompletionShape:
 class ChatShape:
     request: ChatCompletionRequest
     texts: TokenTexts
+
+    @property
+    def is_plain(self) -> bool:
+        """Content chunks carry text and finish reason alone (sse_chunks.py writes them)."""
+        return not self.request.logprobs and not self.request.return_token_ids
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not self.request.logprobs:
