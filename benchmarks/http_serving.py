@@ -3,6 +3,7 @@ latency and throughput, as a measured ratio.
 
     python benchmarks/http_serving.py --preset llama3-8b --device cuda --streams 64   # the issue's run (H200)
     python benchmarks/http_serving.py --preset tiny --device cpu --streams 4 --smoke  # seconds, on a CPU
+    python benchmarks/http_serving.py --preset llama3-8b --device cuda --switch-interval-us 5000 1000 200
 
 One engine (random weights of the preset's shape, drawn on the device) serves the same workload twice: first
 through `AsyncEngine.generate` directly, then through the worker's serving API (the app, limits and listener the
@@ -13,7 +14,10 @@ server sends an SSE event for each engine output that carries text, so the engin
 
 The model keeps the preset's shape but the tiny tokenizer's 512-token vocabulary, so that sampled tokens decode
 to text and make events (with the 8B vocabulary most ids decode to nothing); its LM head is then 0.5 GB smaller.
-Prints a table and writes benchmarks/results/http-serving-<preset>-<gpu|cpu>[-smoke].json.
+With several `--switch-interval-us` values the pair of runs is repeated for each (the process's
+`sys.setswitchinterval`, as the worker's `--gil-switch-interval-us` sets it: how long the event loop's thread may
+keep the GIL while the engine's step thread waits for it, and the other way round), on the same engine.
+Prints a table per value and writes benchmarks/results/http-serving-<preset>-<gpu|cpu>[-smoke].json.
 """
 
 from __future__ import annotations
@@ -212,6 +216,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--switch-interval-us",
+        type=int,
+        nargs="+",
+        default=[5000],
+        help="sys.setswitchinterval values to compare, in µs, one engine+HTTP pair each (default: CPython's 5000)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a few tokens (tests)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--client", type=Path, default=None, help=argparse.SUPPRESS)  # a client process's job file
@@ -235,30 +246,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )  # fmt: skip
         llm = LLMEngine.from_loaded_model(config, loaded)
         prompts = load.prompts(loaded.model.vocab_size)
-        engine_times = asyncio.run(run_engine_alone(llm, load, prompts))
-        background = serve(AsyncEngine(llm))
-        try:
-            base_url = background.url("serving") + "/v1"
-            model = llm.model_name
-            http_load(base_url, model, Load(load.streams, 1, load.prompt_len, 4), prompts, Path(tmp))  # warm-up
-            http_times = http_load(base_url, model, load, prompts, Path(tmp))
-        finally:
-            background.stop()
+        runs = [run_pair(llm, load, prompts, Path(tmp), us) for us in args.switch_interval_us]
     report: dict[str, Any] = {
         "benchmark": "benchmarks/http_serving.py",
         "preset": preset.name,
         "environment": env,
         "load": asdict(load),
-        "engine": summarize(engine_times, load.max_tokens),
-        "http": summarize(http_times, load.max_tokens),
+        "runs": runs,
     }
-    report["ratios"] = ratios(report["engine"], report["http"])
-    print(to_table(report), flush=True)
+    for run in runs:
+        print(to_table(report, run) + "\n", flush=True)
     where = (env.get("gpu") or "cpu").lower().replace(" ", "-")
     stem = f"http-serving-{preset.name}-{where}" + ("-smoke" if args.smoke else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def run_pair(llm: LLMEngine, load: Load, prompts: list[list[int]], workdir: Path, switch_us: int) -> dict[str, Any]:
+    """The engine alone, then through HTTP, with the process's GIL switch interval at `switch_us`."""
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(switch_us / 1e6)
+    try:
+        engine_times = asyncio.run(run_engine_alone(llm, load, prompts))
+        background = serve(AsyncEngine(llm))
+        try:
+            base_url = background.url("serving") + "/v1"
+            model = llm.model_name
+            http_load(base_url, model, Load(load.streams, 1, load.prompt_len, 4), prompts, workdir)  # warm-up
+            http_times = http_load(base_url, model, load, prompts, workdir)
+        finally:
+            background.stop()
+    finally:
+        sys.setswitchinterval(default)
+    engine = summarize(engine_times, load.max_tokens)
+    http = summarize(http_times, load.max_tokens)
+    return {"switch_interval_us": switch_us, "engine": engine, "http": http, "ratios": ratios(engine, http)}
 
 
 def ratios(engine: dict[str, Any], http: dict[str, Any]) -> dict[str, float | None]:
@@ -270,11 +293,12 @@ def ratios(engine: dict[str, Any], http: dict[str, Any]) -> dict[str, float | No
     return out
 
 
-def to_table(report: dict[str, Any]) -> str:
-    load, engine, http, ratio = report["load"], report["engine"], report["http"], report["ratios"]
+def to_table(report: dict[str, Any], run: dict[str, Any]) -> str:
+    load, engine, http, ratio = report["load"], run["engine"], run["http"], run["ratios"]
     lines = [
         f"{report['preset']} on {report['environment'].get('gpu') or 'cpu'}: {load['streams']} streams x "
-        f"{load['requests_per_stream']} requests, {load['prompt_len']} prompt tokens, {load['max_tokens']} out",
+        f"{load['requests_per_stream']} requests, {load['prompt_len']} prompt tokens, {load['max_tokens']} out, "
+        f"GIL switch interval {run['switch_interval_us']} µs",
         "",
         "| measure | engine alone | through HTTP | HTTP / engine |",
         "| --- | ---: | ---: | ---: |",

@@ -88,6 +88,8 @@ def serve(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Process-wide, so set here at the entry point rather than by a component (tests assemble workers in-process).
+    sys.setswitchinterval(config.server.gil_switch_interval_us / 1e6)
     # Imported here so that `--help` and configuration errors answer without loading torch.
     from tidal.worker.model_source import with_model_directory
     from tidal.worker.process import assemble_worker

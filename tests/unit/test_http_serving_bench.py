@@ -42,7 +42,9 @@ def test_smoke_run_on_cpu_serves_every_request_through_both_paths(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "http-serving-tiny-cpu-smoke.json").read_text())
+    (run,) = report["runs"]
+    assert run["switch_interval_us"] == 5000
     for side in ("engine", "http"):
-        assert report[side]["requests"] == report[side]["requests_with_output"] == 6
-        assert report[side]["ttft_ms_p50"] > 0 and report[side]["itl_ms_p50"] > 0
+        assert run[side]["requests"] == run[side]["requests_with_output"] == 6
+        assert run[side]["ttft_ms_p50"] > 0 and run[side]["itl_ms_p50"] > 0
     assert "| inter-token p50 ms |" in result.stdout

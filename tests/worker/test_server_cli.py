@@ -73,18 +73,20 @@ def test_the_serving_limits_are_flags_and_variables_with_defaults(model_dir, mon
         1,
     )
     assert (defaults.tokenizer_threads, defaults.allow_request_chat_template) == (4, False)
+    assert defaults.gil_switch_interval_us == 5000  # CPython's own
     monkeypatch.setenv("TIDAL_HEADER_READ_TIMEOUT_S", "2.5")
     monkeypatch.setenv("TIDAL_ALLOW_REQUEST_CHAT_TEMPLATE", "true")
     config = load_config(
         ["--model", str(model_dir), "--max-request-body-bytes", "65536", "--max-prompt-tokens", "100",
          "--body-read-timeout-s", "4", "--max-connections", "10", "--max-concurrent-requests", "5",
-         "--overload-retry-after-s", "3", "--tokenizer-threads", "2"]
+         "--overload-retry-after-s", "3", "--tokenizer-threads", "2", "--gil-switch-interval-us", "500"]
     )  # fmt: skip
     server = config.server
     assert (server.max_request_body_bytes, server.max_prompt_tokens) == (65536, 100)
     assert (server.header_read_timeout_s, server.body_read_timeout_s) == (2.5, 4.0)
     assert (server.max_connections, server.max_concurrent_requests, server.overload_retry_after_s) == (10, 5, 3)
     assert (server.tokenizer_threads, server.allow_request_chat_template) == (2, True)
+    assert server.gil_switch_interval_us == 500
 
 
 def test_long_env_name_of_the_model_works_too(model_dir, monkeypatch):

@@ -186,6 +186,12 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def has_ready_output(self, request_id: str) -> bool:
+        """Whether the request's stream holds an output (or its error) that its next `anext` returns without
+        waiting. On the event loop only: the loop thread alone fills the queues, so the answer holds until it awaits."""
+        queue = self._streams.get(request_id)
+        return queue is not None and not queue.empty()
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its cache blocks (no-op for an unknown or finished request). Thread-safe."""
         with self._wake:

@@ -47,6 +47,17 @@ class Choices:
     def finish_reason(self, index: int) -> str | None:
         return self.generations[index // self.n].finish_reasons[index % self.n]
 
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has its finish reason: `outputs()` ends without waiting."""
+        return all(g.is_finished for g in self.generations)
+
+    @property
+    def has_ready_output(self) -> bool:
+        """The next item of `outputs()` is already here. Always False for several prompts (their merged order is the
+        pump tasks' to decide): the caller then just writes sooner."""
+        return len(self.generations) == 1 and self.generations[0].has_ready_output
+
     async def start(self) -> None:
         """Submit every prompt at once and wait for each one's first output; the first refusal (a 400 or 503) is
         raised once all have started or failed, with every generation closed."""

@@ -87,6 +87,14 @@ class ServerConfig(BaseModel):
         "one named for a model whose chat template uses another family's.",
     )
 
+    gil_switch_interval_us: int = Field(
+        default=5000,
+        ge=100,
+        le=1_000_000,
+        description="How long (µs) a Python thread keeps the GIL while another waits for it (sys.setswitchinterval): "
+        "the engine's step thread can wait this long behind the event loop. Default: CPython's own 5000.",
+    )
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_log_level(cls, value: object) -> object:

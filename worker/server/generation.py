@@ -104,6 +104,12 @@ class Generation:
     def is_finished(self) -> bool:
         return self._num_running == 0
 
+    @property
+    def has_ready_output(self) -> bool:
+        """The next output is already here (the stream fell behind the engine): a writer may wait for it and send
+        both in one write."""
+        return self._engine.has_ready_output(self.request_id)
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Every output, the first one included; each sample's last carries its finish reason."""
         if self._first is None:

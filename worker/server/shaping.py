@@ -45,6 +45,13 @@ class CompletionShape:
         """max_tokens 0: the generated token is left out."""
         return self.request.max_tokens == 0
 
+    @property
+    def is_plain(self) -> bool:
+        """Streamed chunks carry a choice's text and finish reason alone (sse_chunks.py writes them)."""
+        r = self.request
+        plain = r.logprobs is None and r.prompt_logprobs is None and not r.echo and not r.return_token_ids
+        return plain and not self.scores_only
+
     def whole(self, index: int, generation: Generation, collected: Collected, finish: str | None) -> CompletionChoice:
         return self._choice(index, generation, collected.text, collected.token_ids, collected.logprobs, finish, True)
 
@@ -152,6 +159,12 @@ class ChatShape:
         if self.request.parallel_tool_calls is False:
             return calls[: max(0, 1 - num_before)]
         return calls
+
+    @property
+    def is_plain(self) -> bool:
+        """Content chunks carry text and finish reason alone (sse_chunks.py writes them): no logprobs, no token ids,
+        no tool calls to read out of the text."""
+        return not self.request.logprobs and not self.request.return_token_ids and self.tool_format is None
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> ChatLogprobs | None:
         if not self.request.logprobs:

@@ -6,6 +6,10 @@ waits on a client (outputs queue per request), so a stalled reader holds no KV-c
 end, but it would keep the connection and the queued text for as long as it likes. The response therefore bounds
 every write by `write_timeout_s`, and calls the generation's synchronous `close()` in a `finally` on every exit (which
 also gives back the request's admission slot).
+
+Events are made on the event loop, which shares the GIL with the engine's step thread, so they are kept cheap: plain
+token chunks come from sse_chunks.py instead of pydantic, and the outputs a stream already has queued (it fell behind
+the engine) go out in one write.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from tidal.worker.server.responses import (
     ChatStreamChoice,
     CompletionResponse,
     Usage,
+    now_s,
 )
+from tidal.worker.server.send_watch import SendWatch
 from tidal.worker.server.shaping import ChatShape, CompletionShape
+from tidal.worker.server.sse_chunks import ChatEvents, CompletionEvents
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +43,6 @@ DONE = "data: [DONE]\n\n"
 
 def sse_event(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
-
-
-class SlowClientError(Exception):
-    """The client did not accept a chunk within the write timeout."""
 
 
 class SSEResponse(StreamingResponse):
@@ -61,19 +64,28 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
     async def stream_response(self, send: Send) -> None:
-        async def bounded_send(message: Message) -> None:
-            try:
-                async with asyncio.timeout(self._write_timeout_s):
-                    await send(message)
-            except TimeoutError:
-                raise SlowClientError(f"client did not read a chunk within {self._write_timeout_s:g}s") from None
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an SSE response must run in a task")
+        cancelling = task.cancelling()
+        watch = SendWatch(task, self._write_timeout_s)
+
+        async def watched_send(message: Message) -> None:
+            watch.write_started()
+            await send(message)
+            watch.write_done()
 
         try:
-            await super().stream_response(bounded_send)
-        except SlowClientError as exc:
+            await super().stream_response(watched_send)
+        except asyncio.CancelledError:
+            # Only our own cancel, with none from elsewhere on top, ends here; any other goes on.
+            if not watch.fired or task.uncancel() > cancelling:
+                raise
             # Ending here leaves the response incomplete; the server then closes the connection, which is the
             # only way left to tell a client that stopped reading.
-            log.warning("abandoning a stream: %s", exc)
+            log.warning("abandoning a stream: client did not read a chunk within %gs", self._write_timeout_s)
+        finally:
+            watch.stop()
 
 
 def _error_event(exc: BaseException) -> str:
@@ -83,24 +95,46 @@ def _error_event(exc: BaseException) -> str:
     return sse_event(error_body(500, "internal error in the engine", code="internal_error"))
 
 
+def _may_wait(choices: Choices) -> bool:
+    """Whether events made so far may wait for the next output's: it is already here (the stream fell behind the
+    engine, so one write carries several events), or the choices are done (the end follows at once)."""
+    return choices.has_ready_output or choices.is_finished
+
+
 async def completion_events(
     choices: Choices, response_id: str, model: str, include_usage: bool, shape: CompletionShape
 ) -> AsyncIterator[str]:
     """`text_completion` chunks: one per engine output with something new (text, logprobs, token ids; a choice's
-    first also the echoed prompt), each choice's last with its finish reason; each carries one choice and its index."""
+    first also the echoed prompt), each choice's last with its finish reason; each carries one choice and its index.
+    Each item yielded is one write of one or more events."""
+    created = now_s()  # the same in every chunk of a stream, as OpenAI's
+    plain = CompletionEvents(response_id, model, created) if shape.is_plain else None
+    started: set[int] = set()  # plain: choices that sent a chunk (a choice's first is sent even without text)
+    batch: list[str] = []
     try:
         async for index, output in choices.outputs():
-            choice = shape.chunk(index, choices.generation_of(index), output)
-            if choice is not None:
-                yield sse_event(CompletionResponse(id=response_id, model=model, choices=[choice]))
+            if plain is not None:
+                if output.new_text or output.finish_reason is not None or index not in started:
+                    started.add(index)
+                    batch.append(plain.text(index, output.new_text, output.finish_reason))
+            else:
+                choice = shape.chunk(index, choices.generation_of(index), output)
+                if choice is not None:
+                    chunk = CompletionResponse(id=response_id, created=created, model=model, choices=[choice])
+                    batch.append(sse_event(chunk))
+            if batch and not _may_wait(choices):
+                yield "".join(batch)
+                batch.clear()
     except Exception as exc:  # the stream has started (status 200), so the error can only travel as an event
-        yield _error_event(exc)
+        yield "".join([*batch, _error_event(exc)])
         return
     if include_usage:
         completion_tokens = 0 if shape.scores_only else choices.num_output_tokens
         usage = Usage.of(choices.num_prompt_tokens, completion_tokens)
-        yield sse_event(CompletionResponse(id=response_id, model=model, choices=[], usage=usage))
-    yield DONE
+        batch.append(
+            sse_event(CompletionResponse(id=response_id, created=created, model=model, choices=[], usage=usage))
+        )
+    yield "".join([*batch, DONE])
 
 
 async def chat_events(
@@ -108,37 +142,53 @@ async def chat_events(
 ) -> AsyncIterator[str]:
     """`chat.completion.chunk`s, for each choice: the role first (with the prompt's token ids and logprobs, if asked),
     then content deltas (with their tokens' logprobs and ids, if asked) and tool-call deltas, then an empty delta with
-    the finish reason; each chunk carries one choice, with its index."""
+    the finish reason; each chunk carries one choice, with its index. Each item yielded is one write of one or more
+    events."""
+    created = now_s()  # the same in every chunk of a stream, as OpenAI's
+    plain = ChatEvents(response_id, model, created) if shape.is_plain else None
 
     def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None, **extra: object) -> str:
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason, **extra)  # type: ignore[arg-type]
-        return sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[choice]))
+        return sse_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[choice]))
 
+    batch: list[str] = []  # the role chunks go out with the first output's, which is already here
     for index in range(choices.num_choices):
         choice = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         generation = choices.generation_of(index)
         prompt_ids, prompt_lp = shape.token_ids(generation.prompt_token_ids), shape.prompt_logprobs(generation)
-        first = ChatCompletionChunk(
-            id=response_id, model=model, choices=[choice], prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lp
-        )
-        yield sse_event(first)
+        role = ChatCompletionChunk(
+            id=response_id, created=created, model=model, choices=[choice], prompt_token_ids=prompt_ids,
+            prompt_logprobs=prompt_lp,
+        )  # fmt: skip
+        batch.append(sse_event(role))
     try:
         async for index, output in choices.outputs():
-            logprobs = shape.logprobs(output.logprobs) if output.logprobs else None
-            token_ids = shape.token_ids(output.new_token_ids) if output.new_token_ids else None
-            finished = output.finish_reason is not None
-            # With tools, text that may start a call is held back; calls go out whole, as their own deltas.
-            content, calls = shape.stream_delta(index, output.new_text, finished)
-            if content or logprobs or token_ids:
-                yield chunk(index, ChatDelta(content=content), logprobs=logprobs, token_ids=token_ids)
-            for call in calls:
-                yield chunk(index, ChatDelta(tool_calls=[call]))
-            if output.finish_reason is not None:
-                yield chunk(index, ChatDelta(), shape.stream_finish_reason(index, output.finish_reason))
+            if plain is not None:
+                if output.new_text:
+                    batch.append(plain.content(index, output.new_text))
+                if output.finish_reason is not None:
+                    batch.append(plain.finish(index, output.finish_reason))
+            else:
+                logprobs = shape.logprobs(output.logprobs) if output.logprobs else None
+                token_ids = shape.token_ids(output.new_token_ids) if output.new_token_ids else None
+                finished = output.finish_reason is not None
+                # With tools, text that may start a call is held back; calls go out whole, as their own deltas.
+                content, calls = shape.stream_delta(index, output.new_text, finished)
+                if content or logprobs or token_ids:
+                    batch.append(chunk(index, ChatDelta(content=content), logprobs=logprobs, token_ids=token_ids))
+                for call in calls:
+                    batch.append(chunk(index, ChatDelta(tool_calls=[call])))
+                if output.finish_reason is not None:
+                    batch.append(chunk(index, ChatDelta(), shape.stream_finish_reason(index, output.finish_reason)))
+            if batch and not _may_wait(choices):
+                yield "".join(batch)
+                batch.clear()
     except Exception as exc:  # see completion_events
-        yield _error_event(exc)
+        yield "".join([*batch, _error_event(exc)])
         return
     if include_usage:
         usage = Usage.of(choices.num_prompt_tokens, choices.num_output_tokens)
-        yield sse_event(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=usage))
-    yield DONE
+        batch.append(
+            sse_event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[], usage=usage))
+        )
+    yield "".join([*batch, DONE])
