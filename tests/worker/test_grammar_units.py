@@ -53,6 +53,32 @@ def test_only_the_structured_rows_are_masked_exactly(compiler):
         assert torch.equal(masked[row, sorted(allowed)], logits[row, sorted(allowed)])
 
 
+def masked_by(masks: GrammarMasks, matchers: list, vocab: int) -> torch.Tensor:
+    logits = torch.zeros(len(matchers), vocab)
+    masks.apply(logits, SampleBatch([SamplingParams()] * len(matchers), list(range(len(matchers))), matchers=matchers))
+    return torch.isfinite(logits)
+
+
+def test_prepared_masks_are_used_only_for_the_rows_they_were_made_for(compiler):
+    vocab = compiler._vocab_size
+    grammar = compiler.compile(StructuredOutput(kind="regex", text=r"(ab|cd)[0-9]+"))
+    first, second, third = new_matcher(grammar), new_matcher(grammar), new_matcher(grammar)
+    assert second.accept_string("ab")
+    assert third.accept_string("cd1")
+    want = masked_by(GrammarMasks(torch.device("cpu")), [first, second, third], vocab)
+
+    masks = GrammarMasks(torch.device("cpu"))
+    masks.prepare([first, None, second, third], vocab)
+    assert torch.equal(masked_by(masks, [first, second, third], vocab), want)  # the same rows: as filled now
+
+    masks.prepare([first, second, third], vocab)
+    assert torch.equal(masked_by(masks, [first, None, third], vocab)[[0, 2]], want[[0, 2]])  # a row ended since
+
+    masks.prepare([first], vocab)
+    assert torch.equal(masked_by(masks, [third], vocab), want[2:])  # not the prepared rows: filled now
+    assert masks._prepared is None
+
+
 def test_equal_specs_share_one_compile_and_the_cache_is_bounded(compiler):
     specs = [StructuredOutput.choice([f"x{i}"]) for i in range(4)]
     first = compiler.submit(specs[0])

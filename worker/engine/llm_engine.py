@@ -248,7 +248,7 @@ class LLMEngine:
             # A structured row's next mask needs the token of the step before: launch the forward, read the step
             # before while it runs (advancing the matchers), then queue the sampling.
             forward = self._launch_forward(previous)
-            outputs = self._read(previous) if previous is not None else []
+            outputs = self._read(previous, forward) if previous is not None else []
             launched = self._sample(forward) if forward is not None else None
         else:
             launched = self._launch(previous)
@@ -383,9 +383,14 @@ class LLMEngine:
         if ending:
             self.scheduler.retire(ending)
 
-    def _read(self, step: InFlightStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them."""
+    def _read(self, step: InFlightStep, next_forward: LaunchedForward | None = None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, put them in their sequences, and detokenize and stop-check them.
+        `next_forward`: the step launched after it, whose sampling waits for this read (structured outputs): the
+        grammar matchers are advanced first, and the masks of that sampling filled on a thread meanwhile."""
         tokens = step.samples.wait()
+        grammar_ended = self._advance_matchers(step, tokens) if self._num_structured else frozenset()
+        if next_forward is not None and next_forward.logits is not None and self._num_structured:
+            self.sampler.prepare_masks([p.request.matcher for p in next_forward.pending], self.vocab_size)
         if step.prompt_positions:
             self._store_prompt_logprobs(step)
         row_logprobs: dict[int, TokenLogprob] = {}  # row -> its logprobs, for the rows that asked
@@ -393,6 +398,7 @@ class LLMEngine:
             rows = [i for i, p in enumerate(step.pending) if p.request.seq.params.logprobs is not None]
             row_logprobs = dict(zip(rows, step.samples.logprobs(), strict=True))
         live: list[PendingToken] = []
+        live_rows: list[int] = []
         live_tokens: list[int] = []
         live_logprobs: list[TokenLogprob | None] = []
         detokenizers: list[IncrementalDetokenizer] = []
@@ -403,6 +409,7 @@ class LLMEngine:
                 continue
             seq.token_ids[p.token_index] = token
             live.append(p)
+            live_rows.append(row)
             live_tokens.append(token)
             live_logprobs.append(row_logprobs.get(row))
             detokenizers.append(request.detokenizer)
@@ -411,7 +418,9 @@ class LLMEngine:
         texts = push_each(self._window_decoder, detokenizers, live_tokens)
         self._num_generated_tokens += len(live)
         outputs = []
-        for (request, index), token, text, logprob in zip(live, live_tokens, texts, live_logprobs, strict=True):
+        for (request, index), row, token, text, logprob in zip(
+            live, live_rows, live_tokens, texts, live_logprobs, strict=True
+        ):
             seq = request.seq
             num_tokens = index + 1  # the sequence as of this step (the next step's token may follow)
             # min_tokens: a stop string that ends before enough tokens were generated does not count.
@@ -421,7 +430,7 @@ class LLMEngine:
                 reason: FinishReason | None = "stop"
             else:
                 reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len, num_tokens)
-            if reason is None and request.matcher is not None and not _grammar_goes_on(request.matcher, token):
+            if reason is None and row in grammar_ended:
                 reason = "stop"
             if reason is None:
                 output = RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
@@ -439,6 +448,17 @@ class LLMEngine:
                 output = output._replace(prompt_logprobs=request.prompt_logprobs or [None])
             outputs.append(output)
         return outputs
+
+    def _advance_matchers(self, step: InFlightStep, tokens: list[int]) -> frozenset[int]:
+        """Advance each live structured row's grammar matcher by its new token; -> the rows whose grammar is
+        complete with it (their samples end there, whether or not the token was one of the engine's EOS ids)."""
+        ended = set()
+        for row, (p, token) in enumerate(zip(step.pending, tokens, strict=True)):
+            matcher = p.request.matcher
+            live = matcher is not None and p.request.seq.status is not SequenceStatus.FINISHED
+            if live and not _grammar_goes_on(matcher, token):
+                ended.add(row)
+        return frozenset(ended)
 
     def _store_prompt_logprobs(self, step: InFlightStep) -> None:
         """File the step's prompt-position logprobs with their requests (a chunk at a time; kept until sent)."""
@@ -557,8 +577,7 @@ _NO_STATEFUL_CONTROLS: dict[str, Any] = {
 
 
 def _grammar_goes_on(matcher: Any, token: int) -> bool:
-    """Advance a structured sample's matcher by its new token; False once its grammar is complete (the sample ends
-    there, whether or not the token was one of the engine's EOS ids)."""
+    """Advance a structured sample's matcher by its new token; False once its grammar is complete."""
     if not matcher.accept_token(token):
         # The mask allowed only what the matcher accepts, so this is a bug; end the sample rather than go on unmasked.
         log.error("the grammar matcher refused token %d, which its own mask allowed", token)

@@ -21,6 +21,8 @@ this one's tokens, so a wait here would also wait for the forward just queued.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tidal.worker.engine.grammar_masks import GrammarMasks
@@ -45,6 +47,10 @@ class Sampler:
         self._per_request.pop(seq_id, None)
         self._edits.forget(seq_id)
         self._penalties.forget(seq_id)
+
+    def prepare_masks(self, matchers: list[Any], vocab_size: int) -> None:
+        """Start computing the grammar masks of the next sampling's rows (see GrammarMasks.prepare)."""
+        self._grammars.prepare(matchers, vocab_size)
 
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> list[int]:
         """logits [S, V] fp32 -> S token ids (waits for them)."""
@@ -84,6 +90,8 @@ class Sampler:
             # Last before the choice: whatever the edits and penalties did, a token the grammar forbids cannot be
             # drawn (a positive logit_bias added after the mask would otherwise revive it).
             self._grammars.apply(logits, batch)
+        else:
+            self._grammars.discard()  # masks prepared for structured rows that have all ended since
         tokens, scaled, random_rows = self._choose(logits, batch)
         if penalised is not None:
             self._penalties.record(penalised, tokens)
