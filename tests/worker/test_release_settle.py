@@ -3,8 +3,9 @@ probe's rates scripted: the CUDA behaviour itself is measured by benchmarks/life
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from tidal.worker.lifecycle.release_settle import PASSES_NEEDED, ReleaseSettle
 
 
-def scripted(rates: list[float], timeout_s: float = 2.0) -> tuple[ReleaseSettle, Iterator[float]]:
+def scripted(rates: Iterable[float], timeout_s: float = 2.0) -> tuple[ReleaseSettle, Iterator[float]]:
     settle = ReleaseSettle(torch.zeros(1024, dtype=torch.uint8), torch.device("cpu"), timeout_s)
     settle._usable = True  # as if CUDA with a pinned buffer: the scratch buffer lands on the CPU
     it = iter(rates)
@@ -36,7 +37,7 @@ def test_waits_until_the_probe_runs_at_the_reference_rate_twice_in_a_row() -> No
 
 
 def test_gives_up_at_the_deadline_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    settle, _ = scripted([55, 55, 55] + [20] * 100000, timeout_s=0.02)
+    settle, _ = scripted(itertools.chain([55, 55, 55], itertools.repeat(20)), timeout_s=0.02)
     settle.take_reference()
     with caplog.at_level(logging.WARNING):
         waited = settle.wait()

@@ -31,9 +31,9 @@ class LifecycleConfig(BaseModel):
     )  # fmt: skip
     sleep_settle_timeout_s: float = Field(
         default=2.0, ge=0,
-        description="CUDA: longest a sleep waits, after releasing device memory, for host->device copies to run at "
-        "full rate again (the driver clears released memory in the background, and a wake inside that window ran "
-        "its weights copy at about half rate); 0: answer at once.",
+        description="CUDA, level-1 sleeps: longest the sleep waits, after releasing device memory, for "
+        "host->device copies to run at full rate again (the driver clears released memory in the background, and "
+        "a wake inside that window ran its weights copy at about half rate); 0: answer at once.",
     )  # fmt: skip
     upload_dir: Path | None = Field(default=None, description="Where streamed weight uploads are spooled.")
     stable_device_memory: bool = Field(

@@ -101,7 +101,8 @@ class Residency:
         num_bytes = 0
         try:
             with self._quiesced() as llm:
-                self.settle.take_reference()
+                if level == 1:  # a level-2 wake re-reads the disk first, which outlasts the clearing
+                    self.settle.take_reference()
                 if self.weights.is_resident:
                     if level == 1:
                         num_bytes += self.weights.to_host()
