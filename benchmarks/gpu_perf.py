@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from perf import device as devinfo
 from perf import engine_side, moe, transformers_side
+from perf.cli import DTYPES, engine_benchmark_parser, parse_checked, progress
 from perf.presets import PRESETS, Workload, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.report import agreement, bandwidth_bound, comparison, result_stem, targets, to_markdown, write_report
@@ -44,26 +45,12 @@ from perf.timing import median
 
 from tidal.worker.loader.model_loader import LoadedModel
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-T0 = time.monotonic()
 SMALL_BATCH_SWITCH = "TIDAL_MOE_SMALL_BATCH"  # kernels/fused_moe.py: "0" keeps every MoE batch on the grouped GEMMs
 
 
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {message}", flush=True)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    parser = engine_benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--skip-transformers", action="store_true", help="only the engine (no baseline, no ratios)")
-    parser.add_argument("--smoke", action="store_true", help="the smallest workload (tests)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="the engine one step at a time (no host/device overlap)"
     )
@@ -71,10 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--moe-path", choices=["auto", "grouped"], default="auto", help="grouped: no small-batch MoE path (A/B)"
     )
     parser.add_argument("--moe-ab", action="store_true", help="decode again on the grouped MoE path, same process")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but CUDA is not available")
-    return args
+    return parse_checked(parser, argv)
 
 
 def run_side(

@@ -25,37 +25,20 @@ from typing import Any
 import torch
 from perf import device as devinfo
 from perf import engine_side, grammar_vocab, sampling_report, sampling_side
+from perf.cli import DTYPES, RESULTS, engine_benchmark_parser, parse_checked, progress
 from perf.presets import PRESETS, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.report import result_stem
 
 from tidal.worker.engine.structured_output import StructuredOutput
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-T0 = time.monotonic()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {message}", flush=True)
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown")
+    parser = engine_benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--recorded", type=Path, default=None, help="gpu_perf report to compare with (default: its file in results/)"
     )
-    parser.add_argument("--smoke", action="store_true", help="the smallest workload (tests)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but CUDA is not available")
-    return args
+    return parse_checked(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

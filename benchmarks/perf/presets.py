@@ -111,6 +111,15 @@ def write_model_dir(preset: ModelPreset, out: Path) -> Path:
     return out
 
 
+def check_decode_timing(warmup_tokens: int, new_tokens: int) -> None:
+    """A decode run times the tokens after its warm-up ones: there must be some."""
+    if warmup_tokens >= new_tokens:
+        raise ValueError(
+            f"decode_warmup_tokens ({warmup_tokens}) must be below decode_new_tokens ({new_tokens}): "
+            "nothing would be timed"
+        )
+
+
 class Workload(BaseModel):
     """What both implementations run. Decode figures are steady state: of `decode_new_tokens` generated after a
     `decode_prompt_len` prompt, the first `decode_warmup_tokens` are not timed."""
@@ -130,11 +139,7 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.decode_warmup_tokens >= self.decode_new_tokens:
-            raise ValueError(
-                f"decode_warmup_tokens ({self.decode_warmup_tokens}) must be below decode_new_tokens "
-                f"({self.decode_new_tokens}): nothing would be timed"
-            )
+        check_decode_timing(self.decode_warmup_tokens, self.decode_new_tokens)
         if any(b < 1 for b in self.decode_batches + self.transformers_decode_batches):
             raise ValueError("decode batch sizes must be >= 1")
         return self

@@ -15,7 +15,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from perf.presets import Workload
+from perf.presets import Workload, check_decode_timing
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.structured_output import StructuredOutput
 
@@ -43,11 +43,7 @@ class SamplingWorkload(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.decode_warmup_tokens >= self.decode_new_tokens:
-            raise ValueError(
-                f"decode_warmup_tokens ({self.decode_warmup_tokens}) must be below decode_new_tokens "
-                f"({self.decode_new_tokens}): nothing would be timed"
-            )
+        check_decode_timing(self.decode_warmup_tokens, self.decode_new_tokens)
         return self
 
     def engine_workload(self) -> Workload:

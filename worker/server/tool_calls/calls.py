@@ -73,3 +73,26 @@ def as_call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     return ToolCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def read_calls(
+    text: str, pos: int, argument_keys: tuple[str, ...], separator: str, closer: str | None = None
+) -> tuple[list[ToolCall], int]:
+    """Calls written as JSON objects from `pos` on, `separator` between two (spaces around it allowed) and `closer`
+    after the last, if the format has one; -> the calls and where the text after them starts (past the closer when
+    it was there, else right after the last call read)."""
+    calls: list[ToolCall] = []
+    done = pos
+    while True:
+        found = read_object(text, skip_space(text, pos))
+        call = as_call(found[0], argument_keys) if found else None
+        if found is None or call is None:
+            return calls, done if calls else pos
+        calls.append(call)
+        done = found[1]
+        pos = skip_space(text, done)
+        if closer is not None and text.startswith(closer, pos):
+            return calls, pos + len(closer)
+        if not text.startswith(separator, pos):
+            return calls, done
+        pos += len(separator)

@@ -8,36 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.worker.server.tool_calls.calls import RegionScan, ToolCall, as_call, read_object, skip_space
+from tidal.worker.server.tool_calls.calls import RegionScan, read_calls, skip_space
 from tidal.worker.server.tool_calls.format import ForcedTools, ToolCallFormat, tags_with_separator, tool_tag
 
 MARKER = "[TOOL_CALLS]"
 
 
 def scan(region: str) -> RegionScan:
-    calls: list[ToolCall] = []
     pos = skip_space(region, 0)
     if region.startswith(MARKER, pos):
         pos = skip_space(region, pos + len(MARKER))
     if not region.startswith("[", pos):
-        return RegionScan(calls, region)
-    pos += 1
-    done = 0
-    while True:
-        found = read_object(region, skip_space(region, pos))
-        call = as_call(found[0], ("arguments", "parameters")) if found else None
-        if found is None or call is None:
-            break
-        calls.append(call)
-        done = found[1]
-        pos = skip_space(region, done)
-        if region.startswith("]", pos):
-            done = pos + 1
-            break
-        if not region.startswith(",", pos):
-            break
-        pos += 1
-    return RegionScan(calls, region[done:])
+        return RegionScan([], region)
+    calls, done = read_calls(region, pos + 1, ("arguments", "parameters"), ",", closer="]")
+    return RegionScan(calls, region[done:] if calls else region)
 
 
 def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
