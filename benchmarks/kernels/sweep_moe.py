@@ -103,6 +103,22 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
     return {"tokens": tokens, "best": asdict(winner), "best_ms": ms, "default": asdict(default), "default_ms": base}
 
 
+def expert_weight_copies(name: str, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of one layer's random bf16 experts (w13, w2), ~4 GB in all, so a timed loop over them never finds a
+    layer in L2; prints what it made."""
+    experts, top_k, hidden, inter = shape
+    layer_bytes = experts * 3 * hidden * inter * 2
+    copies = max(2, min(8, int(4e9 // layer_bytes)))
+    print(f"{name}: E{experts} top{top_k} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
+    return [
+        (
+            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
+            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
+        )
+        for _ in range(copies)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -110,17 +126,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
-    experts, _, hidden, inter = shape
-    layer_bytes = experts * 3 * hidden * inter * 2
-    copies = max(2, min(8, int(4e9 // layer_bytes)))
-    weights = [
-        (
-            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
-            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
-        )
-        for _ in range(copies)
-    ]
-    print(f"{args.shape}: E{experts} top{shape[1]} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
+    weights = expert_weight_copies(args.shape, shape)
     rows = [sweep_tokens(t, shape, weights) for t in args.tokens]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from common import graph_ms, relative_error
-from sweep_moe import SHAPES
+from sweep_moe import SHAPES, expert_weight_copies
 
 from tidal.kernels._moe_config import tuned_moe_config
 from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig, default_small_batch_config
@@ -144,17 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
-    experts, _, hidden, inter = shape
-    layer_bytes = experts * 3 * hidden * inter * 2
-    copies = max(2, min(8, int(4e9 // layer_bytes)))
-    weights = [
-        (
-            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
-            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
-        )
-        for _ in range(copies)
-    ]
-    print(f"{args.shape}: E{experts} top{shape[1]} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
+    weights = expert_weight_copies(args.shape, shape)
     rows = [sweep_tokens(t, shape, weights) for t in sorted(args.tokens)]
     print("\nTUNED_SMALL_BATCH_CONFIGS entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
