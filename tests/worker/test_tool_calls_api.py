@@ -171,3 +171,17 @@ def test_a_conversation_replaying_a_call_and_its_result(client):
 def test_requests_that_cannot_work_are_400s(client, kwargs, message):
     with pytest.raises(openai.BadRequestError, match=message):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
+
+
+def test_a_tool_schema_that_does_not_compile_is_a_400_naming_tools(client):
+    bad = [
+        {
+            "type": "function",
+            "function": {"name": "broken", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}},
+        }
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, tools=bad, tool_choice="required")
+    error = caught.value.body
+    assert error["code"] == "invalid_grammar"
+    assert error["param"] == "tools"

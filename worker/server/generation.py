@@ -58,6 +58,9 @@ class Generation:
         self._first_token_at: float | None = None
         self._last_token_at: list[float | None] = [None] * n  # by sample: the gaps are each sample's own
         self._stream = engine.generate(request_id, prompt_token_ids, params, n)
+        # Which request field a grammar that does not compile came from: forced tool calls are built from `tools`.
+        forced_calls = params.structured is not None and params.structured.kind == "structural_tag"
+        self._grammar_param = "tools" if forced_calls else "response_format"
         self._first: RequestOutput | None = None
         self._outcome: str | None = None
         # True once the engine holds nothing for this request: finished, refused, or aborted by us.
@@ -82,7 +85,7 @@ class Generation:
         except InvalidGrammarError as exc:  # compiled before the request is queued
             self._engine_done = True
             self._account("rejected")
-            raise ApiError(400, str(exc), param="response_format", code="invalid_grammar") from exc
+            raise ApiError(400, str(exc), param=self._grammar_param, code="invalid_grammar") from exc
         except ValueError as exc:
             # The engine validates a prompt (length, token ids) before queuing it and says why in the message.
             self._engine_done = True
