@@ -273,3 +273,25 @@ def test_generate_gives_the_synchronous_results_and_leaves_nothing_in_flight(mod
     want = results(False)
     assert {reason for _, _, reason in want} == {"stop", "length"}
     assert results(True) == want
+
+
+def test_a_logprobs_request_ending_before_its_last_row_is_sampled_leaves_the_next_read_whole(model_dir, prompts, probe):
+    """With a structured request live, a step's sampling waits for the read of the step before. A logprobs request
+    ending in that read (the only one asking) still has a row in the step; the rows the read of that step expects
+    must be the ones sampled with logprobs, even once another logprobs request has arrived meanwhile."""
+    engine = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=256))
+    long_json = StructuredOutput.json_schema({"type": "array", "items": {"type": "boolean"}, "minItems": 40})
+    engine.add_request("structured", prompts[0], SamplingParams(temperature=0.0, max_tokens=60, structured=long_json))
+    stop = probe[1][0][3]
+    engine.add_request("ends", prompts[1], GREEDY.model_copy(update={"logprobs": 1, "stop_token_ids": [stop]}))
+    outputs: dict[str, list] = defaultdict(list)
+    for _ in range(200):
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+            if out.request_id == "ends" and out.finish_reason is not None:
+                engine.add_request("arrives", prompts[2], GREEDY.model_copy(update={"logprobs": 1, "max_tokens": 4}))
+        if not engine.has_unfinished_requests():
+            break
+    assert outputs["ends"][-1].finish_reason == "stop"
+    assert [len(o.logprobs or []) for o in outputs["arrives"]] == [1, 1, 1, 1]
+    assert_sampler_forgot_everything(engine)

@@ -58,3 +58,23 @@ def test_each_wait_needs_its_own_reference() -> None:
     settle.wait()
     assert settle.wait() == 0.0  # a second wait without a new reference (no release in between) does not probe
     assert list(rest) == [7]
+
+
+def test_a_failing_probe_costs_the_wait_only() -> None:
+    settle, _ = scripted([])  # the first probe raises (StopIteration stands for a driver error)
+    settle.take_reference()
+    assert settle.wait() == 0.0
+
+    settle, _ = scripted(itertools.chain([55, 55, 55], [30]))  # the reference works, a probe after it fails
+    settle.take_reference()
+    assert 0.0 <= settle.wait() < 1.0
+
+
+def test_a_sleep_that_fails_between_reference_and_wait_frees_the_probe() -> None:
+    settle, rest = scripted([55, 55, 55, 55, 55])
+    settle.take_reference()
+    assert settle._scratch is not None
+    settle.discard()
+    assert settle._scratch is None
+    assert settle.wait() == 0.0
+    assert list(rest) == [55, 55]  # nothing probed after the discard

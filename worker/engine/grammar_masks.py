@@ -34,7 +34,7 @@ class GrammarMasks:
         last token; None and finished ones are skipped) on a thread: xgrammar fills outside the GIL, so the caller's
         own work (reading the step before) runs meanwhile. `apply` takes the result when its rows are these."""
         live = [m for m in matchers if m is not None and not m.is_terminated()]
-        self._prepared = None
+        self.discard()
         if not live:
             return
         if self._thread is None:
@@ -42,7 +42,11 @@ class GrammarMasks:
         self._prepared = (live, self._thread.submit(self._fill, live, vocab_size))
 
     def discard(self) -> None:
-        self._prepared = None
+        """Drop a prepared fill nobody will use; one still running is waited for, so the shared filler is never
+        used from two threads at once."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and not prepared[1].cancel():
+            prepared[1].exception()  # waits; a failed fill of masks nobody needs is no error
 
     def _fill(self, matchers: list[Any], vocab_size: int) -> torch.Tensor:
         """-> [R, W] int32 on the host (pinned on CUDA: the copy to the device needs no staging), every word
@@ -62,7 +66,7 @@ class GrammarMasks:
         prepared, self._prepared = self._prepared, None
         if prepared is not None:
             live, future = prepared
-            bitmask = future.result()
+            bitmask = future.result()  # a fill that failed raises here, as it would have filled now
             if live == matchers:  # the usual case: the same rows, in the same order (compared by identity)
                 return bitmask
             place = {id(m): i for i, m in enumerate(live)}

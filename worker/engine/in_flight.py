@@ -44,6 +44,9 @@ class InFlightStep:
     pending: list[PendingToken]  # [S] one per sampled row, in the step's row order
     samples: SampledTokens
     prompt_positions: list[tuple[int, int]]  # [P] (seq_id, prompt position) of the step's prompt logprobs
+    # The rows sampled with logprobs, in the order `samples.logprobs()` gives them; fixed when the sampling is queued
+    # (a request ending before its step is read still has its row's logprobs there).
+    logprob_rows: list[int] | None = None
 
     def sample_rows(self) -> dict[int, int]:
         """seq_id -> the row of this step's sampled tokens that holds the sequence's next token."""

@@ -215,6 +215,7 @@ class LLMEngine:
         outputs. The device is idle when it returns."""
         finals = [out for request_id in list(self._samples) for out in self.abort_request(request_id)]
         self._in_flight = None
+        self.sampler.discard_prepared_masks()  # prepared for a sampling that will not happen now
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
 
@@ -313,12 +314,13 @@ class LLMEngine:
 
     def _sample(self, forward: LaunchedForward) -> InFlightStep:
         """Queue the sampling of a launched forward's logits."""
-        tokens = logprobs = None
+        tokens = logprobs = logprob_rows = None
         if forward.logits is not None:
             batch = self._sample_batch(forward.pending, forward.seq_ids)
             tokens, logprobs = self.sampler.sample_with_logprobs(forward.logits, batch)
+            logprob_rows = batch.logprob_rows
         samples = SampledTokens(tokens, self.runner.device, logprobs, forward.prompt_logprobs)
-        return InFlightStep(forward.scheduled, forward.pending, samples, forward.prompt_positions)
+        return InFlightStep(forward.scheduled, forward.pending, samples, forward.prompt_positions, logprob_rows)
 
     def _prompt_logprobs(self, logits: torch.Tensor, plan: StepPlan) -> DeviceLogprobs:
         """logits [P, V] of the plan's prompt positions -> their logprobs (raw: a prompt is not sampled)."""
@@ -394,9 +396,8 @@ class LLMEngine:
         if step.prompt_positions:
             self._store_prompt_logprobs(step)
         row_logprobs: dict[int, TokenLogprob] = {}  # row -> its logprobs, for the rows that asked
-        if self._num_logprobs:
-            rows = [i for i, p in enumerate(step.pending) if p.request.seq.params.logprobs is not None]
-            row_logprobs = dict(zip(rows, step.samples.logprobs(), strict=True))
+        if step.logprob_rows:
+            row_logprobs = dict(zip(step.logprob_rows, step.samples.logprobs(), strict=True))
         live: list[PendingToken] = []
         live_rows: list[int] = []
         live_tokens: list[int] = []

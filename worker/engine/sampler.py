@@ -52,6 +52,9 @@ class Sampler:
         """Start computing the grammar masks of the next sampling's rows (see GrammarMasks.prepare)."""
         self._grammars.prepare(matchers, vocab_size)
 
+    def discard_prepared_masks(self) -> None:
+        self._grammars.discard()
+
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> list[int]:
         """logits [S, V] fp32 -> S token ids (waits for them)."""
         return self.sample_on_device(logits, batch).tolist()

@@ -14,6 +14,7 @@ shares the device with the clearing. The wait moves the cost from the wake to th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -43,23 +44,32 @@ class ReleaseSettle:
         self._scratch: torch.Tensor | None = None
 
     def take_reference(self) -> None:
-        self._reference_gbps = None
-        self._scratch = None
+        self.discard()
         if not self._usable or self.timeout_s <= 0:
             return
         try:
-            self._scratch = torch.empty(self._source.numel(), dtype=torch.uint8, device=self.device)
-        except torch.OutOfMemoryError:
-            log.info("no %d MiB of device memory for the release probe: this sleep will not wait", PROBE_BYTES >> 20)
-            return
-        self._reference_gbps = max(self._probe(self._scratch) for _ in range(3))
+            with self._on_device():  # events and copy on the engine's device, whichever is current on this thread
+                self._scratch = torch.empty(self._source.numel(), dtype=torch.uint8, device=self.device)
+                self._reference_gbps = max(self._probe(self._scratch) for _ in range(3))
+        except Exception:  # a best-effort probe: no device memory for it, or a driver error, costs the wait only
+            log.info("no release probe for this sleep (it will not wait)", exc_info=True)
+            self.discard()
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def discard(self) -> None:
+        """Forget the reference and free the probe's buffer (a sleep that failed before its wait)."""
+        self._reference_gbps = None
+        self._scratch = None
 
     def _probe(self, scratch: torch.Tensor) -> float:
-        """One host->device copy's rate in GB/s, timed on the device."""
+        """One host->device copy's rate in GB/s, timed on the device (the current device: the caller's context)."""
+        stream = torch.cuda.current_stream(self.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         scratch.copy_(self._source, non_blocking=True)
-        end.record()
+        end.record(stream)
         end.synchronize()
         elapsed_ms: float = start.elapsed_time(end)
         return self._source.numel() / max(elapsed_ms, 1e-6) / 1e6
@@ -67,21 +77,27 @@ class ReleaseSettle:
     def wait(self) -> float:
         """Block until probes run at the reference rate again or `timeout_s` passed; -> seconds waited. Frees the
         probe's buffer (to torch's cache)."""
-        scratch, reference, self._scratch = self._scratch, self._reference_gbps, None
+        scratch, reference = self._scratch, self._reference_gbps
+        self.discard()
         self.last_wait_s = 0.0
         if scratch is None or reference is None:
             return 0.0
         start = time.monotonic()
         passes = 0
-        while passes < PASSES_NEEDED:
-            rate = self._probe(scratch)
-            passes = passes + 1 if rate >= RECOVERED_SHARE * reference else 0
-            if passes < PASSES_NEEDED and time.monotonic() - start > self.timeout_s:
-                log.warning(
-                    "host->device copies still at %.0f of %.0f GB/s %.1fs after the sleep's release (the driver "
-                    "clearing memory, or another process's copies); answering the sleep anyway",
-                    rate, reference, self.timeout_s,
-                )  # fmt: skip
-                break
+        rate = 0.0
+        try:
+            with self._on_device():
+                while passes < PASSES_NEEDED:
+                    rate = self._probe(scratch)
+                    passes = passes + 1 if rate >= RECOVERED_SHARE * reference else 0
+                    if passes < PASSES_NEEDED and time.monotonic() - start > self.timeout_s:
+                        log.warning(
+                            "host->device copies still at %.0f of %.0f GB/s %.1fs after the sleep's release (the "
+                            "driver clearing memory, or another process's copies); answering the sleep anyway",
+                            rate, reference, self.timeout_s,
+                        )  # fmt: skip
+                        break
+        except Exception:
+            log.info("the release probe failed; answering the sleep without waiting further", exc_info=True)
         self.last_wait_s = time.monotonic() - start
         return self.last_wait_s

@@ -120,6 +120,7 @@ class Residency:
                     free_cached_device_memory(self.weights.device)  # the probe's buffer
                     log.info("sleep: the device was quiet again %.3fs after the release", self.settle.last_wait_s)
         except BaseException:
+            self.settle.discard()  # the probe's buffer, if the failure came between its reference and its wait
             if held_here and self.weights.is_resident and self.kv.is_resident:
                 self._engine().release()  # nothing was released: serve on rather than hold requests for good
             elif held_here:
