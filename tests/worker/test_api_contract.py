@@ -154,6 +154,7 @@ class _PlainShape:
     """A request that asked for nothing besides text."""
 
     scores_only = False
+    is_plain = True  # the fast chunks (sse_chunks.py)
 
     def token_ids(self, token_ids):
         return None
