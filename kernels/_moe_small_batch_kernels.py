@@ -12,6 +12,11 @@ split it is the layer's output, written once, no atomics and no combine; with se
 that `sum_splits_kernel` adds in a fixed order (more programs in flight when a batch has few tokens, for one more
 launch).
 
+With ROW_SCALE the gate/up kernel reads an RMSNorm's unscaled input (h * gamma and partial sums of h^2, see
+small_batch_linear.NormInput) and scales its products by each token's 1/rms; with INTO_RESIDUAL the kernel that
+writes the layer's output adds it to the residual stream and writes the next norm's NormInput instead. A decoder
+layer's MoE then needs no RMSNorm launch before or after it (`fused_moe_small_batch.small_batch_moe_into_residual`).
+
 Pairs (tokens) are grid axis 0, the fastest-varying, so programs reading the same N-tile of an expert two tokens
 chose run at about the same time and the second read tends to come from L2.
 """
@@ -24,6 +29,43 @@ from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previou
 
 
 @triton.jit
+def token_inv_rms(partials_ptr, num_partials, num_tokens, token, hidden_size, eps, BLOCK_P: tl.constexpr):
+    """1 / rms of one token's row from the partial sums of squares [num_partials, num_tokens], added in order."""
+    sum_sq = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in range(0, num_partials, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        sum_sq += tl.load(partials_ptr + ps * num_tokens + token, mask=ps < num_partials, other=0.0)
+    return tl.rsqrt(tl.sum(sum_sq, axis=0) / hidden_size + eps)
+
+
+@triton.jit
+def store_into_residual(
+    total,  # [BLOCK_N] fp32: this tile of the layer's output for one token
+    token,
+    tile,
+    cols,
+    col_ok,
+    num_tokens,
+    hidden_size,
+    out_ptr,  # [T, H]: the new residual stream
+    residual_ptr,  # [T, H]
+    gamma_ptr,  # [H] the next norm's weight
+    scaled_ptr,  # [T, H] h * gamma
+    partial_sq_ptr,  # [tiles, T] fp32 sums of h^2 over each tile's columns
+):
+    """h = residual + output, rounded twice as the unfused layer rounds (the output, then the sum), and the next
+    norm's input: h * gamma and this tile's sum of h^2."""
+    row = token * hidden_size + cols
+    res = tl.load(residual_ptr + row, mask=col_ok, other=0.0).to(tl.float32)
+    h = (total.to(out_ptr.dtype.element_ty).to(tl.float32) + res).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row, h, mask=col_ok)
+    hf = tl.where(col_ok, h.to(tl.float32), 0.0)
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + row, (hf * gamma).to(scaled_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(partial_sq_ptr + tile * num_tokens + token, tl.sum(hf * hf, axis=0))
+
+
+@triton.jit
 def pair_gate_up_kernel(
     hidden_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]: gate rows, then up rows
@@ -31,17 +73,23 @@ def pair_gate_up_kernel(
     logits_ptr,  # [T, E] router logits (ROUTE)
     weights_ptr,  # [T * TOP_K] fp32: written by N-tile 0 when ROUTE, else unused
     ids_ptr,  # [T * TOP_K] int32: written by N-tile 0 when ROUTE, else read
+    norm_partials_ptr,  # [P, T] fp32 sums of the unscaled h^2 (ROW_SCALE: hidden is h * gamma)
     hidden_size,
     inter_size,
     num_experts,
     logits_stride,
+    num_tokens,
+    num_partials,
+    eps,
     TOP_K: tl.constexpr,
     TOP_K_P2: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUTE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -59,6 +107,9 @@ def pair_gate_up_kernel(
     else:
         expert = tl.load(ids_ptr + pair)
 
+    if ROW_SCALE:
+        # Before the weight loop, so its few registers are free again while the wide weight tiles are live.
+        inv_rms = token_inv_rms(norm_partials_ptr, num_partials, num_tokens, token, hidden_size, eps, BLOCK_P)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter_size
     ks = tl.arange(0, BLOCK_K)
@@ -81,6 +132,9 @@ def pair_gate_up_kernel(
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
+    if ROW_SCALE:
+        gate = gate * inv_rms
+        up = up * inv_rms
     act = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, rounded to the dtype as the grouped path rounds it
     tl.store(inter_ptr + pair.to(tl.int64) * inter_size + cols, act.to(inter_ptr.dtype.element_ty), mask=col_ok)
 
@@ -92,10 +146,16 @@ def token_down_kernel(
     weights_ptr,  # [T * TOP_K] fp32 routing weights
     ids_ptr,  # [T * TOP_K] int32 experts
     out_ptr,  # SPLITS == 1: [T, H] in the output dtype; else [T * SPLITS, H] fp32 partial sums
+    residual_ptr,  # INTO_RESIDUAL (SPLITS == 1 only): [T, H], and the next norm's gamma [H], h * gamma [T, H] and
+    gamma_ptr,  # sums of h^2 [H-tiles, T] out; out_ptr gets residual + output
+    scaled_ptr,
+    partial_sq_ptr,
+    num_tokens,
     hidden_size,
     inter_size,
     PAIRS: tl.constexpr,  # pairs per program: TOP_K // SPLITS
     PAIRS_P2: tl.constexpr,
+    INTO_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -127,15 +187,25 @@ def token_down_kernel(
         w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
-    tl.store(out_ptr + row.to(tl.int64) * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    if INTO_RESIDUAL:
+        store_into_residual(total, row.to(tl.int64), h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr,
+                            residual_ptr, gamma_ptr, scaled_ptr, partial_sq_ptr)  # fmt: skip
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def sum_splits_kernel(
     partial_ptr,  # [T * SPLITS, H] fp32
-    out_ptr,  # [T, H]
+    out_ptr,  # [T, H]: the output, or with INTO_RESIDUAL the new residual stream (see token_down_kernel)
+    residual_ptr,
+    gamma_ptr,
+    scaled_ptr,
+    partial_sq_ptr,
+    num_tokens,
     hidden_size,
     SPLITS: tl.constexpr,
+    INTO_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -147,4 +217,8 @@ def sum_splits_kernel(
     for split in tl.static_range(SPLITS):
         total += tl.load(partial_ptr + (token * SPLITS + split) * hidden_size + cols, mask=ok, other=0.0)
     let_next_kernel_launch(USE_PDL)
-    tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+    if INTO_RESIDUAL:
+        store_into_residual(total, token, tl.program_id(1), cols, ok, num_tokens, hidden_size, out_ptr, residual_ptr,
+                            gamma_ptr, scaled_ptr, partial_sq_ptr)  # fmt: skip
+    else:
+        tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=ok)

@@ -30,7 +30,14 @@ from tidal.kernels._validate import (
     check_same_dtype,
     check_shape,
 )
-from tidal.kernels.fused_moe_small_batch import small_batch_moe_experts, small_batch_moe_routed
+from tidal.kernels.fused_moe_small_batch import (
+    RouterLogits,
+    Routing,
+    small_batch_moe_experts,
+    small_batch_moe_into_residual,
+    small_batch_moe_routed,
+)
+from tidal.kernels.small_batch_linear import NormInput
 
 # Either path's tiles; None picks the path and its tiles from the shapes.
 AnyMoeConfig = MoeConfig | SmallBatchMoeConfig | None
@@ -157,6 +164,51 @@ def fused_moe_triton(
     if isinstance(config, SmallBatchMoeConfig):
         return small_batch_moe_experts(hidden, w13, w2, weights, ids, config)
     return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config, allow_small_batch=False)  # decided above
+
+
+def fused_moe_into_residual_reference(
+    x: NormInput,
+    eps: float,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    residual: torch.Tensor,
+    next_gamma: torch.Tensor,
+) -> tuple[torch.Tensor, NormInput]:
+    """The decoder layer's MoE from the post-attention norm's unscaled input `x`: normed = rms_norm(h) rounded to the
+    dtype, h' = residual + fused_moe(normed) -> (h', the input of the norm with weight `next_gamma` over h', one
+    partial sum per row). The Triton form scales products by 1/rms instead of rounding the normed h first: the two
+    agree to the dtype's precision, not bit for bit."""
+    inv_rms = torch.rsqrt(x.partial_sq.sum(dim=0) / x.scaled.shape[1] + eps)  # [T]
+    normed = (x.scaled.float() * inv_rms[:, None]).to(x.scaled.dtype)
+    out = fused_moe_reference(normed, w13, w2, router_logits, top_k, renormalize)  # rounded to the dtype
+    h = (out.float() + residual.float()).to(out.dtype)  # rounded as the unfused residual add rounds it
+    hf = h.float()
+    return h, NormInput((hf * next_gamma.float()).to(h.dtype), (hf * hf).sum(dim=1)[None, :].contiguous())
+
+
+def fused_moe_into_residual_triton(
+    x: NormInput,
+    eps: float,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    residual: torch.Tensor,
+    next_gamma: torch.Tensor,
+    config: SmallBatchMoeConfig,
+) -> tuple[torch.Tensor, NormInput]:
+    """The small-batch kernels, same contract as `fused_moe_into_residual_reference` (partial sums per H-tile);
+    `router_logits` are the logits of the normed h (the router's own projection scales by 1/rms too)."""
+    _check_inputs(x.scaled, w13, w2, router_logits, top_k)
+    routing: Routing | RouterLogits = RouterLogits(router_logits, renormalize)
+    if not config.fold_routing:
+        weights, ids = topk_route_triton(router_logits, top_k, renormalize)
+        routing = Routing(weights.reshape(-1), ids.reshape(-1))
+    return small_batch_moe_into_residual(x, eps, w13, w2, routing, top_k, residual, next_gamma, config)
 
 
 def auto_small_batch_config(num_tokens: int, top_k: int, w13: torch.Tensor) -> SmallBatchMoeConfig | None:

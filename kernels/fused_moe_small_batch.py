@@ -7,7 +7,13 @@ launches (three with `down_splits` > 1): routing + gate/up + SiLU * up, then dow
 pairs. Same arithmetic as the grouped path: fp32 accumulation, the intermediate rounded to the dtype, the weighted
 sum over k in fp32 in k order. Callers validate the shapes (fused_moe's wrappers do); this checks what the kernels
 assume of the memory layout.
+
+`small_batch_moe_into_residual` is the decoder layer's form: it takes the post-attention RMSNorm's unscaled input
+(`NormInput`) and returns the residual stream after the experts with the next norm's input, so the small-batch
+decoder path (worker/models/decoder.py) runs a MoE layer with no RMSNorm launch of its own, as it runs a dense one.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,6 +22,17 @@ from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles
 from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, sum_splits_kernel, token_down_kernel
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
+from tidal.kernels.small_batch_linear import NormInput
+
+# Partial sums of h^2 a program adds per step when it scales by 1/rms (the o projection writes up to H / 16 of them).
+_BLOCK_P = 64
+
+
+class _IntoResidual(NamedTuple):
+    """Where the down pass adds its output: the residual stream [T, H] and the next RMSNorm's weight [H]."""
+
+    residual: torch.Tensor
+    next_gamma: torch.Tensor
 
 
 def _gate_up(
@@ -26,20 +43,23 @@ def _gate_up(
     route: tuple[torch.Tensor, bool] | None,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """intermediate [T * k, I]; `route` (router logits [T, E], renormalize) routes in the kernel into weights/ids."""
+    """intermediate [T * k, I]; `route` (router logits [T, E], renormalize) routes in the kernel into weights/ids;
+    `norm` (partial sums of h^2 [P, T], eps): `hidden` is h * gamma, and the products are scaled by 1/rms(h)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     tiles = fit_tiles(config.gate_up, inter, hidden_size)
     intermediate = torch.empty(num_tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     logits, renormalize = route if route is not None else (weights, False)  # logits unused without routing
+    partials, eps = norm if norm is not None else (weights, 0.0)  # partials unused without the norm
     pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, tiles.block_n))](
-        hidden, w13, intermediate, logits, weights, ids,
-        hidden_size, inter, num_experts, logits.stride(0),
+        hidden, w13, intermediate, logits, weights, ids, partials,
+        hidden_size, inter, num_experts, logits.stride(0), num_tokens, partials.shape[0] if norm else 0, eps,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, ROUTE=route is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, **pdl_launch_options(hidden.device),
+        RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, num_warps=tiles.num_warps, **pdl_launch_options(hidden.device),
     )  # fmt: skip
     return intermediate
 
@@ -52,7 +72,10 @@ def _down(
     out: torch.Tensor,
     top_k: int,
     config: SmallBatchMoeConfig,
-) -> None:
+    into: _IntoResidual | None = None,
+) -> NormInput:
+    """Writes the output [T, H] into `out`, or with `into` residual + output; -> with `into` the next norm's input
+    over that sum (h * gamma [T, H], sums of h^2 over each H-tile [tiles, T]), else empty tensors."""
     num_tokens, hidden_size = out.shape
     inter = w2.shape[2]
     tiles = fit_tiles(config.down, hidden_size, inter)
@@ -60,16 +83,26 @@ def _down(
     launch = pdl_launch_options(out.device)
     partial = (num_tokens * splits, hidden_size)
     target = out if splits == 1 else torch.empty(partial, dtype=torch.float32, device=out.device)  # [T * splits, H]
+    sum_block = min(triton.next_power_of_2(hidden_size), 1024)
+    # The launch that writes the output writes the next norm's input too: one partial sum per H-tile of it.
+    out_tile = tiles.block_n if splits == 1 else sum_block
+    norm_tiles = triton.cdiv(hidden_size, out_tile) if into is not None else 0
+    scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
+    partial_sq = torch.empty((norm_tiles, num_tokens), dtype=torch.float32, device=out.device)
+    residual, gamma = into if into is not None else (out, out)  # unused without `into`
+    epilogue = (residual, gamma, scaled, partial_sq, num_tokens)
     token_down_kernel[(num_tokens * splits, triton.cdiv(hidden_size, tiles.block_n))](
-        intermediate, w2, weights, ids, target, hidden_size, inter,
-        PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **launch,
+        intermediate, w2, weights, ids, target, *epilogue, hidden_size, inter,
+        PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits),
+        INTO_RESIDUAL=into is not None and splits == 1, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, **launch,
     )  # fmt: skip
     if splits > 1:
-        block = min(triton.next_power_of_2(hidden_size), 1024)
-        sum_splits_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
-            target, out, hidden_size, SPLITS=splits, BLOCK=block, num_warps=4, **launch
-        )
+        sum_splits_kernel[(num_tokens, triton.cdiv(hidden_size, sum_block))](
+            target, out, *epilogue, hidden_size, SPLITS=splits, INTO_RESIDUAL=into is not None, BLOCK=sum_block,
+            num_warps=4, **launch,
+        )  # fmt: skip
+    return NormInput(scaled, partial_sq)
 
 
 def _check_layout(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -122,3 +155,56 @@ def small_batch_moe_experts(
     intermediate = _gate_up(hidden, w13, top_k, config, None, topk_weights, topk_ids)
     _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config)
     return out
+
+
+class Routing(NamedTuple):
+    """Routing done beforehand: weights [T * k] fp32 and expert ids [T * k] int32, flat."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
+class RouterLogits(NamedTuple):
+    """Routing to fold into the gate/up kernel: the router's logits [T, E] and whether top-k weights renormalise."""
+
+    logits: torch.Tensor
+    renormalize: bool
+
+
+def small_batch_moe_into_residual(
+    x: NormInput,
+    eps: float,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    routing: Routing | RouterLogits,
+    top_k: int,
+    residual: torch.Tensor,
+    next_gamma: torch.Tensor,
+    config: SmallBatchMoeConfig,
+) -> tuple[torch.Tensor, NormInput]:
+    """residual + experts(rms_norm(h)) for a few tokens, the norm given by its unscaled input `x` (h * gamma and sums
+    of h^2) and `eps`. -> (the new residual stream [T, H], the input of the RMSNorm with weight `next_gamma` over
+    it). `routing`: done (fused_moe routes in a launch of its own when the config does not fold it) or to fold in."""
+    hidden = x.scaled
+    _check_layout(hidden, w13, w2)
+    check_contiguous("residual", residual)
+    check_shape("residual", residual, tuple(hidden.shape))
+    check_shape("next_gamma", next_gamma, (hidden.shape[1],))
+    check_contiguous("next_gamma", next_gamma)
+    check_dtype("partial_sq", x.partial_sq, (torch.float32,))
+    check_shape("partial_sq", x.partial_sq, (None, hidden.shape[0]))
+    check_contiguous("partial_sq", x.partial_sq)
+    num_tokens = hidden.shape[0]
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out, NormInput(torch.empty_like(hidden), x.partial_sq.new_empty((0, 0)))
+    if isinstance(routing, RouterLogits):
+        logits = routing.logits if routing.logits.stride(1) == 1 else routing.logits.contiguous()
+        weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=hidden.device)
+        ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=hidden.device)
+        route: tuple[torch.Tensor, bool] | None = (logits, routing.renormalize)
+    else:
+        weights, ids, route = routing.weights, routing.ids, None
+    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, (x.partial_sq, eps))
+    next_input = _down(intermediate, w2, weights, ids, out, top_k, config, _IntoResidual(residual, next_gamma))
+    return out, next_input

@@ -56,11 +56,28 @@ class LaunchConfig:
     num_stages: int
 
 
+# Measured best at one row on an H200 for shapes the rule in `choose_config` serves poorly, by (outputs, inputs,
+# gated). The rule was fitted to the 8B's projections, whose 96-128 programs each stream 4096 inputs; Qwen3-30B-A3B's
+# expert layers have narrower projections around the experts (a 2048-wide o gets 64 programs of 32 outputs, the
+# 128-expert router 4), so they take narrower tiles and more programs
+# (benchmarks/kernels/bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b).
+TUNED_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
+    # Qwen3-30B-A3B at one row: its qkv's best is the rule's tile (8.25 us, 2.54 TB/s); its o takes 16 x 512 (8.02 us,
+    # 2.09 TB/s; the rule's 32 x 512 was not in the sweep's best three), its router 16 x 512 (4.45 us for 0.5 MB).
+    (2048, 4096, False): LaunchConfig(16, 512, 4, 4),
+    (128, 2048, False): LaunchConfig(16, 512, 4, 3),
+}
+
+
 def choose_config(n_out: int, k_in: int, gated: bool = False) -> LaunchConfig:
-    """Tiles measured on an H200 at one row (benchmarks/kernels/bench_small_batch_linear.py --sweep), each the best
-    or within 1% of it for the 8B shapes: narrow outputs (o, down: 4096) take 32 outputs by 512 inputs, so 128
-    programs each stream a long run of K; wider ones (qkv, LM head) 64 by 256; the gated gate/up pair, whose program
-    reads two tiles per step, 64 by 128 with three in flight. K narrower than the tile takes a narrower tile."""
+    """A shape in TUNED_LINEAR_CONFIGS takes its entry. Otherwise tiles measured on an H200 at one row
+    (benchmarks/kernels/bench_small_batch_linear.py --sweep), each the best or within 1% of it for the 8B shapes:
+    narrow outputs (o, down: 4096) take 32 outputs by 512 inputs, so 128 programs each stream a long run of K; wider
+    ones (qkv, LM head) 64 by 256; the gated gate/up pair, whose program reads two tiles per step, 64 by 128 with
+    three in flight. K narrower than the tile takes a narrower tile."""
+    tuned = TUNED_LINEAR_CONFIGS.get((n_out, k_in, gated))
+    if tuned is not None:
+        return tuned
     if gated:
         block_n, block_k, stages = 64, 128, 3
     elif n_out <= 4096:

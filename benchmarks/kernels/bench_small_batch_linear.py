@@ -4,10 +4,11 @@ against the fused small-batch kernels, in CUDA graphs, as time per layer and TB/
 Each timed graph runs the layer's projections over 32 distinct weight sets in turn (more bytes than the L2 holds),
 like a decode step runs them over the model's layers; attention is left out (it is the same on both sides).
 
-    python benchmarks/kernels/bench_small_batch_linear.py [--rows 1 2 4 8 16] [--sweep]
+    python benchmarks/kernels/bench_small_batch_linear.py [--rows 1 2 4 8 16] [--sweep [--shape qwen3-30b-a3b]]
 
---sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` is fitted
-to).
+--sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` and its
+`TUNED_LINEAR_CONFIGS` are fitted to); --shape picks the model whose projections it sweeps (the 8B's by default;
+qwen3-30b-a3b: the attention projections and the router of its expert layers).
 """
 
 import argparse
@@ -105,12 +106,64 @@ def run(rows_list: tuple[int, ...]) -> list[Row]:
     return out
 
 
-def sweep(top: int = 3) -> None:
-    """Each fused kernel alone over 32 weight copies at one row, for a grid of tiles."""
-    configs = [
+def _sweep_configs() -> list[LaunchConfig]:
+    return [
         LaunchConfig(n, k, warps, stages)
         for n, k, (warps, stages) in itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (4, 6), (8, 4)))
     ]
+
+
+def _time_configs(name: str, weights: list[torch.Tensor], call, top: int) -> None:
+    """Each config of `call(weight, config)` over all `weights` in one graph; prints the best `top`."""
+    timed = []
+    for config in _sweep_configs():
+
+        def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
+            for w in ws:
+                fn(w, c)
+
+        try:
+            timed.append((graph_ms(all_layers) / len(weights), config))
+        except Exception as err:  # a tile too large for shared memory: reported and skipped
+            print(f"  {name} {config}: {type(err).__name__}", flush=True)
+    timed.sort(key=lambda t: t[0])
+    nbytes = weights[0].numel() * 2
+    print(f"{name} {tuple(weights[0].shape)}, 1 row:")
+    for ms, config in timed[:top]:
+        print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+
+
+# Qwen3-30B-A3B's projections around the experts: hidden 2048, 32 q + 4 + 4 kv heads of 128, 128 experts, 48 layers.
+QWEN3_MOE = {"hidden": 2048, "qkv": 5120, "q_size": 4096, "experts": 128, "layers": 48}
+
+
+def sweep_qwen3_moe(top: int = 3) -> None:
+    """The expert layers' small-batch projections of Qwen3-30B-A3B at one row: qkv (row scale), o (into residual)
+    and the router (row scale)."""
+    shape = QWEN3_MOE
+    hidden, layers = shape["hidden"], shape["layers"]
+
+    def weights(n: int, k: int) -> list[torch.Tensor]:
+        return [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for _ in range(layers)]
+
+    gamma = torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5
+    residual = torch.randn(1, hidden, device="cuda", dtype=DTYPE)
+    norm_in = norm_input_reference(residual, gamma)
+    attn_out = torch.randn(1, shape["q_size"], device="cuda", dtype=DTYPE)
+
+    def normed(w: torch.Tensor, c: LaunchConfig) -> None:
+        linear_rows_triton(norm_in.scaled, w, None, norm_in.partial_sq, EPS, config=c)
+
+    def into_residual(w: torch.Tensor, c: LaunchConfig) -> None:
+        linear_rows_into_residual_triton(attn_out, w, residual, gamma, config=c)
+
+    _time_configs("qkv (row scale)", weights(shape["qkv"], hidden), normed, top)
+    _time_configs("o (into residual)", weights(hidden, shape["q_size"]), into_residual, top)
+    _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top)
+
+
+def sweep(top: int = 3) -> None:
+    """Each fused kernel alone over 32 weight copies at one row, for a grid of tiles."""
     layers = _Layers(1)
     norm_in = norm_input_reference(layers.hidden, layers.gamma)
     act = torch.randn(1, INTER, device="cuda", dtype=DTYPE)
@@ -125,32 +178,20 @@ def sweep(top: int = 3) -> None:
                                                                                             layers.gamma, config=c)),
     }  # fmt: skip
     for name, (weights, call) in kernels.items():
-        timed = []
-        for config in configs:
-
-            def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
-                for w in ws:
-                    fn(w, c)
-
-            try:
-                timed.append((_per_layer_ms(all_layers), config))
-            except Exception as err:  # a tile too large for shared memory: reported and skipped
-                print(f"  {name} {config}: {type(err).__name__}", flush=True)
-        timed.sort(key=lambda t: t[0])
-        nbytes = weights[0].numel() * 2
-        print(f"{name}, 1 row:")
-        for ms, config in timed[:top]:
-            print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+        _time_configs(name, weights, call, top)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shape", choices=["llama3-8b", "qwen3-30b-a3b"], default="llama3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA device")
-    if args.sweep:
+    if args.sweep and args.shape == "qwen3-30b-a3b":
+        sweep_qwen3_moe()
+    elif args.sweep:
         sweep()
     else:
         print(format_table(run(tuple(args.rows))))

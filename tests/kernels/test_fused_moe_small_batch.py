@@ -23,10 +23,13 @@ from tidal.kernels.fused_moe import (
     auto_small_batch_config,
     fused_moe_experts_reference,
     fused_moe_experts_triton,
+    fused_moe_into_residual_reference,
+    fused_moe_into_residual_triton,
     fused_moe_reference,
     fused_moe_triton,
     topk_route_triton,
 )
+from tidal.kernels.small_batch_linear import NormInput
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Tiles narrower than the test shapes, so each program loops over K and the grid has several N-tiles.
@@ -169,3 +172,57 @@ def test_the_moe_layer_takes_the_small_batch_path(device, monkeypatch):
     with torch.no_grad():
         assert_close(layer(x), want)
     assert calls == [1]
+
+
+def _norm_input(h: torch.Tensor, gamma: torch.Tensor, num_partials: int) -> NormInput:
+    """h's NormInput with its sums of squares split over `num_partials` column ranges, as a projection writes them."""
+    hf = h.float()
+    sq = torch.stack([c.sum(dim=1) for c in (hf * hf).chunk(num_partials, dim=1)]).contiguous()  # [P, T]
+    return NormInput((hf * gamma.float()).to(h.dtype), sq)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("fold_routing", [True, False])
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), [(1, 16, 8, 64, 48), (3, 8, 2, 48, 40)])
+def test_into_residual_matches_reference(device, dtype, splits, fold_routing, tokens, num_experts, top_k, hidden,
+                                         inter):  # fmt: skip
+    """The decoder layer's form: the MoE of rms_norm(h) from the norm's unscaled input, added into the residual
+    stream, with the next norm's input written by the last launch (the down pass, or the summing launch)."""
+    h = (torch.randn(tokens, hidden, device=device) * 3).to(dtype)  # rms far from 1: a missing 1/rms shows
+    gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    next_gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
+    residual = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    x = _norm_input(h, gamma, num_partials=3)
+    eps = 1e-6
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=splits, fold_routing=fold_routing)
+    got_h, got_next = fused_moe_into_residual_triton(
+        x, eps, w13, w2, logits, top_k, True, residual, next_gamma, config
+    )  # fmt: skip
+    want_h, want_next = fused_moe_into_residual_reference(x, eps, w13, w2, logits, top_k, True, residual, next_gamma)
+    assert got_h.dtype == dtype and got_next.scaled.dtype == dtype
+    assert_close(got_h, want_h, scale=2.0)
+    assert_close(got_next.scaled, want_next.scaled, scale=2.0)
+    # One partial sum per H-tile of the launch that wrote h; their total is h's sum of squares.
+    assert got_next.partial_sq.shape[1] == tokens
+    torch.testing.assert_close(got_next.partial_sq.sum(dim=0), got_h.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-5)
+
+
+def test_into_residual_reference_is_the_unfused_layer():
+    """The reference is what the unfused decoder computes: RMSNorm, the MoE, the residual add."""
+    tokens, num_experts, top_k, hidden, inter = 2, 8, 2, 32, 16
+    h, residual = torch.randn(tokens, hidden) * 2, torch.randn(tokens, hidden)
+    gamma, next_gamma = torch.rand(hidden) + 0.5, torch.rand(hidden) + 0.5
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, "cpu")
+    logits = torch.randn(tokens, num_experts)
+    eps = 1e-6
+    got_h, got_next = fused_moe_into_residual_reference(
+        _norm_input(h, gamma, 2), eps, w13, w2, logits, top_k, False, residual, next_gamma
+    )  # fmt: skip
+    normed = h * torch.rsqrt(h.pow(2).mean(dim=1, keepdim=True) + eps) * gamma
+    want_h = residual + fused_moe_reference(normed, w13, w2, logits, top_k, False)
+    torch.testing.assert_close(got_h, want_h)
+    torch.testing.assert_close(got_next.scaled, want_h * next_gamma)
+    torch.testing.assert_close(got_next.partial_sq[0], want_h.pow(2).sum(dim=1))

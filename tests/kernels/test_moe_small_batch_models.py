@@ -70,8 +70,11 @@ def test_a_decode_step_takes_the_small_batch_path_with_the_grouped_paths_logits(
     want = _run(model_dir, dev, dtype)
     monkeypatch.delenv("TIDAL_MOE_SMALL_BATCH")
     calls: list[int] = []
-    routed = fused_moe_module.small_batch_moe_routed
-    monkeypatch.setattr(fused_moe_module, "small_batch_moe_routed", lambda *a: calls.append(1) or routed(*a))
+    # On a GPU the decoder's small-batch path runs the layer's form of it (into the residual stream); on CPU the
+    # unfused layers run the op itself.
+    for name in ("small_batch_moe_routed", "small_batch_moe_into_residual"):
+        kernel = getattr(fused_moe_module, name)
+        monkeypatch.setattr(fused_moe_module, name, lambda *a, k=kernel: calls.append(1) or k(*a))
     got = _run(model_dir, dev, dtype)
     assert len(calls) >= 2  # at least one MoE layer in each of the two steps
     for g, w in zip(got, want, strict=True):

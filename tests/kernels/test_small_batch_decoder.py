@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+import tidal.kernels.fused_moe_small_batch as fused_moe_small_batch
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
 import tidal.worker.models.decoder as decoder_module
@@ -78,7 +79,8 @@ def _run(
     return [runner.execute(prefill), runner.execute(decode)]  # logits [1, V] and [3, V], fp32
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, biased q/k/v, q/k norm
+# plain, biased q/k/v, q/k norm; experts (Mixtral), experts beside a dense layer (Qwen3-MoE)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_fused_small_batch_forward_matches_the_unfused_layers(
     arch: str, tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,14 +115,23 @@ def _projection(flags: dict[str, Any]) -> str:
         return "gate_up"
     if flags["INTO_RESIDUAL"]:
         return "into_residual"  # o and down
-    return "qkv" if flags["ROW_SCALE"] else "plain"  # plain: the LM head
+    return "normed" if flags["ROW_SCALE"] else "plain"  # normed: qkv or a router; plain: the LM head
+
+
+_MOE_KERNELS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "pair_gate_up_kernel": lambda f: "moe_gate_up" + (" (routed, normed)" if f["ROUTE"] and f["ROW_SCALE"] else ""),
+    "token_down_kernel": lambda f: "moe_down" + ("" if f["INTO_RESIDUAL"] else " (partial)"),
+    "sum_splits_kernel": lambda f: "moe_sum_splits",
+}
 
 
 @pytest.mark.parametrize(
     ("arch", "per_layer"),
     [
         ("llama", ["qkv_rope_store", "into_residual", "gate_up", "into_residual"]),
-        ("qwen3", ["qkv", "into_residual", "gate_up", "into_residual"]),  # the q/k norm keeps rotary+store apart
+        ("qwen3", ["normed", "into_residual", "gate_up", "into_residual"]),  # the q/k norm keeps rotary+store apart
+        # An expert layer: the router's projection, routing + gate/up scaled by 1/rms, down into the residual stream.
+        ("mixtral", ["qkv_rope_store", "into_residual", "normed", "moe_gate_up (routed, normed)", "moe_down"]),
     ],
 )
 def test_fused_small_batch_forward_launches_one_kernel_per_projection(
@@ -140,6 +151,9 @@ def test_fused_small_batch_forward_launches_one_kernel_per_projection(
     )
     monkeypatch.setattr(small_batch_linear, "linear_rows_kernel", linear)
     monkeypatch.setattr(small_batch_qkv, "qkv_rope_kernel", qkv)
+    for name, label in _MOE_KERNELS.items():
+        kernel = getattr(fused_moe_small_batch, name)
+        monkeypatch.setattr(fused_moe_small_batch, name, _RecordLaunches(kernel, label, launches))
     runner.execute(decode)
     lm_head = ["plain"] if dev.type == "cuda" else []  # the LM head takes linear_rows on CUDA tensors only
     assert launches == per_layer * runner.model.kv_cache_spec.num_layers + lm_head

@@ -12,13 +12,16 @@ name here), and the forward dispatches each (token, expert) to a rank holding th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.kernels.fused_moe import fused_moe, topk_route
+from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig
+from tidal.kernels.fused_moe import auto_small_batch_config, fused_moe, fused_moe_into_residual_triton, topk_route
+from tidal.kernels.small_batch_linear import NormInput, linear_rows_triton
 from tidal.worker.layers.checkpoint import new_weight
 from tidal.worker.layers.expert_dispatch import dispatch_and_combine
 from tidal.worker.layers.expert_parallel import ExpertParallelState
@@ -94,6 +97,34 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # gate [T, 1]
         return out
+
+    def small_batch_config(self, num_tokens: int) -> SmallBatchMoeConfig | None:
+        """The small-batch expert kernels' config where a step of `num_tokens` can run this block in the decoder's
+        small-batch path (`forward_small_batch`), else None. Expert parallelism (a dispatch to other ranks) and a
+        shared expert keep the unfused forward, and so does TIDAL_MOE_FUSED_LAYER=0 (timing the two against each
+        other; the unfused layers still take the small-batch expert kernels)."""
+        if self.expert_parallel is not None or self.shared_expert is not None:
+            return None
+        if os.environ.get("TIDAL_MOE_FUSED_LAYER", "1") == "0":  # read per call: an A/B in one benchmark process
+            return None
+        return auto_small_batch_config(num_tokens, self.moe.top_k, self.w13)
+
+    def forward_small_batch(
+        self, x: NormInput, eps: float, residual: torch.Tensor, next_gamma: torch.Tensor
+    ) -> tuple[torch.Tensor, NormInput]:
+        """residual + forward(rms_norm(h)) for a few tokens (where `small_batch_config` gives a config), from the
+        norm's unscaled input `x` and its `eps`, in three launches or four: the router's projection scaled by 1/rms,
+        routing + gate/up scaled by 1/rms + SiLU-and-mul, down summed over each token's experts and added into the
+        residual stream with the next norm's input (weight `next_gamma`) in its epilogue (a summing launch when the
+        config splits the down pass). -> (the new residual stream [T, H], that input)."""
+        config = self.small_batch_config(x.scaled.shape[0])
+        if config is None:
+            raise ValueError(f"{x.scaled.shape[0]} tokens do not take the small-batch expert kernels here")
+        router_logits = linear_rows_triton(x.scaled, self.router, None, x.partial_sq, eps)  # [T, E]
+        return fused_moe_into_residual_triton(
+            x, eps, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize, residual, next_gamma,
+            config,
+        )  # fmt: skip
 
     def checkpoint_block(self, path: str) -> str:
         """The checkpoint's prefix of this block, for the layer at module path `path` (the decoder's `...mlp`)."""

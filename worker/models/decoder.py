@@ -6,7 +6,9 @@ place of the dense MLP.
 
 Each layer has two forwards over the same weight tensors (weight updates, sleep and checksums see one set): the
 unfused one, and for a step of at most 16 tokens on a GPU in 16-bit the small-batch one, six launches per layer instead
-of twelve (`DecoderLayer.forward_small_batch`). `DecoderModel.forward` picks one of them per step.
+of twelve (`DecoderLayer.forward_small_batch`). `DecoderModel.forward` picks one of them per step; an expert layer
+joins the small-batch path at the token counts its small-batch expert kernels serve (SparseMoE.small_batch_config),
+and a step any layer cannot fuse runs unfused throughout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tidal.worker.layers.embedding import LMHead, VocabEmbedding
 from tidal.worker.layers.expert_parallel import ExpertParallelSettings
 from tidal.worker.layers.linear import Linear, MergedLinear
 from tidal.worker.layers.mlp import GatedMLP
+from tidal.worker.layers.moe import SparseMoE
 from tidal.worker.layers.norm import RMSNorm
 from tidal.worker.layers.rotary import RotaryEmbedding
 from tidal.worker.models.base import CausalLM, KVCacheSpec
@@ -154,9 +157,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        # The small-batch path folds the post-attention norm into the dense MLP's gate/up projection; an expert layer
-        # routes in between, so a layer with one has the unfused forward only.
-        self.fuses_small_batches = isinstance(mlp, GatedMLP)
+
+    def fuses_small_batch(self, num_tokens: int) -> bool:
+        """Whether this layer has a small-batch forward for a step of `num_tokens` (at most 16): a dense MLP always
+        does; an expert block where its small-batch expert kernels run at that count (not with expert parallelism
+        or a shared expert, see SparseMoE.small_batch_config)."""
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp.small_batch_config(num_tokens) is not None
+        return isinstance(self.mlp, GatedMLP)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch
@@ -196,7 +204,7 @@ class DecoderLayer(nn.Module):
         residual, x = self.self_attn.forward_small_batch(
             positions, x, self.input_layernorm.eps, residual, self.post_attention_layernorm.gamma, batch
         )
-        mlp = cast(GatedMLP, self.mlp)  # the decoder takes this path only where `fuses_small_batches`
+        mlp = cast(GatedMLP | SparseMoE, self.mlp)  # the decoder takes this path only where `fuses_small_batch`
         return mlp.forward_small_batch(x, self.post_attention_layernorm.eps, residual, next_gamma)
 
 
@@ -207,11 +215,10 @@ class DecoderModel(nn.Module):
         layers = [DecoderLayer(spec, i, mlp, dtype, device) for i, mlp in enumerate(mlps)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.fuses_small_batches = all(layer.fuses_small_batches for layer in layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
-        if self.fuses_small_batches and uses_small_batch_kernels(hidden):
+        if uses_small_batch_kernels(hidden) and self._fuses_small_batch(hidden.shape[0]):
             return self._forward_small_batch(positions, hidden, batch)
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -219,6 +226,10 @@ class DecoderModel(nn.Module):
         normed: torch.Tensor
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def _fuses_small_batch(self, num_tokens: int) -> bool:
+        # Every layer or none: the fused layers hand each other the next norm's input, the unfused ones a residual.
+        return all(cast(DecoderLayer, layer).fuses_small_batch(num_tokens) for layer in self.layers)
 
     def _forward_small_batch(
         self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch

@@ -1,8 +1,9 @@
 """The decoder with mixture-of-experts blocks in place of (some of) its dense MLPs; the families' shared part.
 
 A family gives its attention settings (`spec_from_config`, as the dense families do), its expert settings
-(`moe_spec_from_config`) and which layers keep a dense MLP (`dense_mlp_layers`). A model with any expert layer runs
-the unfused decoder forward only (`DecoderLayer.fuses_small_batches`).
+(`moe_spec_from_config`) and which layers keep a dense MLP (`dense_mlp_layers`). A decode step of a few tokens takes
+the decoder's small-batch path where every expert layer's small-batch kernels serve that count
+(`DecoderLayer.fuses_small_batch`); expert parallelism and a shared expert keep the unfused forward.
 
 Built for an expert-parallel group of more than one rank, every expert layer holds this rank's slots and shares one
 `ExpertParallelState` (`expert_parallel`); the checkpoint names cover the router and the held experts only, and the
