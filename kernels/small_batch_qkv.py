@@ -4,8 +4,9 @@ the torch reference and the Triton kernel's wrapper.
 `small_batch_linear.linear_rows` computes a tile of consecutive outputs; here a program computes the two halves of a
 rotary pair instead (dims i and i + D/2 of one head, the rotate_half convention of Llama, Mistral and Qwen2), so the
 rotation needs no other program's outputs. q comes back rotated; k (rotated) and v go straight into the paged cache,
-and the separate rotary+store kernel is not launched. Models that normalise q and k per head first (Qwen3), rotate
-only part of a head, or pair adjacent dims (GPT-J) keep the unfused path: `can_fuse_rotary` says which.
+and the separate rotary+store kernel is not launched. Models that normalise q and k per head first (Qwen3: that
+kernel applies the norm), rotate only part of a head, or pair adjacent dims (GPT-J) keep it: `can_fuse_rotary` says
+which.
 """
 
 import torch

@@ -16,7 +16,9 @@ import torch
 import tidal.kernels.fused_moe_small_batch as fused_moe_small_batch
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
+import tidal.worker.layers.rotary as rotary_layer
 import tidal.worker.models.decoder as decoder_module
+from tidal.kernels.rotary_store_kv import rotary_store_kv_reference, rotary_store_kv_triton
 from tidal.kernels.small_batch_linear import MAX_ROWS
 from tidal.worker.engine.model_runner import ModelRunner
 from tidal.worker.engine.step_plan import StepPlan
@@ -157,3 +159,23 @@ def test_fused_small_batch_forward_launches_one_kernel_per_projection(
     runner.execute(decode)
     lm_head = ["plain"] if dev.type == "cuda" else []  # the LM head takes linear_rows on CUDA tensors only
     assert launches == per_layer * runner.model.kv_cache_spec.num_layers + lm_head
+
+
+def test_qwen3_qk_norm_in_the_rotary_store_kernel_matches_its_reference(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3 layer hands its per-head q/k norms to the rotary+store kernel (no norm launches of their own): the
+    kernel, fed the strided q/k/v views of the projection both forwards produce, gives the logits of the reference
+    (on CPU the layer would call the reference, so the kernel is patched in by hand)."""
+    model_dir = write_tiny_model("qwen3", tmp_path / "qwen3")
+    dev = torch.device(device)
+    dtype = "bfloat16" if dev.type == "cuda" else "float16"
+    results = {}
+    for name, fn in (("reference", rotary_store_kv_reference), ("triton", rotary_store_kv_triton)):
+        monkeypatch.setattr(rotary_layer, "rotary_store_kv", fn)
+        for fused in (False, True):
+            results[name, fused] = _run(model_dir, dev, dtype, fused=fused, monkeypatch=monkeypatch)
+    for fused in (False, True):
+        for g, w in zip(results["triton", fused], results["reference", fused], strict=True):
+            torch.testing.assert_close(g, w, atol=0.01 * w.abs().max().item(), rtol=0.01)
+            assert torch.equal(g.argmax(dim=-1), w.argmax(dim=-1))

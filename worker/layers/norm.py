@@ -2,17 +2,17 @@
 
 The small-batch decoder path never launches this norm: the projection after it scales its products by 1/rms, and the
 projection before it writes `NormInput` (tidal.kernels.small_batch_linear). `gamma`, `eps` and `norm_input` are what
-that path reads from here.
+that path reads from here. Qwen3's per-head q/k norms are not launched either: `head_norm` hands them to the rotary
++ KV-store kernel (tidal.kernels.rotary_store_kv).
 """
 
 from __future__ import annotations
-
-from typing import cast
 
 import torch
 from torch import nn
 
 from tidal.kernels.rms_norm import rms_norm
+from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput, norm_input_reference
 from tidal.worker.layers.checkpoint import new_weight
 
@@ -29,11 +29,10 @@ class RMSNorm(nn.Module):
         """x [T, H]. With `residual`: returns (norm(x + residual), x + residual), the latter the new residual."""
         return rms_norm(x, self.weight, self.eps, residual)
 
-    def forward_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] normalised per head (Qwen3's q/k norm)."""
-        num_tokens, num_heads, head_dim = x.shape
-        normed = rms_norm(x.reshape(num_tokens * num_heads, head_dim), self.weight, self.eps)
-        return cast(torch.Tensor, normed).view(x.shape)  # one tensor: no residual was given
+    def head_norm(self) -> HeadNorm:
+        """This norm applied to each head of q or k (Qwen3's q/k norm; the weight [head_dim]): the rotary+store kernel
+        normalises the heads it rotates, so the norm is never a launch of its own."""
+        return HeadNorm(self.weight, self.eps)
 
     @property
     def gamma(self) -> torch.Tensor:

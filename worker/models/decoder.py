@@ -103,7 +103,7 @@ class DecoderAttention(nn.Module):
         )
         self.attn = PagedAttention(layer_idx, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
         # Whether the small-batch qkv kernel rotates q and k and writes the cache in its epilogue; a per-head q/k
-        # norm (Qwen3) has to come between the projection and the rotation, so it keeps the rotary+store kernel.
+        # norm (Qwen3) needs a whole head before the rotation, so it keeps the rotary+store kernel, which applies it.
         self.fuses_rotary_into_qkv = can_fuse_rotary(
             spec.head_dim, self.rotary_emb.rotary_dim, self.rotary_emb.is_neox, self.q_norm is not None
         )
@@ -141,9 +141,11 @@ class DecoderAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm.forward_heads(q), self.k_norm.forward_heads(k)
-        q = self.rotary_emb.rotate_and_store(positions, q, k, v, self.attn.kv_cache(batch), batch.slot_mapping)
+        # Qwen3's per-head q/k norm runs inside the rotary+store kernel: one launch, not three.
+        q_norm = self.q_norm.head_norm() if self.q_norm is not None else None
+        k_norm = self.k_norm.head_norm() if self.k_norm is not None else None
+        kv_cache = self.attn.kv_cache(batch)
+        q = self.rotary_emb.rotate_and_store(positions, q, k, v, kv_cache, batch.slot_mapping, q_norm, k_norm)
         out = self.attn.attend(q, batch)  # [T, num_heads, head_dim]
         return out.reshape(num_tokens, self.q_size)
 
@@ -191,7 +193,7 @@ class DecoderLayer(nn.Module):
         reduce is a launch of its own:
 
             qkv       linear_rows(h * gamma_in) scaled by 1/rms; rotary on q and k, k and v into the KV cache
-                      (Qwen3's per-head q/k norm keeps its norm kernels and the separate rotary+store kernel)
+                      (Qwen3 keeps the separate rotary+store kernel, which applies its per-head q/k norm)
             attention decode split + merge, as unfused
             o         h <- h + o_proj(attention), also h * gamma_post and partial sums of h^2
             gate/up   silu(gate) * up of linear_rows(h * gamma_post) scaled by 1/rms
