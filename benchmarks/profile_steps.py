@@ -3,24 +3,31 @@
     python benchmarks/profile_steps.py --preset llama3-8b [--batches 1 32 256] [--offline] [--gemm]
 
 Prints, per decode batch size, each kernel's share of a graphed forward (torch.profiler; the sum set against the wall
-time shows launch gaps); with --gemm, each linear layer's shape timed alone at M = the batch sizes (distinct weight
-copies in turn, so L2 holds none of them, as in a real forward); with --offline, the issue's offline workload step by
-step: how many steps of each kind, their device time and the host time around them. Nothing is written to disk.
+time shows launch gaps) under the step's hardware bound (perf/step_bound.py: its bytes at the issue's copy bandwidth
+against its FLOPs at the H200's dense bf16 peak, both from perf/device.py; the larger binds); with --gemm, each
+linear layer's shape timed alone at M = the batch sizes (distinct weight copies in turn, so L2 holds none of them, as
+in a real forward); with --offline, the issue's offline workload step by step: how many steps of each kind, their
+device time, the host time around them and, for a dense model, the sum of their bounds. Nothing is written to disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from perf import moe
+from perf.device import H200_BF16_DENSE_TFLOPS, ISSUE_COPY_TBS
 from perf.engine_side import build_engine, decode_plan, engine_config, step_tokens
 from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
+from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
+from perf.step_counts import model_shape
 from torch.profiler import ProfilerActivity, profile
 
 from tidal.worker.engine.llm_engine import LLMEngine
@@ -28,9 +35,15 @@ from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
 
 
-def kernel_table(engine: LLMEngine, batch: int, context_len: int, iters: int = 10) -> None:
+def kernel_table(engine: LLMEngine, shape: ModelShape, batch: int, context_len: int, iters: int = 10) -> None:
     runner = engine.runner
-    plan = decode_plan(batch, context_len, engine.config.block_size, step_tokens(batch, runner.model.vocab_size))
+    input_ids = step_tokens(batch, runner.model.vocab_size)
+    # A MoE step reads only the experts its tokens route to: counted on this very step (same tokens, same context).
+    touched = moe.touched_experts(engine, input_ids, context_len) if shape.top_k else []
+    if touched is None:
+        raise RuntimeError(f"batch {batch} x context {context_len} does not fit the KV cache")
+    bound = decode_bound(shape, batch, context_len, sum(touched), ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS)
+    plan = decode_plan(batch, context_len, engine.config.block_size, input_ids)
     for _ in range(3):
         runner.execute(plan)
     torch.cuda.synchronize()
@@ -49,6 +62,7 @@ def kernel_table(engine: LLMEngine, batch: int, context_len: int, iters: int = 1
             per_name[event.name].append(event.device_time)
     total = sum(sum(v) for v in per_name.values()) / iters
     print(f"\n## decode batch {batch}, context {context_len}: wall {wall_us:.0f} us/step, kernels {total:.0f} us/step")
+    print(bound_line(bound, wall_us))
     print(f"{'us/step':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
     rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
     for name, times in rows[:24]:
@@ -86,11 +100,24 @@ def gemm_table(model: torch.nn.Module, batches: list[int]) -> None:
         del weights
 
 
-def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: int, vocab: int) -> None:
+def offline_bound_us(shape: ModelShape, plan: StepPlan) -> float | None:
+    """The step's hardware bound; None for a MoE model, whose graphed steps leave the experts touched uncounted."""
+    if shape.top_k:
+        return None
+    cu = plan.cu_seqlens_q
+    new_tokens = [b - a for a, b in itertools.pairwise(cu)]
+    sampled = len(plan.sample_indices)
+    return step_bound(shape, new_tokens, plan.seq_lens, sampled, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS).bound_us
+
+
+def offline_trace(
+    engine: LLMEngine, shape: ModelShape, requests: int, input_len: int, output_len: int, vocab: int
+) -> None:
     runner = engine.runner
     prompts = random_prompts(requests, input_len, vocab, seed=99)
     engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     records: list[tuple[int, int, bool, float]] = []  # (tokens, seqs, decode-only, device ms)
+    plans: list[StepPlan] = []  # their bounds are worked out after the run, off the timed steps
     execute = runner.execute
 
     def timed_execute(plan: StepPlan, *args: torch.Tensor | None) -> torch.Tensor | None:
@@ -99,6 +126,7 @@ def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: 
         out = execute(plan, *args)
         torch.cuda.synchronize()
         records.append((plan.num_tokens, plan.num_seqs, plan.is_decode_only, (time.perf_counter() - start) * 1e3))
+        plans.append(plan)
         return out
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -117,17 +145,30 @@ def offline_trace(engine: LLMEngine, requests: int, input_len: int, output_len: 
         total = time.perf_counter() - start_all
     finally:
         runner.execute = execute  # type: ignore[method-assign]
-    kinds: dict[str, list[tuple[float, float, int]]] = collections.defaultdict(list)
-    for (tokens, _seqs, decode_only, dev_ms), wall in zip(records, step_ms, strict=True):
+    kinds: dict[str, list[tuple[float, float, int, float | None]]] = collections.defaultdict(list)
+    for (tokens, _seqs, decode_only, dev_ms), wall, plan in zip(records, step_ms, plans, strict=True):
         kind = "decode only" if decode_only else "with prefill"
-        kinds[kind].append((dev_ms, wall - dev_ms, tokens))
+        kinds[kind].append((dev_ms, wall - dev_ms, tokens, offline_bound_us(shape, plan)))
     print(f"\n## offline {requests} x ({input_len} in, {output_len} out): {total:.2f} s (synchronised steps)")
-    print(f"{'kind':>15} {'steps':>6} {'device s':>9} {'host s':>7} {'tokens':>8} {'ms/step dev':>11}")
+    figures = f"bytes at {ISSUE_COPY_TBS:g} TB/s, FLOPs at {H200_BF16_DENSE_TFLOPS:g} TFLOP/s"
+    print(f"bound: each step's max({figures}), summed over the steps of a kind")
+    print(
+        f"{'kind':>15} {'steps':>6} {'device s':>9} {'host s':>7} {'tokens':>8} {'ms/step dev':>11} "
+        f"{'bound s':>8} {'dev / bound':>11}"
+    )
     for kind, rows in kinds.items():
         dev = sum(r[0] for r in rows) / 1e3
         host = sum(r[1] for r in rows) / 1e3
         tokens = sum(r[2] for r in rows)
-        print(f"{kind:>15} {len(rows):6d} {dev:9.3f} {host:7.3f} {tokens:8d} {dev * 1e3 / len(rows):11.2f}")
+        bounds = [r[3] for r in rows]
+        if any(b is None for b in bounds):  # a MoE model: see offline_bound_us
+            bound_cols = f"{'-':>8} {'-':>11}"
+        else:
+            bound_s = sum(b for b in bounds if b is not None) / 1e6
+            bound_cols = f"{bound_s:8.3f} {dev / bound_s:10.2f}x"
+        print(
+            f"{kind:>15} {len(rows):6d} {dev:9.3f} {host:7.3f} {tokens:8d} {dev * 1e3 / len(rows):11.2f} {bound_cols}"
+        )
     first = records[:12]
     print("first steps (tokens, seqs, decode-only, device ms):", [(t, s, d, round(ms, 2)) for t, s, d, ms in first])
 
@@ -148,11 +189,13 @@ def main() -> None:
         loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0)
         engine, facts = build_engine(engine_config(model_dir, loaded, device, workload, 0.9), loaded)
         print(f"engine: {facts}", flush=True)
+        shape = model_shape(loaded.model, loaded.hf_config, engine.runner.dtype)
         for batch in args.batches:
-            kernel_table(engine, batch, args.context)
+            kernel_table(engine, shape, batch, args.context)
         if args.offline:
             offline_trace(
                 engine,
+                shape,
                 workload.offline_requests,
                 workload.offline_input_len,
                 workload.offline_output_len,

@@ -1,4 +1,4 @@
-"""The machine: versions for the report, and the copy bandwidths the decode bound is judged against."""
+"""The machine: versions for the report, and the H200 figures (copy bandwidth, bf16 peak) a step's bound uses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import transformers
 
 # The issue's measurement on this H200 (device copy, bytes read + written); the targets are judged against it.
 ISSUE_COPY_TBS = 4.3
+# The H200's dense bf16 tensor-core peak from its spec sheet (no sparsity): the compute side of a step's bound.
+H200_BF16_DENSE_TFLOPS = 989.0
 
 
 def environment(device: torch.device) -> dict[str, str | None]:

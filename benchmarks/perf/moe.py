@@ -42,6 +42,13 @@ class StepBytes:
         return self.dense_bytes + self.layers * self.top_k * self.expert_bytes
 
 
+def gathered_tables(model: torch.nn.Module) -> set[int]:
+    """ids of the embedding tables a step only gathers rows of; a tied LM head is the table itself: then it is read
+    whole, so it is not among them."""
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
+    return {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding) and id(m.weight) not in heads}
+
+
 def step_bytes(model: torch.nn.Module) -> StepBytes | None:
     """None for a model without experts."""
     layers = moe_layers(model)
@@ -50,11 +57,7 @@ def step_bytes(model: torch.nn.Module) -> StepBytes | None:
     first = layers[0]
     size = first.w13.element_size()
     expert_bytes = (first.w13[0].numel() + first.w2[0].numel()) * size
-    skipped = {id(t) for layer in layers for t in (layer.w13, layer.w2)}
-    heads = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
-    for module in model.modules():  # a tied LM head is the table itself: then it is read, so it stays
-        if isinstance(module, VocabEmbedding) and id(module.weight) not in heads:
-            skipped.add(id(module.weight))
+    skipped = {id(t) for layer in layers for t in (layer.w13, layer.w2)} | gathered_tables(model)
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
     return StepBytes(dense, expert_bytes, first.moe.num_experts, first.moe.top_k, len(layers))
 
