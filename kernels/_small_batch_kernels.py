@@ -58,6 +58,35 @@ def _inv_rms(partials_ptr, num_partials, num_rows, rows, row_mask, k_in, eps, BL
 
 
 @triton.jit
+def _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, tile, GATED: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Writes this split's partial tiles, counts the split in on the tile's counter, and -> (the sums over all splits
+    in split order, the same for gate/up's second tile, whether this split arrived last). Only the last one's sums
+    are complete; the others' loads are masked off and their epilogue stores must be too."""
+    tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+    split = tl.program_id(1)
+    cell = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_base = workspace_ptr + tile.to(tl.int64) * (SPLIT_K * 2 * tile_elems)
+    tl.store(tile_base + split * (2 * tile_elems) + cell, acc)
+    if GATED:
+        tl.store(tile_base + split * (2 * tile_elems) + tile_elems + cell, acc_up)
+    tl.debug_barrier()  # every thread's partial is written before the count releases them
+    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    tl.debug_barrier()  # and read by the last split's threads only after its count acquired them
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+        total += tl.load(tile_base + s * (2 * tile_elems) + cell, mask=last, other=0.0, cache_modifier=".cg")
+        if GATED:
+            total_up += tl.load(tile_base + s * (2 * tile_elems) + tile_elems + cell, mask=last, other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+    tl.store(counters_ptr + tile, 0, mask=last)  # ready for the next launch
+    return total, total_up, last
+
+
+@triton.jit
 def linear_rows_kernel(
     a_ptr,  # [M, K]
     w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT)
@@ -76,28 +105,42 @@ def linear_rows_kernel(
     residual_stride,
     num_partials_in,
     eps,
+    workspace_ptr,  # [N-tiles, SPLIT_K, 2, BLOCK_M, BLOCK_N] fp32 when SPLIT_K > 1
+    counters_ptr,  # [>= N-tiles] int32 arrival counters, zero between launches, when SPLIT_K > 1
     ROW_SCALE: tl.constexpr,
     GATED: tl.constexpr,
     INTO_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Program (N-tile, split): BLOCK_N outputs of every row over the split's share of K (all of it when SPLIT_K is
+    1). With SPLIT_K > 1 the split that arrives last on its tile adds the partials and alone runs the epilogue, its
+    stores masked by `finishes` (see _split_k.py)."""
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     out_mask = outs < n_out
+    # Each split takes whole BLOCK_K steps of K: a split's share is a multiple of the tile.
+    k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(1) * k_share
+    k_len = tl.minimum(k_in - k_start, k_share)
     acc, acc_up = _products(
-        a_ptr, w_ptr, a_stride, w_stride, k_in, rows, row_mask, outs, out_mask, n_out, GATED, IS_FP32, BLOCK_M,
-        BLOCK_N, BLOCK_K,
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
+    if SPLIT_K > 1:
+        acc, acc_up, finishes = _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, pid, GATED, SPLIT_K,
+                                                 BLOCK_M, BLOCK_N)  # fmt: skip
+        row_mask = row_mask & finishes  # every store below is the last split's alone
     if ROW_SCALE:
         inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
         acc = acc * inv_rms

@@ -27,6 +27,7 @@ import triton
 
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import linear_rows_kernel
+from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import (
     check_contiguous,
     check_dtype,
@@ -54,6 +55,9 @@ class LaunchConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # Programs per output tile, each over 1/split_k of K; the last to finish adds the partials in a fixed order and
+    # runs the epilogue (kernels/_split_k.py). More programs in flight for a projection with few output tiles.
+    split_k: int = 1
 
 
 # Measured best at one row on an H200 for shapes the rule in `choose_config` serves poorly, by (outputs, inputs,
@@ -180,6 +184,8 @@ def _launch(
     """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
     num_rows, k_in = a.shape
     config = config or choose_config(n_out, k_in, gated)
+    if config.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {config.split_k}")
     num_programs = triton.cdiv(n_out, config.block_n)
     y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
     into_residual = residual is not None
@@ -189,7 +195,13 @@ def _launch(
         return y, scaled, partial_sq
     if k_in == 0:
         raise ValueError("a linear layer needs at least one input feature")
-    linear_rows_kernel[(num_programs,)](
+    if config.split_k > 1:
+        tile_elems = MAX_ROWS * config.block_n  # BLOCK_M x BLOCK_N
+        workspace = torch.empty(num_programs * config.split_k * 2 * tile_elems, dtype=torch.float32, device=a.device)
+        counters = arrival_counters(a.device, num_programs)
+    else:
+        workspace, counters = partial_sq, partial_sq  # unused
+    linear_rows_kernel[(num_programs, config.split_k)](
         a,
         weight,
         bias if bias is not None else weight,
@@ -207,12 +219,15 @@ def _launch(
         residual.stride(0) if residual is not None else 0,
         norm_partials.shape[0] if norm_partials is not None else 0,
         eps,
+        workspace,
+        counters,
         ROW_SCALE=norm_partials is not None,
         GATED=gated,
         INTO_RESIDUAL=into_residual,
         HAS_BIAS=bias is not None,
         IS_FP32=a.dtype == torch.float32,
-        BLOCK_M=16,
+        SPLIT_K=config.split_k,
+        BLOCK_M=MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=64,

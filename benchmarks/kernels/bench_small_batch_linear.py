@@ -106,17 +106,20 @@ def run(rows_list: tuple[int, ...]) -> list[Row]:
     return out
 
 
-def _sweep_configs() -> list[LaunchConfig]:
+def _sweep_configs(k_in: int, splits: tuple[int, ...]) -> list[LaunchConfig]:
+    """The tile grid, with each split of K that leaves every split at least one K step."""
+    stage_options = ((4, 3), (4, 4), (4, 6), (8, 4)) if splits == (1,) else ((4, 3), (4, 4))
     return [
-        LaunchConfig(n, k, warps, stages)
-        for n, k, (warps, stages) in itertools.product((16, 32, 64), (128, 256, 512), ((4, 3), (4, 4), (4, 6), (8, 4)))
+        LaunchConfig(n, k, warps, stages, split_k=split)
+        for n, k, (warps, stages), split in itertools.product((16, 32, 64), (128, 256, 512), stage_options, splits)
+        if k * split <= k_in
     ]
 
 
-def _time_configs(name: str, weights: list[torch.Tensor], call, top: int) -> None:
+def _time_configs(name: str, weights: list[torch.Tensor], call, top: int, splits: tuple[int, ...] = (1,)) -> None:
     """Each config of `call(weight, config)` over all `weights` in one graph; prints the best `top`."""
     timed = []
-    for config in _sweep_configs():
+    for config in _sweep_configs(weights[0].shape[1], splits):
 
         def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
             for w in ws:
@@ -137,7 +140,7 @@ def _time_configs(name: str, weights: list[torch.Tensor], call, top: int) -> Non
 QWEN3_MOE = {"hidden": 2048, "qkv": 5120, "q_size": 4096, "experts": 128, "layers": 48}
 
 
-def sweep_qwen3_moe(top: int = 3) -> None:
+def sweep_qwen3_moe(top: int = 5) -> None:
     """The expert layers' small-batch projections of Qwen3-30B-A3B at one row: qkv (row scale), o (into residual)
     and the router (row scale)."""
     shape = QWEN3_MOE
@@ -157,9 +160,10 @@ def sweep_qwen3_moe(top: int = 3) -> None:
     def into_residual(w: torch.Tensor, c: LaunchConfig) -> None:
         linear_rows_into_residual_triton(attn_out, w, residual, gamma, config=c)
 
-    _time_configs("qkv (row scale)", weights(shape["qkv"], hidden), normed, top)
-    _time_configs("o (into residual)", weights(hidden, shape["q_size"]), into_residual, top)
-    _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top)
+    splits = (1, 2, 4, 8)  # few output tiles each: split K for programs in flight
+    _time_configs("qkv (row scale)", weights(shape["qkv"], hidden), normed, top, splits)
+    _time_configs("o (into residual)", weights(hidden, shape["q_size"]), into_residual, top, splits)
+    _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top, splits)
 
 
 def sweep(top: int = 3) -> None:

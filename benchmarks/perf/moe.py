@@ -11,6 +11,7 @@ of it per token.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tidal.kernels.fused_moe import topk_route
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.layers.embedding import LMHead, VocabEmbedding
-from tidal.worker.layers.moe import SparseMoE
+from tidal.worker.layers.moe import FUSED_LAYER_SWITCH, SparseMoE
 
 
 def moe_layers(model: torch.nn.Module) -> list[SparseMoE]:
@@ -82,12 +83,22 @@ def touched_experts(engine: LLMEngine, input_ids: list[int], context_len: int) -
 
     handles = [layer.register_forward_pre_hook(count) for layer in moe_layers(runner.model)]
     graphs, runner.decode_graphs = runner.decode_graphs, None  # a replayed graph runs no Python hook
+    # The decoder's fused small-batch path calls SparseMoE.forward_small_batch, which the hook does not see: this
+    # eager step runs the unfused layers (the same routing, up to the rounding of the normed input).
+    fused_switch = os.environ.get(FUSED_LAYER_SWITCH)
+    os.environ[FUSED_LAYER_SWITCH] = "0"
     try:
         runner.execute(decode_plan(batch, context_len, block_size, input_ids))
     finally:
         runner.decode_graphs = graphs
         for handle in handles:
             handle.remove()
+        if fused_switch is None:
+            del os.environ[FUSED_LAYER_SWITCH]
+        else:
+            os.environ[FUSED_LAYER_SWITCH] = fused_switch
+    if len(counts) != len(handles):
+        raise RuntimeError(f"counted {len(counts)} of {len(handles)} MoE layers: a layer ran without its hook")
     return counts
 
 

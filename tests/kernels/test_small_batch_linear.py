@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from tolerances import DOT_DTYPES, assert_close
 
+from tidal.kernels._split_k import arrival_counters
 from tidal.kernels.activation import silu_and_mul_reference
 from tidal.kernels.rms_norm import rms_norm_reference
 from tidal.kernels.small_batch_linear import (
@@ -117,3 +118,45 @@ def test_rejects_bad_inputs():
         linear_rows_triton(a, torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="residual"):
         linear_rows_into_residual_triton(a, torch.randn(4, 8), torch.randn(2, 5), torch.randn(4))
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("split_k", [2, 3, 5])  # 5 over 80 inputs in steps of 32: the last split has no K at all
+@pytest.mark.parametrize("variant", ["plain", "row_scale", "gated", "into_residual"])
+def test_split_k_equals_the_unsplit_kernel(device, dtype, split_k, variant):
+    """The split programs' partials summed by the last one to arrive, with every epilogue: the unsplit result up to
+    the fp32 order of the sum, and the counters back at zero for the next launch."""
+    rows, n_out, k_in = 3, 48, 80
+    a, weight, b = _inputs(rows, 2 * n_out if variant == "gated" else n_out, k_in, dtype, device, bias=True)
+    split = LaunchConfig(SMALL.block_n, SMALL.block_k, SMALL.num_warps, SMALL.num_stages, split_k=split_k)
+    partials = _partials(a.float() * 3, 4)
+    if variant == "into_residual":
+        residual = torch.randn(rows, n_out, dtype=dtype, device=device)
+        gamma = torch.rand(n_out, dtype=dtype, device=device) + 0.5
+        got_h, got = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=split)
+        want_h, want = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=SMALL)
+        assert_close(got_h, want_h)
+        assert_close(got.scaled, want.scaled)
+        torch.testing.assert_close(got.partial_sq, want.partial_sq, rtol=1e-2, atol=1e-3)
+    else:
+        kwargs = {"norm_partials": partials, "eps": 1e-6} if variant != "plain" else {}
+        gated = variant == "gated"
+        got = linear_rows_triton(a, weight, b, gated=gated, config=split, **kwargs)
+        assert_close(got, linear_rows_triton(a, weight, b, gated=gated, config=SMALL, **kwargs))
+        assert_close(got, linear_rows_reference(a, weight, b, gated=gated, **kwargs), scale=3)
+    assert not arrival_counters(torch.device(device), 1).any()
+
+
+def test_split_k_runs_are_bitwise_equal(device):
+    """Which split arrives last varies from run to run on a GPU; the sum's order does not."""
+    a, weight, _ = _inputs(2, 64, 256, torch.float32, device, bias=False)
+    config = LaunchConfig(16, 32, 4, 2, split_k=4)
+    first = linear_rows_triton(a, weight, config=config)
+    for _ in range(50 if device == "cuda" else 3):
+        assert torch.equal(linear_rows_triton(a, weight, config=config), first)
+
+
+def test_split_k_must_be_positive(device):
+    a, weight, _ = _inputs(1, 16, 16, torch.float32, device, bias=False)
+    with pytest.raises(ValueError, match="split_k"):
+        linear_rows_triton(a, weight, config=LaunchConfig(16, 16, 4, 2, split_k=0))

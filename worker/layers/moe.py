@@ -28,6 +28,9 @@ from tidal.worker.layers.expert_parallel import ExpertParallelState
 from tidal.worker.layers.linear import Linear
 from tidal.worker.layers.mlp import GatedMLP
 
+# "0" keeps expert layers out of the decoder's small-batch path (SparseMoE.small_batch_config): for A/B timing.
+FUSED_LAYER_SWITCH = "TIDAL_MOE_FUSED_LAYER"
+
 
 @dataclass(frozen=True)
 class ExpertCheckpointNames:
@@ -105,7 +108,7 @@ class SparseMoE(nn.Module):
         other; the unfused layers still take the small-batch expert kernels)."""
         if self.expert_parallel is not None or self.shared_expert is not None:
             return None
-        if os.environ.get("TIDAL_MOE_FUSED_LAYER", "1") == "0":  # read per call: an A/B in one benchmark process
+        if os.environ.get(FUSED_LAYER_SWITCH, "1") == "0":  # read per call: an A/B in one benchmark process
             return None
         return auto_small_batch_config(num_tokens, self.moe.top_k, self.w13)
 

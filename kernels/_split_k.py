@@ -1,0 +1,36 @@
+"""Arrival counters of the split-K kernels that reduce in the kernel itself (one owner per device).
+
+A split-K program writes its fp32 partial tile to a workspace and counts itself in on its output tile's counter; the
+program that arrives last adds the partials in split order (so the result does not depend on which one was last),
+runs the epilogue, and sets the counter back to zero for the next launch. No second launch, no atomics on the
+output, the same bits every run.
+
+The counters are zeroed once, eagerly: a CUDA graph replays kernels, not the zeroing, so they must exist before the
+first capture (the graph runner warms every batch size up outside its graphs, which makes them).
+"""
+
+import torch
+
+# Output tiles a split-K launch may have; the largest small-batch projections have a few hundred.
+MAX_TILES = 4096
+
+_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """[>= tiles] int32 zeros on `device`, shared by every split-K launch there: kernels on one stream run one after
+    another and each leaves the counters at zero."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"a split-K launch may have at most {MAX_TILES} output tiles, got {tiles}")
+    key = (device.type, device.index if device.type != "cuda" or device.index is not None else None)
+    if device.type == "cuda" and key[1] is None:
+        key = ("cuda", torch.cuda.current_device())
+    counters = _counters.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K arrival counters are made eagerly: run the kernel once before a graph capture")
+        counters = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # zero before any stream uses them
+        _counters[key] = counters
+    return counters
