@@ -28,6 +28,11 @@ class SmallBatchMoeConfig:
     # Route in the gate/up kernel (every program redoes its token's softmax and top-k before its first weight load:
     # a few reductions over the experts up to 128 of them, ~2k + 2 beyond) rather than in a top-k launch of its own.
     fold_routing: bool = True
+    # Whether a decoder layer with these experts joins the small-batch decoder path at this token count (its norms
+    # folded into the small-batch projections around the experts, SparseMoE.forward_small_batch) or runs unfused
+    # (cuBLAS projections and RMSNorm launches) around the same expert kernels: which is faster depends on how well
+    # the small-batch projections serve the model's attention shapes at this count.
+    fuse_into_layer: bool = True
 
 
 # Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,
@@ -48,13 +53,20 @@ def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
 # order; a count above the last entry takes the grouped GEMMs. A shape not listed takes the default config up to
 # DEFAULT_MAX_PAIRS pairs.
 # From benchmarks/kernels/sweep_moe_small_batch.py on an H200 (moe-small-batch-sweep-qwen3-30b-a3b-h200.json): the MoE
-# op at 1/2/4/8 tokens took 31.8/47.8/81.9/136.7 us against the grouped path's 43.4/59.5/94.2/147.5 us.
+# op at 1/2/4/8 tokens took 31.8/47.8/81.9/136.7 us against the grouped path's 43.4/59.5/94.2/147.5 us. The layer
+# fusion from profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1 (moe-perf-h200.md): a decode step at 1/2/4/8 tokens took
+# 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused.
 TUNED_SMALL_BATCH_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, SmallBatchMoeConfig], ...]] = {
     (128, 8, 2048, 768): (
         (1, SmallBatchMoeConfig(GemvTiles(16, 128, 8), GemvTiles(16, 128, 8), down_splits=8)),
         (2, SmallBatchMoeConfig(GemvTiles(16, 128, 8), GemvTiles(32, 256, 8), down_splits=8)),
-        (4, SmallBatchMoeConfig(GemvTiles(32, 128, 8), GemvTiles(32, 128, 8), down_splits=1)),
-        (8, SmallBatchMoeConfig(GemvTiles(64, 256, 8), GemvTiles(32, 128, 8), down_splits=1, fold_routing=False)),
+        (4, SmallBatchMoeConfig(GemvTiles(32, 128, 8), GemvTiles(32, 128, 8), down_splits=1, fuse_into_layer=False)),
+        (
+            8,
+            SmallBatchMoeConfig(
+                GemvTiles(64, 256, 8), GemvTiles(32, 128, 8), down_splits=1, fold_routing=False, fuse_into_layer=False
+            ),
+        ),
     ),
 }
 

@@ -63,13 +63,13 @@ class LaunchConfig:
 # Measured best at one row on an H200 for shapes the rule in `choose_config` serves poorly, by (outputs, inputs,
 # gated). The rule was fitted to the 8B's projections, whose 96-128 programs each stream 4096 inputs; Qwen3-30B-A3B's
 # expert layers have narrower projections around the experts (a 2048-wide o gets 64 programs of 32 outputs, the
-# 128-expert router 4), so they take narrower tiles and more programs
-# (benchmarks/kernels/bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b).
+# 128-expert router 4), which do better with K split over more programs
+# (benchmarks/kernels/bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b, over 48 layers' weights in a graph):
+# its o 7.66 us (2.19 TB/s) against 8.02 for the best unsplit tile; its router 3.31 us against 4.45. Its qkv keeps the
+# rule's tile (8.45 us, 2.48 TB/s; no split did better).
 TUNED_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
-    # Qwen3-30B-A3B at one row: its qkv's best is the rule's tile (8.25 us, 2.54 TB/s); its o takes 16 x 512 (8.02 us,
-    # 2.09 TB/s; the rule's 32 x 512 was not in the sweep's best three), its router 16 x 512 (4.45 us for 0.5 MB).
-    (2048, 4096, False): LaunchConfig(16, 512, 4, 4),
-    (128, 2048, False): LaunchConfig(16, 512, 4, 3),
+    (2048, 4096, False): LaunchConfig(64, 256, 4, 4, split_k=4),
+    (128, 2048, False): LaunchConfig(32, 128, 4, 3, split_k=8),
 }
 
 

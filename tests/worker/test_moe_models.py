@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.worker.layers.moe import FUSED_LAYER_SWITCH, ExpertCheckpointNames, MoeSpec, SparseMoE
 from tidal.worker.lifecycle.checksum import tensor_digest
 from tidal.worker.loader.model_loader import load_model
 from tidal.worker.testing.hf_reference import load_reference_model, prompt_ids, transformers_greedy
@@ -86,3 +87,15 @@ def test_sleep_wake_and_an_update_serve_transformers_outputs(arch, tiny_model, t
             assert checksum.version == "b" and checksum.tensors == b_digests
 
     asyncio.run(scenario())
+
+
+def test_expert_layers_join_the_small_batch_path_where_measured_faster(monkeypatch):
+    """Qwen3-30B-A3B's expert shape: fused at 1-2 tokens, unfused around the same expert kernels at 4-8 (its tuned
+    configs), the grouped GEMMs past 8; TIDAL_MOE_FUSED_LAYER=0 keeps every count unfused."""
+    names = ExpertCheckpointNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")
+    spec = MoeSpec(num_experts=128, top_k=8, expert_intermediate_size=768, renormalize=True, names=names)
+    layer = SparseMoE(2048, spec, torch.bfloat16, torch.device("meta"))
+    fused = {tokens: layer.small_batch_config(tokens) is not None for tokens in (1, 2, 4, 8, 9)}
+    assert fused == {1: True, 2: True, 4: False, 8: False, 9: False}
+    monkeypatch.setenv(FUSED_LAYER_SWITCH, "0")
+    assert layer.small_batch_config(1) is None

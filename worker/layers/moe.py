@@ -102,15 +102,17 @@ class SparseMoE(nn.Module):
         return out
 
     def small_batch_config(self, num_tokens: int) -> SmallBatchMoeConfig | None:
-        """The small-batch expert kernels' config where a step of `num_tokens` can run this block in the decoder's
-        small-batch path (`forward_small_batch`), else None. Expert parallelism (a dispatch to other ranks) and a
+        """The small-batch expert kernels' config where a step of `num_tokens` runs this block in the decoder's
+        small-batch path (`forward_small_batch`), else None (also where the config measured the unfused layers
+        faster at this count, `fuse_into_layer`). Expert parallelism (a dispatch to other ranks) and a
         shared expert keep the unfused forward, and so does TIDAL_MOE_FUSED_LAYER=0 (timing the two against each
         other; the unfused layers still take the small-batch expert kernels)."""
         if self.expert_parallel is not None or self.shared_expert is not None:
             return None
         if os.environ.get(FUSED_LAYER_SWITCH, "1") == "0":  # read per call: an A/B in one benchmark process
             return None
-        return auto_small_batch_config(num_tokens, self.moe.top_k, self.w13)
+        config = auto_small_batch_config(num_tokens, self.moe.top_k, self.w13)
+        return config if config is not None and config.fuse_into_layer else None
 
     def forward_small_batch(
         self, x: NormInput, eps: float, residual: torch.Tensor, next_gamma: torch.Tensor
