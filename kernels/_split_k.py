@@ -22,10 +22,10 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     another and each leaves the counters at zero."""
     if tiles > MAX_TILES:
         raise ValueError(f"a split-K launch may have at most {MAX_TILES} output tiles, got {tiles}")
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    key = (device.type, index)
+    if device.type == "cuda":
+        key = ("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        key = (device.type, device.index)
     counters = _counters.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
