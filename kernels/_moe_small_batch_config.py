@@ -9,6 +9,11 @@ from dataclasses import dataclass
 # reads its expert's weights on its own (repeats across tokens only share what L2 keeps), while the grouped GEMMs read
 # each chosen expert once but first sort the pairs (three launches); at a few pairs the sort costs more.
 DEFAULT_MAX_PAIRS = 16
+# ... and only for experts at most this wide. The down pass gives each (token, H-tile) one program that streams the
+# whole expert width, so wide experts leave few programs with long serial streams: on an H200 Mixtral-8x7B's
+# (width 14336) decode step at one token took 11.0 ms on the default small-batch tiles against 7.58 on the grouped
+# GEMMs (moe-perf-h200.md), while Qwen3-30B-A3B's (768) gained. Until a sweep tunes a wide shape, it stays grouped.
+DEFAULT_MAX_EXPERT_WIDTH = 2048
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
 # Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe_small_batch.py prints these
 # entries): (experts, top-k, hidden, expert intermediate) -> (up to this many tokens, config) in increasing token
 # order; a count above the last entry takes the grouped GEMMs. A shape not listed takes the default config up to
-# DEFAULT_MAX_PAIRS pairs.
+# DEFAULT_MAX_PAIRS pairs if its experts are at most DEFAULT_MAX_EXPERT_WIDTH wide.
 # From benchmarks/kernels/sweep_moe_small_batch.py on an H200 (moe-small-batch-sweep-qwen3-30b-a3b-h200.json): the MoE
 # op at 1/2/4/8 tokens took 31.8/47.8/81.9/136.7 us against the grouped path's 43.4/59.5/94.2/147.5 us. The layer
 # fusion from profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1 (moe-perf-h200.md): a decode step at 1/2/4/8 tokens took
@@ -80,7 +85,9 @@ def small_batch_moe_config(
     table = TUNED_SMALL_BATCH_CONFIGS.get((num_experts, top_k, hidden, inter))
     if table is not None:
         return next((config for up_to, config in table if num_tokens <= up_to), None)
-    return default_small_batch_config(top_k) if num_tokens * top_k <= DEFAULT_MAX_PAIRS else None
+    if inter > DEFAULT_MAX_EXPERT_WIDTH or num_tokens * top_k > DEFAULT_MAX_PAIRS:
+        return None
+    return default_small_batch_config(top_k)
 
 
 def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:

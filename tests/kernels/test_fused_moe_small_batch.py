@@ -10,6 +10,7 @@ from tolerances import assert_close
 
 import tidal.worker.layers.moe as moe_layer
 from tidal.kernels._moe_small_batch_config import (
+    DEFAULT_MAX_EXPERT_WIDTH,
     DEFAULT_MAX_PAIRS,
     TUNED_SMALL_BATCH_CONFIGS,
     GemvTiles,
@@ -125,6 +126,9 @@ def test_the_path_follows_the_shapes_and_the_switch(monkeypatch):
     assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2, 2, w13) == default_small_batch_config(2)
     assert auto_small_batch_config(DEFAULT_MAX_PAIRS // 2 + 1, 2, w13) is None
     assert auto_small_batch_config(0, 2, w13) is None
+    # Mixtral-wide experts stay on the grouped GEMMs until a sweep tunes them (meta: shapes only).
+    wide = torch.empty(8, 2 * (DEFAULT_MAX_EXPERT_WIDTH + 1), 32, device="meta")
+    assert auto_small_batch_config(1, 2, wide) is None
     monkeypatch.setenv("TIDAL_MOE_SMALL_BATCH", "0")
     assert auto_small_batch_config(1, 2, w13) is None
 
