@@ -2,7 +2,9 @@
 # mypy: disable-error-code="no-untyped-def"
 """Triton kernels for paged decode attention: one program per (sequence, KV head, context split) computes all query
 heads of that KV head's group at once, so each K/V tile is read from memory once for the whole group. With more than
-one split, a second kernel merges the splits' partial results by their log-sum-exp."""
+one split the partial results are merged by their log-sum-exp: by the split program that arrives last on its
+(sequence, KV head) (MERGE_IN_KERNEL, an arrival counter as in kernels/_split_k.py: no second launch), or by
+`decode_merge_kernel`."""
 
 import triton
 import triton.language as tl
@@ -10,6 +12,42 @@ import triton.language as tl
 from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _merge_if_last(part_ptr, lse_ptr, out_ptr, counters_ptr, seq, kv_head, heads, row_ok, dims, dim_ok, num_heads,
+                   head_dim, used_splits, GROUP_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   MERGE_CHUNK: tl.constexpr):  # fmt: skip
+    """Counts this split in on its (sequence, KV head); the last to arrive merges the group's heads over the splits
+    that saw tokens (`used_splits`: the rest hold nothing), MERGE_CHUNK splits per load, in split order."""
+    tl.debug_barrier()  # every thread's partial and lse are written before the count releases them
+    counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == NUM_SPLITS - 1
+    tl.debug_barrier()  # read by the last split's threads only after its count acquired them
+    rows = (seq * num_heads + heads) * NUM_SPLITS  # [GROUP_P2] first partial of each head
+    chunk = tl.arange(0, MERGE_CHUNK)
+    top = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    for s0 in range(0, used_splits, MERGE_CHUNK):
+        ok = last & row_ok[:, None] & (s0 + chunk < used_splits)[None, :]
+        lse = tl.load(lse_ptr + rows[:, None] + s0 + chunk[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        top = tl.maximum(top, tl.max(lse, axis=1))
+    top = tl.where(top > float("-inf"), top, 0.0)  # a head with no tokens: every weight becomes 0
+    total = tl.zeros([GROUP_P2], tl.float32)
+    merged = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
+    for s0 in range(0, used_splits, MERGE_CHUNK):
+        ok = last & row_ok[:, None] & (s0 + chunk < used_splits)[None, :]
+        lse = tl.load(lse_ptr + rows[:, None] + s0 + chunk[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+        weights = tl.exp2(lse - top[:, None])  # [GROUP_P2, MERGE_CHUNK]
+        total += tl.sum(weights, axis=1)
+        part = part_ptr + (rows[:, None, None] + s0 + chunk[None, :, None]) * head_dim + dims[None, None, :]
+        part_ok = ok[:, :, None] & dim_ok[None, None, :]
+        parts = tl.load(part, mask=part_ok, other=0.0, cache_modifier=".cg")  # [GROUP_P2, MERGE_CHUNK, HEAD_DIM_P2]
+        merged += tl.sum(parts * weights[:, :, None], axis=1)
+    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+    out_rows = out_ptr + (seq * num_heads + heads[:, None]) * head_dim + dims[None, :]
+    tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=last & row_ok[:, None] & dim_ok[None, :])
+    tl.store(counter, 0, mask=last)  # ready for the next launch
 
 
 @triton.jit
@@ -21,6 +59,8 @@ def decode_split_kernel(
     seq_lens_ptr,
     out_ptr,  # [B, H, D] when NUM_SPLITS == 1, else partial outputs [B, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [B, H, NUM_SPLITS] fp32 (log2 domain); unused when NUM_SPLITS == 1
+    merged_ptr,  # [B, H, D] with MERGE_IN_KERNEL: the merged output
+    counters_ptr,  # [>= B * KV heads] int32 arrival counters, zero between launches, with MERGE_IN_KERNEL
     q_stride_b,
     q_stride_h,
     cache_stride_block,
@@ -35,6 +75,8 @@ def decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     IS_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -95,6 +137,11 @@ def decode_split_kernel(
         tl.store(out_ptr + part[:, None] * head_dim + dims[None, :], result, mask=row_ok[:, None] & dim_ok[None, :])
         lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=row_ok)
+        if MERGE_IN_KERNEL:
+            used_splits = tl.where(split_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 0)  # the rest saw none
+            _merge_if_last(out_ptr, lse_ptr, merged_ptr, counters_ptr, seq, kv_head, heads, row_ok, dims, dim_ok,
+                           num_heads, head_dim, used_splits, GROUP_P2, HEAD_DIM_P2, NUM_SPLITS,
+                           MERGE_CHUNK)  # fmt: skip
 
 
 @triton.jit

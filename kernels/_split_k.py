@@ -3,7 +3,8 @@
 A split-K program writes its fp32 partial tile to a workspace and counts itself in on its output tile's counter; the
 program that arrives last adds the partials in split order (so the result does not depend on which one was last),
 runs the epilogue, and sets the counter back to zero for the next launch. No second launch, no atomics on the
-output, the same bits every run.
+output, the same bits every run. Users: the small-batch projections (`linear_rows` with split_k, one counter per
+output tile) and the decode attention's split merge (one per sequence and KV head).
 
 The counters are zeroed once, eagerly: a CUDA graph replays kernels, not the zeroing, so they must exist before the
 first capture (the graph runner warms every batch size up outside its graphs, which makes them).
