@@ -74,7 +74,8 @@ class RecoveryStatus(StatusModel):
     whole_at: datetime | None = None
     """When the group served with every rank again."""
     interruption_seconds: float | None = Field(None, ge=0)
-    """From the failure seen to the survivors serving."""
+    """From the failure seen to the survivors serving; unset when the failure was found only from the epochs (the
+    operator restarted between the failure and its record, and the survivors' epoch was already out)."""
 
 
 class ReplicaGroupStatus(StatusModel):

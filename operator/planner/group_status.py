@@ -102,27 +102,56 @@ def _served_at(decision: GroupDecision, clock: datetime) -> datetime:
     return clock
 
 
+def _left_the_group(
+    before: ReplicaGroupStatus | None,
+    view_epoch: int,
+    view_members: list[int],
+    size: int,
+    was_in_group: set[int],
+) -> list[int]:
+    """Members of the epoch the status recorded that a newer epoch no longer lists, never recorded as failed: they
+    failed while no pass wrote the status (an operator restarted between the failure and its record, the survivors'
+    epoch already out when the next one looked). Outside the group now, such a rank is not a member of the view,
+    so the failure checks, which look at the view's members, never name it. Ranks past the spec's size left by a
+    shrink."""
+    if before is None or view_epoch <= before.epoch:
+        return []
+    return [r for r in before.members if r < size and r not in view_members and r in was_in_group]
+
+
 def _recovery(
     previous: RecoveryStatus | None,
     newly_failed: list[int],
+    left: list[int],
     decision: GroupDecision,
     state: GroupState,
     size: int,
     applied_at: datetime,
     clock: datetime,
+    recorded_epoch: int,
 ) -> RecoveryStatus | None:
     view = decision.view
     rec = previous
-    if newly_failed and view is not None:
+    lost = sorted({*newly_failed, *left})
+    if lost and view is not None:
         if rec is not None and rec.whole_at is None:
-            rec = rec.model_copy(update={"failed_ranks": sorted({*rec.failed_ranks, *newly_failed})})
-        else:
+            rec = rec.model_copy(update={"failed_ranks": sorted({*rec.failed_ranks, *lost})})
+        elif newly_failed:
             # The failure may be seen only once the survivors' epoch is out (an operator restarted meanwhile).
             first = decision.failures.get(newly_failed[0])
             reason = first.reason if first is not None else "it left the group"
+            rec = RecoveryStatus(failed_ranks=lost, reason=reason, failed_epoch=view.epoch, failure_seen_at=clock)
+        else:
+            # Seen only from the epochs: the recorded epoch lost the ranks and the survivors' epoch already serves.
+            # When they failed, and so how long the survivors were interrupted, is not known.
             rec = RecoveryStatus(
-                failed_ranks=newly_failed, reason=reason, failed_epoch=view.epoch, failure_seen_at=clock
+                failed_ranks=lost,
+                reason=f"it left the group (epoch {view.epoch} without it was out before a pass recorded the failure)",
+                failed_epoch=recorded_epoch,
+                failure_seen_at=clock,
             )
+            if state in SERVING_GROUP_STATES:
+                rec = rec.model_copy(update={"survivors_epoch": view.epoch, "survivors_serving_at": applied_at})
     if rec is None or rec.whole_at is not None or view is None or state not in SERVING_GROUP_STATES:
         return rec
     if view.epoch <= rec.failed_epoch:
@@ -160,10 +189,17 @@ def group_view(
         rank_states.update({s.name: states[s.rank] for s in slots})
         state = _group_state(decision, states)
         before = previous_groups.get(replica)
-        newly_failed = [
-            s.rank for s in slots if states[s.rank] == "Failed" and previous_ranks.get(s.name) in _WAS_IN_GROUP
-        ]
-        for rank in newly_failed:
+        was_in_group = {s.rank for s in slots if previous_ranks.get(s.name) in _WAS_IN_GROUP}
+        newly_failed = [s.rank for s in slots if states[s.rank] == "Failed" and s.rank in was_in_group]
+        left = [
+            r
+            for r in _left_the_group(
+                before, view.epoch if view else 0, list(view.members) if view else [], facts.ranks_per_replica,
+                was_in_group,
+            )
+            if r not in newly_failed
+        ]  # fmt: skip
+        for rank in newly_failed + left:
             why = decision.failures[rank].reason if rank in decision.failures else "it left the group"
             message = f"replica {replica} rank {rank}: {why}"
             events.append(EmitEvent(type="Warning", reason="RankFailed", message=message))
@@ -171,11 +207,13 @@ def group_view(
         recovery = _recovery(
             before.last_recovery if before is not None else None,
             newly_failed,
+            left,
             decision,
             state,
             facts.ranks_per_replica,
             applied_at,
             clock,
+            before.epoch if before is not None else 0,
         )
         serving_members = [r for r in (view.members if view else ()) if states.get(r) == "Serving"]
         degraded_experts: set[int] = set()

@@ -486,3 +486,37 @@ def test_members_caught_in_the_epoch_before_keep_their_serving_labels():
     ranks[pods[2].name] = rank_worker(2, 1, range(N), "serving")
     labels = [a for a in plan_with(model, pods, ranks).actions if isinstance(a, SetServingLabel)]
     assert [(a.pod, a.serving) for a in labels] == [("tiny-r0-2", False)]
+
+
+def test_a_failure_no_pass_recorded_is_found_from_the_epochs():
+    """An operator restarted between a rank's failure and the status write that would have recorded it finds the
+    survivors' epoch already out: the rank is outside the view, so no failure check names it, and its new process
+    may have reloaded already. The epochs say it left: the recovery is recorded (its interruption unknown) and the
+    rank's return completes it."""
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    model = ep_with_status(model, plan_with(model, pods, ranks))  # whole in epoch 1, every rank recorded serving
+    pods, ranks = group(model, 2, (0, 2, 3))  # rank 1 restarted, reloaded, waits at epoch 0
+    found = plan_with(model, pods, ranks, seconds=20.0)
+    assert found.status.ranks[1].group_state == "Joining"  # never "Failed": the old operator saw that
+    rec = found.status.groups[0].last_recovery
+    assert rec is not None and rec.failed_ranks == [1] and rec.failed_epoch == 1
+    assert rec.survivors_epoch == 2 and rec.interruption_seconds is None and rec.whole_at is None
+    assert [e.message for e in events(found, "RankFailed")] == ["replica 0 rank 1: it left the group"]
+    model = ep_with_status(model, found)
+    again = plan_with(model, pods, ranks, seconds=21.0)
+    assert not events(again, "RankFailed") and again.status.groups[0].last_recovery == rec  # seen once
+    back_pods, back = group(model, 3, range(N))
+    whole = plan_with(ep_with_status(model, again), back_pods, back, seconds=30.0)
+    assert whole.status.groups[0].last_recovery.whole_at == T0 + timedelta(seconds=30)
+    assert [e.message for e in events(whole, "RankRejoined")] == ["replica 0 rank 1 serves again in epoch 3"]
+
+
+def test_a_shrink_is_not_a_rank_leaving():
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    model = ep_with_status(model, plan_with(model, pods, ranks))
+    smaller = _resized(model, N - 1)
+    pods, ranks = group(smaller, 2, range(N - 1))
+    result = plan_with(smaller, pods[: N - 1], {k: v for k, v in ranks.items() if not k.endswith(f"-{N - 1}")})
+    assert not events(result, "RankFailed")
