@@ -28,7 +28,7 @@ class SmallBatchMoeConfig:
     gate_up: GemvTiles
     down: GemvTiles
     # Programs per token over its top-k pairs in the down pass, each loading its top_k / down_splits pairs' tiles side
-    # by side ([pairs, block_n, block_k] a step); > 1 adds a summing launch.
+    # by side ([pairs, block_n, block_k] a step); with > 1 the last split of each output tile adds the partials.
     down_splits: int = 1
     # Route in the gate/up kernel (every program redoes its token's softmax and top-k before its first weight load:
     # a few reductions over the experts up to 128 of them, ~2k + 2 beyond) rather than in a top-k launch of its own.

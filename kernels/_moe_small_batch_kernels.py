@@ -8,9 +8,10 @@ batch size only (one variant per CUDA graph) and nothing waits on the host.
 the whole hidden size; with ROUTE it first routes the pair's token from the router logits (softmax, top-k), so the
 top-k kernel is not a launch of its own. `token_down_kernel`: program (token, split, H-tile) -> the routing-weighted
 sum over the token's pairs of this split of W2 @ intermediate, the pairs' weight tiles loaded side by side: with one
-split it is the layer's output, written once, no atomics and no combine; with several each writes fp32 partial sums
-that `sum_splits_kernel` adds in a fixed order (more programs in flight when a batch has few tokens, for one more
-launch).
+split it is the layer's output, written once, no atomics and no combine; with several (more programs in flight when a
+batch has few tokens) each writes its fp32 partial sum and counts itself in on its (token, H-tile)'s counter, and the
+split that arrives last adds the partials in split order and writes the output (kernels/_split_k.py): no summing
+launch, and the same bits whichever split was last.
 
 With ROW_SCALE the gate/up kernel reads an RMSNorm's unscaled input (h * gamma and partial sums of h^2, see
 small_batch_linear.NormInput) and scales its products by each token's 1/rms; with INTO_RESIDUAL the kernel that
@@ -52,9 +53,11 @@ def store_into_residual(
     gamma_ptr,  # [H] the next norm's weight
     scaled_ptr,  # [T, H] h * gamma
     partial_sq_ptr,  # [tiles, T] fp32 sums of h^2 over each tile's columns
+    writes,  # whether this program stores (the last split of a split tile)
 ):
     """h = residual + output, rounded twice as the unfused layer rounds (the output, then the sum), and the next
     norm's input: h * gamma and this tile's sum of h^2."""
+    col_ok = col_ok & writes
     row = token * hidden_size + cols
     res = tl.load(residual_ptr + row, mask=col_ok, other=0.0).to(tl.float32)
     h = (total.to(out_ptr.dtype.element_ty).to(tl.float32) + res).to(out_ptr.dtype.element_ty)
@@ -62,7 +65,26 @@ def store_into_residual(
     hf = tl.where(col_ok, h.to(tl.float32), 0.0)
     gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(scaled_ptr + row, (hf * gamma).to(scaled_ptr.dtype.element_ty), mask=col_ok)
-    tl.store(partial_sq_ptr + tile * num_tokens + token, tl.sum(hf * hf, axis=0))
+    tl.store(partial_sq_ptr + tile * num_tokens + token, tl.sum(hf * hf, axis=0), mask=writes)
+
+
+@triton.jit
+def sum_splits_last(part, workspace_ptr, counters_ptr, tile, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes this split's fp32 partial [BLOCK_N] of `tile`, counts the split in on the tile's counter, and -> (the
+    sum over all splits in split order, whether this split arrived last). Only the last one's sum is complete."""
+    cell = tl.arange(0, BLOCK_N)
+    tile_base = workspace_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_N)
+    tl.store(tile_base + split * BLOCK_N + cell, part)
+    tl.debug_barrier()  # every thread's partial is written before the count releases them
+    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLITS - 1
+    tl.debug_barrier()  # and read by the last split's threads only after its count acquired them
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLITS):
+        # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+        total += tl.load(tile_base + s * BLOCK_N + cell, mask=last, other=0.0, cache_modifier=".cg")
+    tl.store(counters_ptr + tile, 0, mask=last)  # ready for the next launch
+    return total, last
 
 
 @triton.jit
@@ -145,16 +167,19 @@ def token_down_kernel(
     w2_ptr,  # [E, H, I]
     weights_ptr,  # [T * TOP_K] fp32 routing weights
     ids_ptr,  # [T * TOP_K] int32 experts
-    out_ptr,  # SPLITS == 1: [T, H] in the output dtype; else [T * SPLITS, H] fp32 partial sums
-    residual_ptr,  # INTO_RESIDUAL (SPLITS == 1 only): [T, H], and the next norm's gamma [H], h * gamma [T, H] and
-    gamma_ptr,  # sums of h^2 [H-tiles, T] out; out_ptr gets residual + output
+    out_ptr,  # [T, H] in the output dtype
+    residual_ptr,  # INTO_RESIDUAL: [T, H], and the next norm's gamma [H], h * gamma [T, H] and sums of h^2
+    gamma_ptr,  # [H-tiles, T] out; out_ptr gets residual + output
     scaled_ptr,
     partial_sq_ptr,
+    workspace_ptr,  # SPLITS > 1: [T * H-tiles, SPLITS, BLOCK_N] fp32 partial sums
+    counters_ptr,  # SPLITS > 1: [>= T * H-tiles] int32 arrival counters, zero between launches
     num_tokens,
     hidden_size,
     inter_size,
     PAIRS: tl.constexpr,  # pairs per program: TOP_K // SPLITS
     PAIRS_P2: tl.constexpr,
+    SPLITS: tl.constexpr,
     INTO_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -187,38 +212,13 @@ def token_down_kernel(
         w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
+    token = (row // SPLITS).to(tl.int64)
+    writes = True
+    if SPLITS > 1:
+        tile = token * tl.num_programs(1) + h_tile
+        total, writes = sum_splits_last(total, workspace_ptr, counters_ptr, tile, row % SPLITS, SPLITS, BLOCK_N)
     if INTO_RESIDUAL:
-        store_into_residual(total, row.to(tl.int64), h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr,
-                            residual_ptr, gamma_ptr, scaled_ptr, partial_sq_ptr)  # fmt: skip
+        store_into_residual(total, token, h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr, residual_ptr,
+                            gamma_ptr, scaled_ptr, partial_sq_ptr, writes)  # fmt: skip
     else:
-        tl.store(out_ptr + row.to(tl.int64) * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def sum_splits_kernel(
-    partial_ptr,  # [T * SPLITS, H] fp32
-    out_ptr,  # [T, H]: the output, or with INTO_RESIDUAL the new residual stream (see token_down_kernel)
-    residual_ptr,
-    gamma_ptr,
-    scaled_ptr,
-    partial_sq_ptr,
-    num_tokens,
-    hidden_size,
-    SPLITS: tl.constexpr,
-    INTO_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden_size
-    total = tl.zeros([BLOCK], tl.float32)
-    for split in tl.static_range(SPLITS):
-        total += tl.load(partial_ptr + (token * SPLITS + split) * hidden_size + cols, mask=ok, other=0.0)
-    let_next_kernel_launch(USE_PDL)
-    if INTO_RESIDUAL:
-        store_into_residual(total, token, tl.program_id(1), cols, ok, num_tokens, hidden_size, out_ptr, residual_ptr,
-                            gamma_ptr, scaled_ptr, partial_sq_ptr)  # fmt: skip
-    else:
-        tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok & writes)

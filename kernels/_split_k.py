@@ -4,7 +4,8 @@ A split-K program writes its fp32 partial tile to a workspace and counts itself 
 program that arrives last adds the partials in split order (so the result does not depend on which one was last),
 runs the epilogue, and sets the counter back to zero for the next launch. No second launch, no atomics on the
 output, the same bits every run. Users: the small-batch projections (`linear_rows` with split_k, one counter per
-output tile) and the decode attention's split merge (one per sequence and KV head).
+output tile), the small-batch MoE down pass (one per token and H-tile) and the decode attention's split merge (one
+per sequence and KV head).
 
 The counters are zeroed once, eagerly: a CUDA graph replays kernels, not the zeroing, so they must exist before the
 first capture (the graph runner warms every batch size up outside its graphs, which makes them).
@@ -12,8 +13,9 @@ first capture (the graph runner warms every batch size up outside its graphs, wh
 
 import torch
 
-# Output tiles a split-K launch may have; the largest small-batch projections have a few hundred.
-MAX_TILES = 4096
+# Output tiles a split-K launch may have: the small-batch projections have a few hundred, the MoE down pass one per
+# (token, H-tile), up to 16 x 1024.
+MAX_TILES = 16384
 
 _counters: dict[tuple[str, int | None], torch.Tensor] = {}
 

@@ -3,10 +3,10 @@ sort by expert, and with the top-k routing folded into the first kernel (kernels
 
 At one token Qwen3-30B-A3B's grouped path spent ~6.6 us a layer sorting 8 pairs (three launches) plus the top-k and
 combine launches around two GEMMs that pad each expert's single row to a 16-row tile. Here a decode step's MoE is two
-launches (three with `down_splits` > 1): routing + gate/up + SiLU * up, then down + weighted sum over the token's
-pairs. Same arithmetic as the grouped path: fp32 accumulation, the intermediate rounded to the dtype, the weighted
-sum over k in fp32 in k order. Callers validate the shapes (fused_moe's wrappers do); this checks what the kernels
-assume of the memory layout.
+launches: routing + gate/up + SiLU * up, then down + weighted sum over the token's pairs (with `down_splits` > 1
+the last split of each output tile adds the others' partial sums in the same launch). Same arithmetic as the grouped
+path: fp32 accumulation, the intermediate rounded to the dtype, the weighted sum over k in fp32 in k order. Callers
+validate the shapes (fused_moe's wrappers do); this checks what the kernels assume of the memory layout.
 
 `small_batch_moe_into_residual` is the decoder layer's form: it takes the post-attention RMSNorm's unscaled input
 (`NormInput`) and returns the residual stream after the experts with the next norm's input, so the small-batch
@@ -20,7 +20,8 @@ import triton
 
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles
-from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, sum_splits_kernel, token_down_kernel
+from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, token_down_kernel
+from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
 from tidal.kernels.small_batch_linear import NormInput
 
@@ -80,28 +81,22 @@ def _down(
     inter = w2.shape[2]
     tiles = fit_tiles(config.down, hidden_size, inter)
     splits = down_splits(config, top_k)
-    launch = pdl_launch_options(out.device)
-    partial = (num_tokens * splits, hidden_size)
-    target = out if splits == 1 else torch.empty(partial, dtype=torch.float32, device=out.device)  # [T * splits, H]
-    sum_block = min(triton.next_power_of_2(hidden_size), 1024)
-    # The launch that writes the output writes the next norm's input too: one partial sum per H-tile of it.
-    out_tile = tiles.block_n if splits == 1 else sum_block
-    norm_tiles = triton.cdiv(hidden_size, out_tile) if into is not None else 0
-    scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
-    partial_sq = torch.empty((norm_tiles, num_tokens), dtype=torch.float32, device=out.device)
-    residual, gamma = into if into is not None else (out, out)  # unused without `into`
-    epilogue = (residual, gamma, scaled, partial_sq, num_tokens)
-    token_down_kernel[(num_tokens * splits, triton.cdiv(hidden_size, tiles.block_n))](
-        intermediate, w2, weights, ids, target, *epilogue, hidden_size, inter,
-        PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits),
-        INTO_RESIDUAL=into is not None and splits == 1, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, **launch,
-    )  # fmt: skip
+    h_tiles = triton.cdiv(hidden_size, tiles.block_n)
     if splits > 1:
-        sum_splits_kernel[(num_tokens, triton.cdiv(hidden_size, sum_block))](
-            target, out, *epilogue, hidden_size, SPLITS=splits, INTO_RESIDUAL=into is not None, BLOCK=sum_block,
-            num_warps=4, **launch,
-        )  # fmt: skip
+        workspace = torch.empty(num_tokens * h_tiles * splits * tiles.block_n, dtype=torch.float32, device=out.device)
+        counters = arrival_counters(out.device, num_tokens * h_tiles)
+    else:
+        workspace = counters = weights  # unused
+    # The launch writes the next norm's input too: one partial sum per H-tile.
+    scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
+    partial_sq = torch.empty((h_tiles if into else 0, num_tokens), dtype=torch.float32, device=out.device)
+    residual, gamma = into if into is not None else (out, out)  # unused without `into`
+    token_down_kernel[(num_tokens * splits, h_tiles)](
+        intermediate, w2, weights, ids, out, residual, gamma, scaled, partial_sq, workspace, counters, num_tokens,
+        hidden_size, inter, PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits,
+        INTO_RESIDUAL=into is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        **pdl_launch_options(out.device),
+    )  # fmt: skip
     return NormInput(scaled, partial_sq)
 
 

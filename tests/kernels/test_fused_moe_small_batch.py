@@ -20,6 +20,7 @@ from tidal.kernels._moe_small_batch_config import (
     fit_tiles,
     small_batch_moe_config,
 )
+from tidal.kernels._split_k import arrival_counters
 from tidal.kernels.fused_moe import (
     auto_small_batch_config,
     fused_moe_experts_reference,
@@ -192,7 +193,7 @@ def _norm_input(h: torch.Tensor, gamma: torch.Tensor, num_partials: int) -> Norm
 def test_into_residual_matches_reference(device, dtype, splits, fold_routing, tokens, num_experts, top_k, hidden,
                                          inter):  # fmt: skip
     """The decoder layer's form: the MoE of rms_norm(h) from the norm's unscaled input, added into the residual
-    stream, with the next norm's input written by the last launch (the down pass, or the summing launch)."""
+    stream, with the next norm's input written by the down pass (by the last split of each tile when split)."""
     h = (torch.randn(tokens, hidden, device=device) * 3).to(dtype)  # rms far from 1: a missing 1/rms shows
     gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
     next_gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
@@ -212,6 +213,21 @@ def test_into_residual_matches_reference(device, dtype, splits, fold_routing, to
     # One partial sum per H-tile of the launch that wrote h; their total is h's sum of squares.
     assert got_next.partial_sq.shape[1] == tokens
     torch.testing.assert_close(got_next.partial_sq.sum(dim=0), got_h.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-5)
+
+
+def test_split_down_pass_is_bitwise_repeatable_and_resets_its_counters(device):
+    """The last split to arrive on a tile adds every split's partial in split order: the same bits whichever split
+    that is (on a GPU it varies run to run), and the tile's counter back at zero for the next launch."""
+    tokens, num_experts, top_k, hidden, inter = 2, 16, 8, 64, 48
+    x = torch.randn(tokens, hidden, device=device)
+    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=8)
+    first = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
+    for _ in range(50 if device == "cuda" else 2):
+        assert torch.equal(fused_moe_triton(x, w13, w2, logits, top_k, True, config=config), first)
+    assert not arrival_counters(torch.device(device), 1).any()
+    assert_close(first, fused_moe_reference(x, w13, w2, logits, top_k, True))
 
 
 def test_into_residual_reference_is_the_unfused_layer():

@@ -122,8 +122,7 @@ def _projection(flags: dict[str, Any]) -> str:
 
 _MOE_KERNELS: dict[str, Callable[[dict[str, Any]], str]] = {
     "pair_gate_up_kernel": lambda f: "moe_gate_up" + (" (routed, normed)" if f["ROUTE"] and f["ROW_SCALE"] else ""),
-    "token_down_kernel": lambda f: "moe_down" + ("" if f["INTO_RESIDUAL"] else " (partial)"),
-    "sum_splits_kernel": lambda f: "moe_sum_splits",
+    "token_down_kernel": lambda f: "moe_down" + ("" if f["INTO_RESIDUAL"] else " (output only)"),
 }
 
 
