@@ -7,7 +7,7 @@ import torch
 import triton
 
 from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gather_context
-from tidal.kernels._decode_attention_kernels import LOG2E, decode_merge_kernel, decode_split_kernel
+from tidal.kernels._decode_attention_kernels import LOG2E, decode_split_kernel
 from tidal.kernels._device import multiprocessor_count, pdl_launch_options
 from tidal.kernels._split_k import arrival_counters
 
@@ -74,11 +74,10 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    merge_in_kernel: bool = True,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
-    into that many pieces (split-K); by default it is chosen from the shapes. The splits are merged by the last of
-    them to finish (`merge_in_kernel`, one launch) or by a second kernel."""
+    into that many pieces (split-K); by default it is chosen from the shapes. The last split to finish on a
+    (sequence, KV head) merges them, in the same launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -94,13 +93,12 @@ def paged_decode_attention_triton(
     if block_n is None:
         block_n = 64 if head_dim_p2 <= 128 else 32
     group = num_heads // num_kv_heads
-    merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial, lse = out, out  # the kernel writes the final output directly
-    counters = arrival_counters(q.device, batch * num_kv_heads) if merge_in_kernel else lse  # unused without
+    counters = arrival_counters(q.device, batch * num_kv_heads) if num_splits > 1 else lse  # unused unsplit
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -125,25 +123,12 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MERGE_IN_KERNEL=merge_in_kernel,
         MERGE_CHUNK=MERGE_CHUNK,
         IS_FP32=q.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(q.device),
     )
-    if num_splits > 1 and not merge_in_kernel:
-        decode_merge_kernel[(batch * num_heads,)](
-            partial,
-            lse,
-            out,
-            head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEAD_DIM_P2=head_dim_p2,
-            num_warps=4,
-            **pdl_launch_options(q.device),
-        )
     return out
 
 

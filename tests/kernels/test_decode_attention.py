@@ -24,16 +24,16 @@ CASES = [
 
 
 @pytest.mark.parametrize(("seq_lens", "block_size", "num_heads", "num_kv_heads", "head_dim"), CASES)
-@pytest.mark.parametrize(("num_splits", "merge_in_kernel"), [(1, True), (3, True), (3, False), (6, True)])
+@pytest.mark.parametrize("num_splits", [1, 3, 6])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits,
-                                  merge_in_kernel, dtype):  # fmt: skip
-    """Unsplit, split with the merge in the split kernel (6: more splits than one merge chunk) or in its own."""
+                                  dtype):  # fmt: skip
+    """Unsplit, and split with the merge by the last split (6: more splits than one merge chunk)."""
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, merge_in_kernel=merge_in_kernel)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
     assert_close(got, paged_decode_attention_reference(*args))
     assert torch.all(got[torch.tensor(seq_lens) == 0] == 0)
 
@@ -78,8 +78,7 @@ def test_v_cache_with_other_strides_than_k_cache_is_refused(device):
 
 
 @pytest.mark.parametrize("num_splits", [4, 16])
-@pytest.mark.parametrize("merge_in_kernel", [True, False])
-def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_splits, merge_in_kernel):
+def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_splits):
     # A CUDA graph passes its full-width table (max_model_len) whatever the contexts are: each sequence's splits must
     # cover exactly its own context, most of them empty when it is short.
     kv = make_paged_kv([3, 40, 0, 130, 1], 16, 2, 64, torch.float32, device)
@@ -87,7 +86,7 @@ def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_sp
     tables[:, : kv.block_tables.shape[1]] = kv.block_tables
     q = torch.randn(5, 4, 64, device=device)
     args = (q, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.125)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, merge_in_kernel=merge_in_kernel)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
     assert_close(got, paged_decode_attention_reference(*args))
     assert not arrival_counters(torch.device(device), 1).any()  # every launch leaves the counters at zero
 
