@@ -118,10 +118,10 @@ class SparseMoE(nn.Module):
         self, x: NormInput, eps: float, residual: torch.Tensor, next_gamma: torch.Tensor
     ) -> tuple[torch.Tensor, NormInput]:
         """residual + forward(rms_norm(h)) for a few tokens (where `small_batch_config` gives a config), from the
-        norm's unscaled input `x` and its `eps`, in three launches or four: the router's projection scaled by 1/rms,
+        norm's unscaled input `x` and its `eps`, in three launches: the router's projection scaled by 1/rms,
         routing + gate/up scaled by 1/rms + SiLU-and-mul, down summed over each token's experts and added into the
-        residual stream with the next norm's input (weight `next_gamma`) in its epilogue (a summing launch when the
-        config splits the down pass). -> (the new residual stream [T, H], that input)."""
+        residual stream with the next norm's input (weight `next_gamma`) in its epilogue. -> (the new residual
+        stream [T, H], that input)."""
         config = self.small_batch_config(x.scaled.shape[0])
         if config is None:
             raise ValueError(f"{x.scaled.shape[0]} tokens do not take the small-batch expert kernels here")
