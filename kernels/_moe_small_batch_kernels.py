@@ -49,8 +49,8 @@ def store_into_residual(
     num_tokens,
     hidden_size,
     out_ptr,  # [T, H]: the new residual stream
-    residual_ptr,  # [T, H]
-    gamma_ptr,  # [H] the next norm's weight
+    res,  # [BLOCK_N] fp32: this tile of the token's residual stream
+    gamma,  # [BLOCK_N] fp32: this tile of the next norm's weight
     scaled_ptr,  # [T, H] h * gamma
     partial_sq_ptr,  # [tiles, T] fp32 sums of h^2 over each tile's columns
     writes,  # whether this program stores (the last split of a split tile)
@@ -59,11 +59,9 @@ def store_into_residual(
     norm's input: h * gamma and this tile's sum of h^2."""
     col_ok = col_ok & writes
     row = token * hidden_size + cols
-    res = tl.load(residual_ptr + row, mask=col_ok, other=0.0).to(tl.float32)
     h = (total.to(out_ptr.dtype.element_ty).to(tl.float32) + res).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row, h, mask=col_ok)
     hf = tl.where(col_ok, h.to(tl.float32), 0.0)
-    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(scaled_ptr + row, (hf * gamma).to(scaled_ptr.dtype.element_ty), mask=col_ok)
     tl.store(partial_sq_ptr + tile * num_tokens + token, tl.sum(hf * hf, axis=0), mask=writes)
 
@@ -202,6 +200,11 @@ def token_down_kernel(
     w_rows = experts[:, None] * hidden_size + cols[None, :].to(tl.int64)  # [PAIRS_P2, BLOCK_N]
     w_ptrs = w2_ptr + w_rows[:, :, None] * inter_size + ks[None, None, :]  # [PAIRS_P2, BLOCK_N, BLOCK_K]
     w_tile_ok = (slot_ok[:, None] & col_ok[None, :])[:, :, None]
+    token = (row // SPLITS).to(tl.int64)
+    if INTO_RESIDUAL:
+        # Before the K loop, so these loads' round trip overlaps the weight stream instead of following it.
+        res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
     for k in range(0, inter_size, BLOCK_K):
         k_ok = k + ks < inter_size
@@ -212,13 +215,12 @@ def token_down_kernel(
         w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
-    token = (row // SPLITS).to(tl.int64)
     writes = True
     if SPLITS > 1:
         tile = token * tl.num_programs(1) + h_tile
         total, writes = sum_splits_last(total, workspace_ptr, counters_ptr, tile, row % SPLITS, SPLITS, BLOCK_N)
     if INTO_RESIDUAL:
-        store_into_residual(total, token, h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr, residual_ptr,
-                            gamma_ptr, scaled_ptr, partial_sq_ptr, writes)  # fmt: skip
+        store_into_residual(total, token, h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr, res, gamma,
+                            scaled_ptr, partial_sq_ptr, writes)  # fmt: skip
     else:
         tl.store(out_ptr + token * hidden_size + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok & writes)

@@ -132,6 +132,19 @@ def linear_rows_kernel(
     k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = tl.program_id(1) * k_share
     k_len = tl.minimum(k_in - k_start, k_share)
+    # The epilogue's small inputs are loaded before the K loop: each is a dependent round trip to L2 or memory, which
+    # here overlaps the weight stream instead of following it (at one row a projection of a few MB takes only a few
+    # us, and every round trip after the loop adds to it).
+    if ROW_SCALE:
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            bias_up = tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+    if INTO_RESIDUAL:
+        res_mask = row_mask[:, None] & out_mask[None, :]
+        res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=res_mask, other=0.0)
+        gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
     acc, acc_up = _products(
         a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
         IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -142,24 +155,21 @@ def linear_rows_kernel(
                                                  BLOCK_M, BLOCK_N)  # fmt: skip
         row_mask = row_mask & finishes  # every store below is the last split's alone
     if ROW_SCALE:
-        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
         acc = acc * inv_rms
         acc_up = acc_up * inv_rms
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+        acc += bias
         if GATED:
-            acc_up += tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+            acc_up += bias_up
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     y_mask = row_mask[:, None] & out_mask[None, :]
     y_offsets = rows[:, None] * n_out + outs[None, :]
     if INTO_RESIDUAL:
-        res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=y_mask, other=0.0)
         # Rounded twice, as the unfused layer rounds: the projection's output, then the residual sum.
         h = (acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + y_offsets, h, mask=y_mask)
         hf = h.to(tl.float32)
-        gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(scaled_ptr + y_offsets, (hf * gamma[None, :]).to(scaled_ptr.dtype.element_ty), mask=y_mask)
         tl.store(partial_sq_ptr + pid * num_rows + rows, tl.sum(hf * hf, axis=1), mask=row_mask)
     else:
