@@ -2,7 +2,8 @@
 # mypy: disable-error-code="no-untyped-def"
 """Triton kernels of the small-batch projections (wrappers: small_batch_linear, small_batch_qkv). One program computes
 BLOCK_N outputs (or two tiles of BLOCK_N at a fixed distance: gate and up, or the two halves of a rotary pair) of every
-row over the whole K, then runs its epilogue."""
+row over K, or over its split's share of K with SPLIT_K > 1 (the last split to arrive adds them up), then runs its
+epilogue."""
 
 import triton
 import triton.language as tl
@@ -235,6 +236,19 @@ def linear_rows_kernel(
 
 
 @triton.jit
+def _norm_heads(x1, x2, dims, is_q, q_gamma_ptr, k_gamma_ptr, q_eps, k_eps, HEAD_DIM: tl.constexpr):
+    """Qwen3's per-head RMSNorm of the q or k head whose halves x1, x2 [BLOCK_M, HALF] this program holds: fp32 over
+    the head, times that head's gamma, as rotary_store_kv's `_norm_rotate_heads` computes it (the caller rounds)."""
+    sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)  # [BLOCK_M]
+    inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + tl.where(is_q, q_eps, k_eps))[:, None]  # [BLOCK_M, 1]
+    # Both gammas are loaded (a few hundred bytes) and the head's kept: no branch on a runtime value.
+    second = dims + HEAD_DIM // 2
+    g1 = tl.where(is_q, tl.load(q_gamma_ptr + dims), tl.load(k_gamma_ptr + dims)).to(tl.float32)[None, :]
+    g2 = tl.where(is_q, tl.load(q_gamma_ptr + second), tl.load(k_gamma_ptr + second)).to(tl.float32)[None, :]
+    return x1 * inv_rms * g1, x2 * inv_rms * g2
+
+
+@triton.jit
 def qkv_rope_kernel(
     a_ptr,  # [M, K]
     w_ptr,  # [(Hq + 2 Hkv) * D, K]: q heads, then k heads, then v heads
@@ -246,12 +260,18 @@ def qkv_rope_kernel(
     q_ptr,  # [M, Hq * D] rotated q out
     k_cache_ptr,  # [num_blocks * block_size, Hkv, D] (dense slots)
     v_cache_ptr,
+    q_gamma_ptr,  # [D] q's per-head norm weight when QK_NORM
+    k_gamma_ptr,  # [D] k's, when QK_NORM
+    workspace_ptr,  # [programs along axis 0, SPLIT_K, 2, BLOCK_M, BLOCK_N] fp32 when SPLIT_K > 1
+    counters_ptr,  # [>= programs along axis 0] int32 arrival counters, zero between launches, when SPLIT_K > 1
     num_rows,
     k_in,
     a_stride,
     w_stride,
     num_partials_in,
     eps,
+    q_eps,
+    k_eps,
     cos_sin_stride,
     num_q_heads,
     num_kv_heads,
@@ -260,15 +280,20 @@ def qkv_rope_kernel(
     TILES_PER_HALF: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program: BLOCK_N dims of the first half of one head and the same dims of its second half (a rotary pair,
-    rotate_half style), so the rotation happens in the epilogue; q goes out, k and v straight into the cache."""
+    """Program (tile, split): BLOCK_N dims of the first half of one head and the same dims of its second half (a
+    rotary pair, rotate_half style) over the split's share of K, so the rotation happens in the epilogue; q goes out,
+    k and v straight into the cache. QK_NORM needs the whole head in one program (TILES_PER_HALF 1, BLOCK_N HALF) to
+    normalise q and k heads before rotating them. With SPLIT_K > 1 the split that arrives last on its tile adds the
+    partials and alone runs the epilogue, as in linear_rows_kernel."""
     wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     head = pid // TILES_PER_HALF
@@ -277,11 +302,19 @@ def qkv_rope_kernel(
     outs = head * HEAD_DIM + dims
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
+    # Each split takes whole BLOCK_K steps of K; the last ones may get none (their partials are zeros).
+    k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(1) * k_share
+    k_len = tl.minimum(k_in - k_start, k_share)
     x1, x2 = _products(
-        a_ptr, w_ptr, a_stride, w_stride, k_in, rows, row_mask, outs, dim_ok, HALF, True, IS_FP32, BLOCK_M, BLOCK_N,
-        BLOCK_K,
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     let_next_kernel_launch(USE_PDL)
+    if SPLIT_K > 1:
+        x1, x2, finishes = _sum_splits_last(x1, x2, workspace_ptr, counters_ptr, pid, True, SPLIT_K, BLOCK_M,
+                                            BLOCK_N)  # fmt: skip
+        row_mask = row_mask & finishes  # every load and store below is the last split's alone
     if ROW_SCALE:
         inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
         x1 = x1 * inv_rms
@@ -296,6 +329,11 @@ def qkv_rope_kernel(
     is_q = head < num_q_heads
     is_v = head >= num_q_heads + num_kv_heads
     is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
+    if QK_NORM:
+        n1, n2 = _norm_heads(x1, x2, dims, is_q, q_gamma_ptr, k_gamma_ptr, q_eps, k_eps, HEAD_DIM)
+        # Rounded again, as the separate norm's output is before its rotation; v is not normalised.
+        x1 = tl.where(is_v, x1, n1.to(q_ptr.dtype.element_ty).to(tl.float32))
+        x2 = tl.where(is_v, x2, n2.to(q_ptr.dtype.element_ty).to(tl.float32))
     positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     angles = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
     cos = tl.load(angles, mask=mask, other=1.0).to(tl.float32)

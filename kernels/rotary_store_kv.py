@@ -31,13 +31,13 @@ class HeadNorm(NamedTuple):
     eps: float
 
 
-def _check_head_norms(q: torch.Tensor, q_norm: HeadNorm | None, k_norm: HeadNorm | None) -> bool:
+def check_head_norms(head_dim: int, q_norm: HeadNorm | None, k_norm: HeadNorm | None) -> bool:
     """-> whether q and k are normalised (a model normalises both or neither)."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together: pass both or neither")
     for name, norm in (("q_norm.gamma", q_norm), ("k_norm.gamma", k_norm)):
         if norm is not None:
-            check_shape(name, norm.gamma, (q.shape[2],))
+            check_shape(name, norm.gamma, (head_dim,))
             check_dtype(name, norm.gamma, FLOAT_DTYPES)
             check_contiguous(name, norm.gamma)
     return q_norm is not None
@@ -67,7 +67,7 @@ def rotary_store_kv_reference(
     at slot_mapping [T] of the caches (slot -1: not written). k itself may be left rotated or not. With the norms,
     each head of q and k is RMS-normalised over its whole head_dim first (q comes back normalised and rotated; the
     dims past the rotary part normalised only)."""
-    if _check_head_norms(q, q_norm, k_norm):
+    if check_head_norms(q.shape[2], q_norm, k_norm):
         q.copy_(_norm_heads_reference(q, cast(HeadNorm, q_norm)))
         k = _norm_heads_reference(k, cast(HeadNorm, k_norm))
     apply_rotary_reference(q, k, positions, cos_sin_cache, is_neox)
@@ -209,7 +209,7 @@ def rotary_store_kv_triton(
     """The Triton kernel; same contract as the reference (k is left as it came: only its cache rows are rotated)."""
     _check_rotary_inputs(q, k, positions, cos_sin_cache)
     _check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
-    has_qk_norm = _check_head_norms(q, q_norm, k_norm)
+    has_qk_norm = check_head_norms(q.shape[2], q_norm, k_norm)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:

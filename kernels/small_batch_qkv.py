@@ -4,23 +4,50 @@ the torch reference and the Triton kernel's wrapper.
 `small_batch_linear.linear_rows` computes a tile of consecutive outputs; here a program computes the two halves of a
 rotary pair instead (dims i and i + D/2 of one head, the rotate_half convention of Llama, Mistral and Qwen2), so the
 rotation needs no other program's outputs. q comes back rotated; k (rotated) and v go straight into the paged cache,
-and the separate rotary+store kernel is not launched. Models that normalise q and k per head first (Qwen3: that
-kernel applies the norm), rotate only part of a head, or pair adjacent dims (GPT-J) keep it: `can_fuse_rotary` says
-which.
+and the separate rotary+store kernel is not launched. A per-head q/k norm (Qwen3, `HeadNorm`) folds in too: then a
+program holds a whole head (one tile per half) and normalises q and k heads before rotating them, rounding as the
+rotary+store kernel does. Whole heads make few programs (Qwen3-30B-A3B: 40), so K is split over more of them
+(`default_split_k`; the last split to arrive adds the partials, see _split_k.py). Models that rotate only part of a
+head or pair adjacent dims (GPT-J) keep the separate kernel: `can_fuse_rotary` says which.
 """
+
+import math
 
 import torch
 import triton
 
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
+from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
-from tidal.kernels.rotary_store_kv import rotary_store_kv_reference
+from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
 from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
+
+# Half-head widths a whole-head program takes as one tile: a tensor-core tile is a power of two of at least 16; wider
+# than 128, its two fp32 accumulators of 16 rows would crowd the registers (no supported family has such heads).
+# So head_dim 32, 64, 128 or 256.
+WHOLE_HEAD_HALVES = (16, 32, 64, 128)
+
+# Programs a launch wants in flight for its weight to stream near full bandwidth on an H200. Measured there
+# (small_batch_linear.TUNED_LINEAR_CONFIGS): Qwen3-30B-A3B's qkv as linear_rows, 80 programs each streaming 64 weight
+# rows by all 2048 inputs, ran at 2.48 TB/s and no split of it did better; the 8B's qkv here has 96 unsplit programs.
+# Its 40 whole-head programs split in two make 80, each streaming the same 64 x 2048 weights' worth.
+MIN_PROGRAMS = 64
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:
-    return is_neox and rotary_dim == head_dim and head_dim % 2 == 0 and not has_qk_norm
+    if not (is_neox and rotary_dim == head_dim and head_dim % 2 == 0):
+        return False
+    return not has_qk_norm or head_dim // 2 in WHOLE_HEAD_HALVES
+
+
+def default_split_k(num_tiles: int, k_steps: int, whole_heads: bool) -> int:
+    """Splits of K per tile: for whole heads, enough that num_tiles * split reaches MIN_PROGRAMS, and no more than K
+    has BLOCK_K steps (a split with no K only adds a partial of zeros). Half-head tiles stay unsplit: their launch
+    was measured that way, and they are already two or more programs per head."""
+    if not whole_heads or num_tiles >= MIN_PROGRAMS:
+        return 1
+    return max(1, min(math.ceil(MIN_PROGRAMS / num_tiles), k_steps))
 
 
 def _check(
@@ -64,16 +91,21 @@ def qkv_rope_store_reference(
     slot_mapping: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
 ) -> torch.Tensor:
-    """-> q [M, Hq, D] rotated; k rotated and v written into the caches at slot_mapping (-1: not written). The
-    projection is `linear_rows` (RMSNorm folded in when norm_partials is given)."""
+    """-> q [M, Hq, D] (normalised per head with q_norm, then) rotated; k (normalised with k_norm, then rotated) and
+    v written into the caches at slot_mapping (-1: not written). The projection is `linear_rows` (RMSNorm folded in
+    when norm_partials is given), its output rounded to a's dtype as the unfused layer's is."""
     head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
     qkv = linear_rows_reference(a, weight, bias, norm_partials, eps)  # [M, (Hq + 2 Hkv) * D]
     q, k, v = torch.split(qkv, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     q = q.reshape(-1, num_q_heads, head_dim).clone()
     k = k.reshape(-1, num_kv_heads, head_dim).clone()
     v = v.reshape(-1, num_kv_heads, head_dim)
-    return rotary_store_kv_reference(q, k, v, positions, cos_sin_cache, True, k_cache, v_cache, slot_mapping)
+    return rotary_store_kv_reference(
+        q, k, v, positions, cos_sin_cache, True, k_cache, v_cache, slot_mapping, q_norm, k_norm
+    )
 
 
 def qkv_rope_store_triton(
@@ -89,33 +121,61 @@ def qkv_rope_store_triton(
     slot_mapping: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
-    block_k: int = 256,
+    q_norm: HeadNorm | None = None,
+    k_norm: HeadNorm | None = None,
+    split_k: int | None = None,
+    block_k: int | None = None,
     num_stages: int = 4,
 ) -> torch.Tensor:
-    """The Triton kernel; same contract as `qkv_rope_store_reference`."""
+    """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
+    block_k: None takes as many weight elements per step as the measured 32 x 256 tile."""
     head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    qk_norm = check_head_norms(head_dim, q_norm, k_norm)
+    half = head_dim // 2
+    if qk_norm and half not in WHOLE_HEAD_HALVES:
+        raise ValueError(f"a q/k norm needs head_dim 2 * {WHOLE_HEAD_HALVES}, got {head_dim}")
     num_rows, k_in = a.shape
     q = torch.empty((num_rows, num_q_heads, head_dim), dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return q
-    half = head_dim // 2
-    block_n = 32 if half >= 32 else 16  # a tensor-core tile is at least 16 wide; lanes past the half are masked
+    # A q/k norm needs the whole head in one program. Otherwise 32 or 16 of a half: a tensor-core tile is at least 16
+    # wide, and lanes past the half are masked.
+    block_n = half if qk_norm else (32 if half >= 32 else 16)
+    if block_k is None:
+        # Weight bytes per step as the measured 32 x 256 tile's: a whole 128-dim head's two 64-wide tiles by 256
+        # (72 KB a stage with a) could ask for more shared memory than an H200 has with four stages in flight.
+        block_k = 8192 // max(block_n, 32)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k_in)))
     tiles_per_half = triton.cdiv(half, block_n)
-    grid = ((num_q_heads + 2 * num_kv_heads) * tiles_per_half,)
-    qkv_rope_kernel[grid](
+    num_tiles = (num_q_heads + 2 * num_kv_heads) * tiles_per_half
+    if split_k is None:
+        split_k = default_split_k(num_tiles, triton.cdiv(k_in, block_k), qk_norm)
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    if split_k > 1:
+        workspace = torch.empty(num_tiles * split_k * 2 * MAX_ROWS * block_n, dtype=torch.float32, device=a.device)
+        counters = arrival_counters(a.device, num_tiles)
+    else:
+        workspace, counters = q, q  # never read
+    # Without the norms the gamma pointers are never read; the weight stands in for them.
+    q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
+    k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
+    qkv_rope_kernel[(num_tiles, split_k)](
         a, weight, bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
-        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache,
+        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
         num_rows, k_in, a.stride(0), weight.stride(0), norm_partials.shape[0] if norm_partials is not None else 0,
-        eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
+        eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim,
         HALF=half,
         TILES_PER_HALF=tiles_per_half,
         ROW_SCALE=norm_partials is not None,
         HAS_BIAS=bias is not None,
+        QK_NORM=qk_norm,
         IS_FP32=a.dtype == torch.float32,
-        BLOCK_M=16,
+        SPLIT_K=split_k,
+        BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n,
-        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k_in))),
+        BLOCK_K=block_k,
         BLOCK_P=64,
         num_warps=4,
         num_stages=num_stages,

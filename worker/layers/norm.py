@@ -2,8 +2,8 @@
 
 The small-batch decoder path never launches this norm: the projection after it scales its products by 1/rms, and the
 projection before it writes `NormInput` (tidal.kernels.small_batch_linear). `gamma`, `eps` and `norm_input` are what
-that path reads from here. Qwen3's per-head q/k norms are not launched either: `head_norm` hands them to the rotary
-+ KV-store kernel (tidal.kernels.rotary_store_kv).
+that path reads from here. Qwen3's per-head q/k norms are not launched either: `head_norm` hands them to the kernel
+that rotates q and k (tidal.kernels.rotary_store_kv, or small_batch_qkv on the small-batch path).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
     def head_norm(self) -> HeadNorm:
-        """This norm applied to each head of q or k (Qwen3's q/k norm; the weight [head_dim]): the rotary+store kernel
-        normalises the heads it rotates, so the norm is never a launch of its own."""
+        """This norm applied to each head of q or k (Qwen3's q/k norm; the weight [head_dim]): the kernel that rotates
+        the heads (rotary+store, or the small-batch qkv) normalises them first, so the norm is never a launch of its
+        own."""
         return HeadNorm(self.weight, self.eps)
 
     @property

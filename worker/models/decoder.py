@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput, uses_small_batch_kernels
 from tidal.kernels.small_batch_qkv import can_fuse_rotary, qkv_rope_store_triton
 from tidal.worker.layers.attention import AttentionBatch, PagedAttention
@@ -103,7 +104,7 @@ class DecoderAttention(nn.Module):
         )
         self.attn = PagedAttention(layer_idx, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
         # Whether the small-batch qkv kernel rotates q and k and writes the cache in its epilogue; a per-head q/k
-        # norm (Qwen3) needs a whole head before the rotation, so it keeps the rotary+store kernel, which applies it.
+        # norm (Qwen3) folds in too where one program can hold a whole head (head_dim 32 to 256).
         self.fuses_rotary_into_qkv = can_fuse_rotary(
             spec.head_dim, self.rotary_emb.rotary_dim, self.rotary_emb.is_neox, self.q_norm is not None
         )
@@ -125,9 +126,11 @@ class DecoderAttention(nn.Module):
         `eps`. -> (the new residual stream [T, H], the input of the next norm (weight `next_gamma`) over it)."""
         if self.fuses_rotary_into_qkv:
             k_cache, v_cache = self.attn.kv_cache(batch)
+            q_norm, k_norm = self._head_norms()
             q = qkv_rope_store_triton(
                 x.scaled, self.qkv_proj.weight, self.qkv_proj.bias, x.partial_sq, eps, positions,
                 self.rotary_emb.cos_sin_cache, k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
+                q_norm, k_norm,
             )  # fmt: skip
             out = self.attn.attend(q, batch).reshape(q.shape[0], self.q_size)  # [T, q_size]
         else:
@@ -142,12 +145,17 @@ class DecoderAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         # Qwen3's per-head q/k norm runs inside the rotary+store kernel: one launch, not three.
-        q_norm = self.q_norm.head_norm() if self.q_norm is not None else None
-        k_norm = self.k_norm.head_norm() if self.k_norm is not None else None
+        q_norm, k_norm = self._head_norms()
         kv_cache = self.attn.kv_cache(batch)
         q = self.rotary_emb.rotate_and_store(positions, q, k, v, kv_cache, batch.slot_mapping, q_norm, k_norm)
         out = self.attn.attend(q, batch)  # [T, num_heads, head_dim]
         return out.reshape(num_tokens, self.q_size)
+
+    def _head_norms(self) -> tuple[HeadNorm | None, HeadNorm | None]:
+        """Qwen3's per-head (q norm, k norm), applied by whichever kernel rotates; (None, None) for other models."""
+        if self.q_norm is None or self.k_norm is None:
+            return None, None
+        return self.q_norm.head_norm(), self.k_norm.head_norm()
 
 
 class DecoderLayer(nn.Module):
@@ -192,8 +200,8 @@ class DecoderLayer(nn.Module):
         small_batch_qkv), whose epilogues do the small op after each projection; no RMSNorm, SiLU-and-mul or split-K
         reduce is a launch of its own:
 
-            qkv       linear_rows(h * gamma_in) scaled by 1/rms; rotary on q and k, k and v into the KV cache
-                      (Qwen3 keeps the separate rotary+store kernel, which applies its per-head q/k norm)
+            qkv       linear_rows(h * gamma_in) scaled by 1/rms; (Qwen3: per-head q/k norm,) rotary on q and k,
+                      k and v into the KV cache
             attention decode split + merge, as unfused
             o         h <- h + o_proj(attention), also h * gamma_post and partial sums of h^2
             gate/up   silu(gate) * up of linear_rows(h * gamma_post) scaled by 1/rms
