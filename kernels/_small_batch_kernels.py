@@ -288,6 +288,7 @@ def qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     """Program (tile, split): BLOCK_N dims of the first half of one head and the same dims of its second half (a
     rotary pair, rotate_half style) over the split's share of K, so the rotation happens in the epilogue; q goes out,
@@ -306,22 +307,39 @@ def qkv_rope_kernel(
     k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = tl.program_id(1) * k_share
     k_len = tl.minimum(k_in - k_start, k_share)
-    x1, x2 = _products(
-        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
-        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    # The epilogue's small inputs load before the K loop, their round trips overlapping the weight stream (as in
+    # linear_rows_kernel).
+    if ROW_SCALE:
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
+    if HAS_BIAS:
+        bias1 = tl.load(bias_ptr + outs, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        bias2 = tl.load(bias_ptr + outs + HALF, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+    positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    angles = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
+    cos = tl.load(angles, mask=row_mask[:, None] & dim_ok[None, :], other=1.0).to(tl.float32)
+    sin = tl.load(angles + HALF, mask=row_mask[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    if LOOKAHEAD:
+        x1, x2 = _products_ahead(
+            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
+            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    else:
+        x1, x2 = _products(
+            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
+            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     let_next_kernel_launch(USE_PDL)
     if SPLIT_K > 1:
         x1, x2, finishes = _sum_splits_last(x1, x2, workspace_ptr, counters_ptr, pid, True, SPLIT_K, BLOCK_M,
                                             BLOCK_N)  # fmt: skip
-        row_mask = row_mask & finishes  # every load and store below is the last split's alone
+        row_mask = row_mask & finishes  # every store below is the last split's alone
     if ROW_SCALE:
-        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, num_rows, rows, row_mask, k_in, eps, BLOCK_M, BLOCK_P)
         x1 = x1 * inv_rms
         x2 = x2 * inv_rms
     if HAS_BIAS:
-        x1 += tl.load(bias_ptr + outs, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        x2 += tl.load(bias_ptr + outs + HALF, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x1 += bias1
+        x2 += bias2
     # Rounded to the activations' dtype first, as the unfused projection's output is before its rotation.
     x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
     x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
@@ -334,16 +352,11 @@ def qkv_rope_kernel(
         # Rounded again, as the separate norm's output is before its rotation; v is not normalised.
         x1 = tl.where(is_v, x1, n1.to(q_ptr.dtype.element_ty).to(tl.float32))
         x2 = tl.where(is_v, x2, n2.to(q_ptr.dtype.element_ty).to(tl.float32))
-    positions = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    angles = cos_sin_ptr + positions[:, None] * cos_sin_stride + dims[None, :]
-    cos = tl.load(angles, mask=mask, other=1.0).to(tl.float32)
-    sin = tl.load(angles + HALF, mask=mask, other=0.0).to(tl.float32)
     y1 = tl.where(is_v, x1, x1 * cos - x2 * sin)
     y2 = tl.where(is_v, x2, x2 * cos + x1 * sin)
     q_out = q_ptr + rows[:, None] * (num_q_heads * HEAD_DIM) + outs[None, :]
     tl.store(q_out, y1.to(q_ptr.dtype.element_ty), mask=mask & is_q)
     tl.store(q_out + HALF, y2.to(q_ptr.dtype.element_ty), mask=mask & is_q)
-    slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
     dest = slots[:, None] * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
     kv_mask = mask & (slots >= 0)[:, None] & (head >= num_q_heads)

@@ -16,7 +16,7 @@ import math
 import torch
 import triton
 
-from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._device import GEMV_LOOKAHEAD, pdl_launch_options
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
@@ -179,6 +179,7 @@ def qkv_rope_store_triton(
         BLOCK_P=64,
         num_warps=4,
         num_stages=num_stages,
+        LOOKAHEAD=GEMV_LOOKAHEAD,
         **pdl_launch_options(a.device),
     )  # fmt: skip
     return q
