@@ -42,8 +42,3 @@ def pdl_launch_options(device: torch.device) -> dict[str, bool]:
     """Keyword arguments for a kernel launch: `USE_PDL` for the kernel and `launch_pdl` for Triton's launcher."""
     use = uses_pdl(device)
     return {"USE_PDL": use, "launch_pdl": use}
-
-
-# TIDAL_GEMV_LOOKAHEAD=1 has the small-batch kernels load the next K step's weights before the current step's
-# products (an experiment: A/B timing).
-GEMV_LOOKAHEAD = os.environ.get("TIDAL_GEMV_LOOKAHEAD", "0") == "1"

@@ -111,7 +111,6 @@ def pair_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     pair = tl.program_id(0)
@@ -141,38 +140,17 @@ def pair_gate_up_kernel(
     up_ptrs = gate_ptrs + inter_size * hidden_size
     gate = tl.zeros([BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_N], tl.float32)
-    if LOOKAHEAD:
-        # The next K step's tiles load before this step's products: two steps in flight per program.
-        k_ok = ks < hidden_size
+    for k in range(0, hidden_size, BLOCK_K):
+        k_ok = k + ks < hidden_size
         w_ok = col_ok[:, None] & k_ok[None, :]
-        x_next = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        g_next = tl.load(gate_ptrs, mask=w_ok, other=0.0)
-        u_next = tl.load(up_ptrs, mask=w_ok, other=0.0)
-        for k in range(0, hidden_size, BLOCK_K):
-            x, g, u = x_next, g_next, u_next
-            x_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-            k_ok = k + BLOCK_K + ks < hidden_size
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            x_next = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            g_next = tl.load(gate_ptrs, mask=w_ok, other=0.0)
-            u_next = tl.load(up_ptrs, mask=w_ok, other=0.0)
-            xf = x.to(tl.float32)
-            gate += tl.sum(g.to(tl.float32) * xf[None, :], axis=1)
-            up += tl.sum(u.to(tl.float32) * xf[None, :], axis=1)
-    else:
-        for k in range(0, hidden_size, BLOCK_K):
-            k_ok = k + ks < hidden_size
-            w_ok = col_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            g = tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-            u = tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-            gate += tl.sum(g * x[None, :], axis=1)
-            up += tl.sum(u * x[None, :], axis=1)
-            x_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptrs, mask=w_ok, other=0.0).to(tl.float32)
+        gate += tl.sum(g * x[None, :], axis=1)
+        up += tl.sum(u * x[None, :], axis=1)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     if ROW_SCALE:
         gate = gate * inv_rms
@@ -204,7 +182,6 @@ def token_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     """All PAIRS experts' tiles are loaded in one step of the K loop ([PAIRS, BLOCK_N, BLOCK_K]): a token's pairs
     stream side by side, so even one token keeps many loads in flight without a second launch."""
@@ -229,27 +206,13 @@ def token_down_kernel(
         res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
         gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
-    if LOOKAHEAD:
-        # The next K step's tiles load before this step's products: two steps in flight per program.
-        k_ok = ks < inter_size
-        a_next = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-        w_next = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0)
-        for k in range(0, inter_size, BLOCK_K):
-            a, w = a_next, w_next
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            k_ok = k + BLOCK_K + ks < inter_size
-            a_next = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-            w_next = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
-    else:
-        for k in range(0, inter_size, BLOCK_K):
-            k_ok = k + ks < inter_size
-            a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[:, None, :], axis=2)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    for k in range(0, inter_size, BLOCK_K):
+        k_ok = k + ks < inter_size
+        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
     writes = True

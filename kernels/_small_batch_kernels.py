@@ -47,57 +47,6 @@ def _products(
 
 
 @triton.jit
-def _load_step(a_ptr, w_ptr, a_stride, w_stride, k_in, k0, rows, row_mask, outs, out_mask, second_offset,
-               PAIRED: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """One K step's tiles: a [BLOCK_M, BLOCK_K], W[outs] and (PAIRED) W[outs + second_offset], [BLOCK_N, BLOCK_K];
-    past k_in every lane is masked off (no memory traffic)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_mask = ks < k_in
-    a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    w_offsets = outs[:, None] * w_stride + ks[None, :]
-    w_mask = out_mask[:, None] & k_mask[None, :]
-    w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
-    w2 = w
-    if PAIRED:
-        w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0)
-    return a, w, w2
-
-
-@triton.jit
-def _products_ahead(
-    a_ptr,
-    w_ptr,
-    a_stride,
-    w_stride,
-    k_in,
-    rows,
-    row_mask,
-    outs,
-    out_mask,
-    second_offset,
-    PAIRED: tl.constexpr,
-    IS_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`_products` with the next K step's tiles loaded before this step's products: two steps of weights in flight
-    per program instead of one (the compiler does not pipeline these loads: they feed the dot from registers)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_next, w_next, w2_next = _load_step(a_ptr, w_ptr, a_stride, w_stride, k_in, 0, rows, row_mask, outs, out_mask,
-                                         second_offset, PAIRED, BLOCK_K)  # fmt: skip
-    for k0 in range(0, k_in, BLOCK_K):
-        a, w, w2 = a_next, w_next, w2_next
-        a_next, w_next, w2_next = _load_step(a_ptr, w_ptr, a_stride, w_stride, k_in, k0 + BLOCK_K, rows, row_mask,
-                                             outs, out_mask, second_offset, PAIRED, BLOCK_K)  # fmt: skip
-        acc = exact_dot(a, tl.trans(w), IS_FP32, acc)
-        if PAIRED:
-            acc2 = exact_dot(a, tl.trans(w2), IS_FP32, acc2)
-    return acc, acc2
-
-
-@triton.jit
 def _inv_rms(partials_ptr, num_partials, num_rows, rows, row_mask, k_in, eps, BLOCK_M: tl.constexpr,
              BLOCK_P: tl.constexpr):  # fmt: skip
     """[BLOCK_M, 1] 1 / rms of each row from the partial sums of squares [num_partials, num_rows], added in order."""
@@ -170,7 +119,6 @@ def linear_rows_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     """Program (N-tile, split): BLOCK_N outputs of every row over the split's share of K (all of it when SPLIT_K is
     1). With SPLIT_K > 1 the split that arrives last on its tile adds the partials and alone runs the epilogue, its
@@ -198,16 +146,10 @@ def linear_rows_kernel(
         res_mask = row_mask[:, None] & out_mask[None, :]
         res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=res_mask, other=0.0)
         gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
-    if LOOKAHEAD:
-        acc, acc_up = _products_ahead(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    else:
-        acc, acc_up = _products(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    acc, acc_up = _products(
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
     if SPLIT_K > 1:
         acc, acc_up, finishes = _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, pid, GATED, SPLIT_K,
@@ -288,7 +230,6 @@ def qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     USE_PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
 ):
     """Program (tile, split): BLOCK_N dims of the first half of one head and the same dims of its second half (a
     rotary pair, rotate_half style) over the split's share of K, so the rotation happens in the epilogue; q goes out,
@@ -319,16 +260,10 @@ def qkv_rope_kernel(
     cos = tl.load(angles, mask=row_mask[:, None] & dim_ok[None, :], other=1.0).to(tl.float32)
     sin = tl.load(angles + HALF, mask=row_mask[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
     slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    if LOOKAHEAD:
-        x1, x2 = _products_ahead(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    else:
-        x1, x2 = _products(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    x1, x2 = _products(
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     let_next_kernel_launch(USE_PDL)
     if SPLIT_K > 1:
         x1, x2, finishes = _sum_splits_last(x1, x2, workspace_ptr, counters_ptr, pid, True, SPLIT_K, BLOCK_M,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tidal.kernels._device import GEMV_LOOKAHEAD, pdl_launch_options
+from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import linear_rows_kernel
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import (
@@ -234,7 +234,6 @@ def _launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(a.device),
-        LOOKAHEAD=GEMV_LOOKAHEAD,
     )
     return y, scaled, partial_sq
 

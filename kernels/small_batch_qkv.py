@@ -16,7 +16,7 @@ import math
 import torch
 import triton
 
-from tidal.kernels._device import GEMV_LOOKAHEAD, pdl_launch_options
+from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
@@ -126,6 +126,7 @@ def qkv_rope_store_triton(
     split_k: int | None = None,
     block_k: int | None = None,
     num_stages: int = 4,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k: None takes as many weight elements per step as the measured 32 x 256 tile."""
@@ -177,9 +178,8 @@ def qkv_rope_store_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_P=64,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=num_stages,
-        LOOKAHEAD=GEMV_LOOKAHEAD,
         **pdl_launch_options(a.device),
     )  # fmt: skip
     return q

@@ -8,7 +8,8 @@ like a decode step runs them over the model's layers; attention is left out (it 
 
 --sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` and its
 `TUNED_LINEAR_CONFIGS` are fitted to); --shape picks the model whose projections it sweeps (the 8B's by default;
-qwen3-30b-a3b: the attention projections and the router of its expert layers).
+qwen3-30b-a3b: the attention projections and the router of its expert layers; qwen3-30b-a3b-qkv-rope: its qkv
+with the q/k norms, rotary and KV-cache write folded in).
 """
 
 import argparse
@@ -25,12 +26,14 @@ from common import Row, bandwidth_row, format_table, graph_ms
 
 from tidal.kernels.activation import silu_and_mul_triton
 from tidal.kernels.rms_norm import rms_norm_triton
+from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import (
     LaunchConfig,
     linear_rows_into_residual_triton,
     linear_rows_triton,
     norm_input_reference,
 )
+from tidal.kernels.small_batch_qkv import qkv_rope_store_triton
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 4096, 14336, 6144, 128256, 32
 DTYPE = torch.bfloat16
@@ -166,6 +169,37 @@ def sweep_qwen3_moe(top: int = 5) -> None:
     _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top, splits)
 
 
+def sweep_qwen3_qkv_rope(top: int = 6) -> None:
+    """Qwen3-30B-A3B's qkv at one row with its per-head q/k norms, rotary and KV-cache write in the epilogue
+    (`qkv_rope_store_triton`, whole heads a program): its split of K, K step and warps."""
+    shape = QWEN3_MOE
+    hidden, layers, head_dim, q_heads, kv_heads = shape["hidden"], shape["layers"], 128, 32, 4
+    weights = [torch.randn(shape["qkv"], hidden, device="cuda", dtype=DTYPE) / hidden**0.5 for _ in range(layers)]
+    ones = torch.ones(hidden, device="cuda", dtype=DTYPE)
+    norm_in = norm_input_reference(torch.randn(1, hidden, device="cuda", dtype=DTYPE), ones)
+    head_norm = HeadNorm(torch.rand(head_dim, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
+    cos_sin = torch.randn(4096, head_dim, device="cuda", dtype=DTYPE)
+    k_cache = torch.zeros(64, 16, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.tensor([100], device="cuda")
+    slots = torch.tensor([100], device="cuda")
+    timed = []
+    for split_k, block_k, warps in itertools.product((1, 2, 4, 8), (64, 128, 256), (4, 8)):
+
+        def all_layers(s: int = split_k, k: int = block_k, w: int = warps) -> None:
+            for weight in weights:
+                qkv_rope_store_triton(norm_in.scaled, weight, None, norm_in.partial_sq, EPS, positions, cos_sin,
+                                      k_cache, v_cache, slots, q_heads, kv_heads, head_norm, head_norm, split_k=s,
+                                      block_k=k, num_warps=w)  # fmt: skip
+
+        timed.append((graph_ms(all_layers) / layers, f"split_k={split_k} block_k={block_k} num_warps={warps}"))
+    timed.sort()
+    nbytes = weights[0].numel() * 2
+    print(f"qkv + q/k norm + rotary + KV store {tuple(weights[0].shape)}, 1 row:")
+    for ms, config in timed[:top]:
+        print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+
+
 def sweep(top: int = 3) -> None:
     """Each fused kernel alone over 32 weight copies at one row, for a grid of tiles."""
     layers = _Layers(1)
@@ -188,13 +222,16 @@ def sweep(top: int = 3) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--shape", choices=["llama3-8b", "qwen3-30b-a3b"], default="llama3-8b")
+    shapes = ["llama3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-qkv-rope"]
+    parser.add_argument("--shape", choices=shapes, default="llama3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA device")
     if args.sweep and args.shape == "qwen3-30b-a3b":
         sweep_qwen3_moe()
+    elif args.sweep and args.shape == "qwen3-30b-a3b-qkv-rope":
+        sweep_qwen3_qkv_rope()
     elif args.sweep:
         sweep()
     else:
