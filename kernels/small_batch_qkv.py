@@ -28,11 +28,13 @@ from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
 # So head_dim 32, 64, 128 or 256.
 WHOLE_HEAD_HALVES = (16, 32, 64, 128)
 
-# Programs a launch wants in flight for its weight to stream near full bandwidth on an H200. Measured there
-# (small_batch_linear.TUNED_LINEAR_CONFIGS): Qwen3-30B-A3B's qkv as linear_rows, 80 programs each streaming 64 weight
-# rows by all 2048 inputs, ran at 2.48 TB/s and no split of it did better; the 8B's qkv here has 96 unsplit programs.
-# Its 40 whole-head programs split in two make 80, each streaming the same 64 x 2048 weights' worth.
-MIN_PROGRAMS = 64
+# A whole-head launch's defaults, measured on an H200 for Qwen3-30B-A3B's qkv with its q/k norms at one row
+# (bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b-qkv-rope, over 48 layers' weights in a graph): its 40
+# whole-head programs split in 4 (160 programs), 64 inputs a step and 8 warps took 10.32 us; split in 2 by 128 at
+# 4 warps 10.88 us, unsplit 11.03 us at best. As linear_rows plus the rotary kernel it took ~8.5 + ~3 us.
+MIN_PROGRAMS = 160
+WHOLE_HEAD_STEP_ELEMENTS = 4096  # block_n x block_k of one of the program's two tiles
+WHOLE_HEAD_WARPS = 8
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:
@@ -126,10 +128,11 @@ def qkv_rope_store_triton(
     split_k: int | None = None,
     block_k: int | None = None,
     num_stages: int = 4,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
-    block_k: None takes as many weight elements per step as the measured 32 x 256 tile."""
+    block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
+    tile at 4 warps)."""
     head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
     qk_norm = check_head_norms(head_dim, q_norm, k_norm)
     half = head_dim // 2
@@ -143,9 +146,9 @@ def qkv_rope_store_triton(
     # wide, and lanes past the half are masked.
     block_n = half if qk_norm else (32 if half >= 32 else 16)
     if block_k is None:
-        # Weight bytes per step as the measured 32 x 256 tile's: a whole 128-dim head's two 64-wide tiles by 256
-        # (72 KB a stage with a) could ask for more shared memory than an H200 has with four stages in flight.
-        block_k = 8192 // max(block_n, 32)
+        block_k = WHOLE_HEAD_STEP_ELEMENTS // block_n if qk_norm else 8192 // max(block_n, 32)
+    if num_warps is None:
+        num_warps = WHOLE_HEAD_WARPS if qk_norm else 4
     block_k = min(block_k, max(16, triton.next_power_of_2(k_in)))
     tiles_per_half = triton.cdiv(half, block_n)
     num_tiles = (num_q_heads + 2 * num_kv_heads) * tiles_per_half
