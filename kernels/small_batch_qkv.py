@@ -28,13 +28,14 @@ from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
 # So head_dim 32, 64, 128 or 256.
 WHOLE_HEAD_HALVES = (16, 32, 64, 128)
 
-# A whole-head launch's defaults, measured on an H200 for Qwen3-30B-A3B's qkv with its q/k norms at one row
-# (bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b-qkv-rope, over 48 layers' weights in a graph): its 40
-# whole-head programs split in 4 (160 programs), 64 inputs a step and 8 warps took 10.32 us; split in 2 by 128 at
-# 4 warps 10.88 us, unsplit 11.03 us at best. As linear_rows plus the rotary kernel it took ~8.5 + ~3 us.
-MIN_PROGRAMS = 160
-WHOLE_HEAD_STEP_ELEMENTS = 4096  # block_n x block_k of one of the program's two tiles
-WHOLE_HEAD_WARPS = 8
+# A whole-head launch's defaults, measured on an H200 for Qwen3-30B-A3B's qkv with its q/k norms at one row. Alone
+# (bench_small_batch_linear.py --sweep --shape qwen3-30b-a3b-qkv-rope, 48 layers' weights in a graph) its 40
+# whole-head programs split in 4 by 64 inputs a step at 8 warps took 10.32 us, split in 2 by 128 at 4 warps 10.88 us;
+# but inside the decode step (profile_steps.py, batch 1) the first made the step slower, 3,128 us against 3,017: the
+# step's figure decides. So: splits for 80 programs, 128 inputs a step (by a 64-wide tile pair), 4 warps.
+MIN_PROGRAMS = 80
+WHOLE_HEAD_STEP_ELEMENTS = 8192  # block_n x block_k of one of the program's two tiles
+WHOLE_HEAD_WARPS = 4
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:

@@ -129,11 +129,10 @@ def test_splits_k_without_the_norm_too(device):
 
 
 def test_default_split_k():
-    assert default_split_k(40, 32, whole_heads=True) == 4  # Qwen3-30B-A3B: 32 + 4 + 4 heads -> 160 programs
-    assert default_split_k(6, 100, whole_heads=True) == 27
+    assert default_split_k(40, 16, whole_heads=True) == 2  # Qwen3-30B-A3B: 32 + 4 + 4 heads -> 80 programs
+    assert default_split_k(6, 100, whole_heads=True) == 14
     assert default_split_k(6, 4, whole_heads=True) == 4  # no more splits than K has steps
-    assert default_split_k(80, 16, whole_heads=True) == 2  # Qwen3-32B: 64 + 8 + 8 heads
-    assert default_split_k(160, 16, whole_heads=True) == 1  # enough programs already
+    assert default_split_k(80, 16, whole_heads=True) == 1  # Qwen3-32B: 64 + 8 + 8 heads, enough programs already
     assert default_split_k(40, 16, whole_heads=False) == 1  # half-head tiles: as measured, unsplit
 
 
