@@ -95,3 +95,20 @@ def test_choice_grammar_escapes_its_strings(compiler):
     for text in strange:
         matcher = new_matcher(grammar)
         assert matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_close_ends_the_fill_thread(compiler):
+    """The engine's shutdown closes the masks: a prepared fill is dropped and its thread ends (it is not left
+    running until the interpreter exits)."""
+    import threading
+
+    grammar = compiler.compile(StructuredOutput(kind="regex", text=r"(ab|cd)[0-9]+"))
+    masks = GrammarMasks(torch.device("cpu"))
+    masks.prepare([new_matcher(grammar)], compiler._vocab_size)
+    fill_threads = [t for t in threading.enumerate() if t.name.startswith("tidal-masks")]
+    assert fill_threads
+    masks.close()
+    assert masks._prepared is None
+    for thread in fill_threads:
+        thread.join(timeout=5)
+        assert not thread.is_alive()

@@ -48,6 +48,14 @@ class GrammarMasks:
         if prepared is not None and not prepared[1].cancel():
             prepared[1].exception()  # waits; a failed fill of masks nobody needs is no error
 
+    def close(self) -> None:
+        """Drop any prepared fill and end the fill thread (the engine is shutting down); a later `prepare` starts a
+        new one."""
+        self.discard()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
+
     def _fill(self, matchers: list[Any], vocab_size: int) -> torch.Tensor:
         """-> [R, W] int32 on the host (pinned on CUDA: the copy to the device needs no staging), every word
         written by the matchers."""

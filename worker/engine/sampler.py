@@ -55,6 +55,10 @@ class Sampler:
     def discard_prepared_masks(self) -> None:
         self._grammars.discard()
 
+    def close(self) -> None:
+        """End the grammar masks' fill thread (the engine is shutting down)."""
+        self._grammars.close()
+
     def sample(self, logits: torch.Tensor, batch: SampleBatch) -> list[int]:
         """logits [S, V] fp32 -> S token ids (waits for them)."""
         return self.sample_on_device(logits, batch).tolist()
