@@ -60,7 +60,9 @@ def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
 # From benchmarks/kernels/sweep_moe_small_batch.py on an H200 (moe-small-batch-sweep-qwen3-30b-a3b-h200.json): the MoE
 # op at 1/2/4/8 tokens took 31.8/47.8/81.9/136.7 us against the grouped path's 43.4/59.5/94.2/147.5 us. The layer
 # fusion from profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1 (moe-perf-h200.md): a decode step at 1/2/4/8 tokens took
-# 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused.
+# 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused. These figures
+# predate the in-kernel sum of the down pass's splits (a summing launch then): with it the 2-token down kernel took
+# 19.3 us against 15.5 + 2.2 before (moe-perf-h200.md), so its down_splits should be swept again.
 TUNED_SMALL_BATCH_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, SmallBatchMoeConfig], ...]] = {
     (128, 8, 2048, 768): (
         (1, SmallBatchMoeConfig(GemvTiles(16, 128, 8), GemvTiles(16, 128, 8), down_splits=8)),

@@ -4,8 +4,12 @@ A split-K program writes its fp32 partial tile to a workspace and counts itself 
 program that arrives last adds the partials in split order (so the result does not depend on which one was last),
 runs the epilogue, and sets the counter back to zero for the next launch. No second launch, no atomics on the
 output, the same bits every run. Users: the small-batch projections (`linear_rows` with split_k, one counter per
-output tile), the small-batch MoE down pass (one per token and H-tile) and the decode attention's split merge (one
-per sequence and KV head).
+output tile), the small-batch qkv on whole heads (`small_batch_qkv`, one per tile), the small-batch MoE down pass
+(one per token and H-tile) and the decode attention's split merge (one per sequence and KV head).
+
+Sharing one buffer is safe because launches on the step's one stream do not overlap in what they touch: under
+programmatic dependent launch a kernel may start before the previous one ends, so every kernel that uses the
+counters must call `wait_for_previous_kernel` before its first counter or workspace access (all of them do it first).
 
 The counters are zeroed once, eagerly: a CUDA graph replays kernels, not the zeroing, so they must exist before the
 first capture (the graph runner warms every batch size up outside its graphs, which makes them).

@@ -36,6 +36,8 @@ WHOLE_HEAD_HALVES = (16, 32, 64, 128)
 MIN_PROGRAMS = 80
 WHOLE_HEAD_STEP_ELEMENTS = 8192  # block_n x block_k of one of the program's two tiles
 WHOLE_HEAD_WARPS = 4
+# Measured for head_dim 128 only: at 256 a whole-head program's two 128-wide tiles and the epilogue's inputs held
+# through the K loop (rotary angles, bias) may spill registers; no supported family has such heads today.
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:
