@@ -47,6 +47,15 @@ def _products(
 
 
 @triton.jit
+def _split_share(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-> (first input, input count) of this program's split of K (grid axis 1): whole BLOCK_K steps each, so the last
+    splits may get none (k_len <= 0: no loop step, their partials are zeros)."""
+    k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(1) * k_share
+    return k_start, tl.minimum(k_in - k_start, k_share)
+
+
+@triton.jit
 def _inv_rms(partials_ptr, num_partials, num_rows, rows, row_mask, k_in, eps, BLOCK_M: tl.constexpr,
              BLOCK_P: tl.constexpr):  # fmt: skip
     """[BLOCK_M, 1] 1 / rms of each row from the partial sums of squares [num_partials, num_rows], added in order."""
@@ -129,10 +138,7 @@ def linear_rows_kernel(
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     out_mask = outs < n_out
-    # Each split takes whole BLOCK_K steps of K: a split's share is a multiple of the tile.
-    k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = tl.program_id(1) * k_share
-    k_len = tl.minimum(k_in - k_start, k_share)
+    k_start, k_len = _split_share(k_in, SPLIT_K, BLOCK_K)
     # The epilogue's small inputs are loaded before the K loop: each is a dependent round trip to L2 or memory, which
     # here overlaps the weight stream instead of following it (at one row a projection of a few MB takes only a few
     # us, and every round trip after the loop adds to it).
@@ -244,10 +250,7 @@ def qkv_rope_kernel(
     outs = head * HEAD_DIM + dims
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
-    # Each split takes whole BLOCK_K steps of K; the last ones may get none (their partials are zeros).
-    k_share = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = tl.program_id(1) * k_share
-    k_len = tl.minimum(k_in - k_start, k_share)
+    k_start, k_len = _split_share(k_in, SPLIT_K, BLOCK_K)
     # The epilogue's small inputs load before the K loop, their round trips overlapping the weight stream (as in
     # linear_rows_kernel).
     if ROW_SCALE:
