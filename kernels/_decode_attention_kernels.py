@@ -9,7 +9,7 @@ one split the partial results are merged by their log-sum-exp in the split progr
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import arrives_last, exact_dot, let_next_kernel_launch, wait_for_previous_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -20,11 +20,8 @@ def _merge_if_last(part_ptr, lse_ptr, out_ptr, counters_ptr, seq, kv_head, heads
                    MERGE_CHUNK: tl.constexpr):  # fmt: skip
     """Counts this split in on its (sequence, KV head); the last to arrive merges the group's heads over the splits
     that saw tokens (`used_splits`: the rest hold nothing), MERGE_CHUNK splits per load, in split order."""
-    tl.debug_barrier()  # every thread's partial and lse are written before the count releases them
     counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    last = arrived == NUM_SPLITS - 1
-    tl.debug_barrier()  # read by the last split's threads only after its count acquired them
+    last = arrives_last(counter, NUM_SPLITS)  # the partials and lse are stored
     rows = (seq * num_heads + heads) * NUM_SPLITS  # [GROUP_P2] first partial of each head
     chunk = tl.arange(0, MERGE_CHUNK)
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)

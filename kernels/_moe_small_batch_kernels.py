@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tidal.kernels._moe_routing_kernels import route_token_slot
-from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import arrives_last, let_next_kernel_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -73,10 +73,7 @@ def sum_splits_last(part, workspace_ptr, counters_ptr, tile, split, SPLITS: tl.c
     cell = tl.arange(0, BLOCK_N)
     tile_base = workspace_ptr + tile.to(tl.int64) * (SPLITS * BLOCK_N)
     tl.store(tile_base + split * BLOCK_N + cell, part)
-    tl.debug_barrier()  # every thread's partial is written before the count releases them
-    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLITS - 1
-    tl.debug_barrier()  # and read by the last split's threads only after its count acquired them
+    last = arrives_last(counters_ptr + tile, SPLITS)
     total = tl.zeros([BLOCK_N], tl.float32)
     for s in tl.static_range(SPLITS):
         # .cg: from L2, where the other programs' stores are, never a stale L1 line.

@@ -8,7 +8,7 @@ epilogue."""
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import arrives_last, exact_dot, let_next_kernel_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -80,10 +80,7 @@ def _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, tile, GATED: tl.c
     tl.store(tile_base + split * (2 * tile_elems) + cell, acc)
     if GATED:
         tl.store(tile_base + split * (2 * tile_elems) + tile_elems + cell, acc_up)
-    tl.debug_barrier()  # every thread's partial is written before the count releases them
-    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    tl.debug_barrier()  # and read by the last split's threads only after its count acquired them
+    last = arrives_last(counters_ptr + tile, SPLIT_K)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     total_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):

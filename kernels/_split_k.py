@@ -42,3 +42,15 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
             torch.cuda.synchronize(device)  # zero before any stream uses them
         _counters[key] = counters
     return counters
+
+
+def split_buffers(
+    stand_in: torch.Tensor, tiles: int, splits: int, partial_elements: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (fp32 workspace for every split's partial of every tile [tiles * splits * partial_elements], the arrival
+    counters) on `stand_in`'s device. With one split neither is read and both are `stand_in` (a tensor the launch
+    has anyway: a null pointer is refused by Triton's launcher)."""
+    if splits == 1:
+        return stand_in, stand_in
+    workspace = torch.empty(tiles * splits * partial_elements, dtype=torch.float32, device=stand_in.device)
+    return workspace, arrival_counters(stand_in.device, tiles)

@@ -21,7 +21,7 @@ import triton
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles
 from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, token_down_kernel
-from tidal.kernels._split_k import arrival_counters
+from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
 from tidal.kernels.small_batch_linear import NormInput
 
@@ -82,11 +82,7 @@ def _down(
     tiles = fit_tiles(config.down, hidden_size, inter)
     splits = down_splits(config, top_k)
     h_tiles = triton.cdiv(hidden_size, tiles.block_n)
-    if splits > 1:
-        workspace = torch.empty(num_tokens * h_tiles * splits * tiles.block_n, dtype=torch.float32, device=out.device)
-        counters = arrival_counters(out.device, num_tokens * h_tiles)
-    else:
-        workspace = counters = weights  # unused
+    workspace, counters = split_buffers(weights, num_tokens * h_tiles, splits, tiles.block_n)
     # The launch writes the next norm's input too: one partial sum per H-tile.
     scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
     partial_sq = torch.empty((h_tiles if into else 0, num_tokens), dtype=torch.float32, device=out.device)

@@ -27,7 +27,7 @@ import triton
 
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import linear_rows_kernel
-from tidal.kernels._split_k import arrival_counters
+from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import (
     check_contiguous,
     check_dtype,
@@ -195,12 +195,8 @@ def _launch(
         return y, scaled, partial_sq
     if k_in == 0:
         raise ValueError("a linear layer needs at least one input feature")
-    if config.split_k > 1:
-        tile_elems = MAX_ROWS * config.block_n  # BLOCK_M x BLOCK_N
-        workspace = torch.empty(num_programs * config.split_k * 2 * tile_elems, dtype=torch.float32, device=a.device)
-        counters = arrival_counters(a.device, num_programs)
-    else:
-        workspace, counters = partial_sq, partial_sq  # unused
+    # A split's partial: its BLOCK_M x BLOCK_N tile, and the up tile's beside it.
+    workspace, counters = split_buffers(partial_sq, num_programs, config.split_k, 2 * MAX_ROWS * config.block_n)
     linear_rows_kernel[(num_programs, config.split_k)](
         a,
         weight,

@@ -18,7 +18,7 @@ import triton
 
 from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
-from tidal.kernels._split_k import arrival_counters
+from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
 from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
@@ -159,11 +159,7 @@ def qkv_rope_store_triton(
         split_k = default_split_k(num_tiles, triton.cdiv(k_in, block_k), qk_norm)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    if split_k > 1:
-        workspace = torch.empty(num_tiles * split_k * 2 * MAX_ROWS * block_n, dtype=torch.float32, device=a.device)
-        counters = arrival_counters(a.device, num_tiles)
-    else:
-        workspace, counters = q, q  # never read
+    workspace, counters = split_buffers(q, num_tiles, split_k, 2 * MAX_ROWS * block_n)  # a rotary pair's tiles
     # Without the norms the gamma pointers are never read; the weight stands in for them.
     q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
     k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)

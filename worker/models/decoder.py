@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
 
             qkv       linear_rows(h * gamma_in) scaled by 1/rms; (Qwen3: per-head q/k norm,) rotary on q and k,
                       k and v into the KV cache
-            attention decode split + merge, as unfused
+            attention decode split (the last split merges), as unfused
             o         h <- h + o_proj(attention), also h * gamma_post and partial sums of h^2
             gate/up   silu(gate) * up of linear_rows(h * gamma_post) scaled by 1/rms
             down      h <- h + down_proj(act), also h * next_gamma and its partial sums
