@@ -21,6 +21,11 @@ class GemvTiles:
     block_n: int  # output columns per program
     block_k: int  # input elements per load of each weight row: wide, vectorised loads along K
     num_warps: int
+    # K steps whose weight loads are in flight at once. With > 1 Triton pipelines the K loop through shared memory
+    # (cp.async, `stages` buffers), so a program keeps streaming while it multiplies; with 1 each step's loads wait for
+    # the previous step's products. These kernels reduce with sums, not tl.dot, and Triton pipelines such a loop only
+    # when the loop itself asks for stages (tl.range's num_stages), never from the launch's num_stages.
+    stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,14 @@ def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
 # From benchmarks/kernels/sweep_moe_small_batch.py on an H200 (moe-small-batch-sweep-qwen3-30b-a3b-h200.json): the MoE
 # op at 1/2/4/8 tokens took 31.8/47.8/81.9/136.7 us against the grouped path's 43.4/59.5/94.2/147.5 us. The layer
 # fusion from profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1 (moe-perf-h200.md): a decode step at 1/2/4/8 tokens took
-# 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused. These figures
-# predate the in-kernel sum of the down pass's splits (a summing launch then): with it the 2-token down kernel took
-# 19.3 us against 15.5 + 2.2 before (moe-perf-h200.md), so its down_splits should be swept again.
+# 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused. The 1- and
+# 2-token entries were swept again from these ones with load stages and the down pass's splits summed in the kernel
+# (`--from-tuned --tokens 1 2`, moe-small-batch-sweep-qwen3-30b-a3b-h200-stages.txt): at 1 token four K steps in flight
+# through shared memory and wider tiles took 31.4 us against 33.9 for the old entry in the same run; at 2 tokens
+# every pipelined variant was slower (46.0 us unpipelined, 48.2-58.8 pipelined) and the entry stays.
 TUNED_SMALL_BATCH_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, SmallBatchMoeConfig], ...]] = {
     (128, 8, 2048, 768): (
-        (1, SmallBatchMoeConfig(GemvTiles(16, 128, 8), GemvTiles(16, 128, 8), down_splits=8)),
+        (1, SmallBatchMoeConfig(GemvTiles(32, 256, 4, stages=4), GemvTiles(32, 256, 8), down_splits=8)),
         (2, SmallBatchMoeConfig(GemvTiles(16, 128, 8), GemvTiles(32, 256, 8), down_splits=8)),
         (4, SmallBatchMoeConfig(GemvTiles(32, 128, 8), GemvTiles(32, 128, 8), down_splits=1, fuse_into_layer=False)),
         (
@@ -95,7 +102,7 @@ def small_batch_moe_config(
 def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:
     """`tiles` narrowed to a small problem: no wider than the next power of two of N and K (at least 16)."""
     return GemvTiles(min(tiles.block_n, max(16, _next_power_of_2(n))), min(tiles.block_k, max(16, _next_power_of_2(k))),
-                     tiles.num_warps)  # fmt: skip
+                     tiles.num_warps, tiles.stages)  # fmt: skip
 
 
 def down_splits(config: SmallBatchMoeConfig, top_k: int) -> int:

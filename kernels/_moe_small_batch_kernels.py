@@ -107,6 +107,7 @@ def pair_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    STAGES: tl.constexpr,  # K steps in flight (GemvTiles.stages)
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -137,7 +138,7 @@ def pair_gate_up_kernel(
     up_ptrs = gate_ptrs + inter_size * hidden_size
     gate = tl.zeros([BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(0, hidden_size, BLOCK_K):
+    for k in tl.range(0, hidden_size, BLOCK_K, num_stages=STAGES):
         k_ok = k + ks < hidden_size
         w_ok = col_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
@@ -178,6 +179,7 @@ def token_down_kernel(
     INTO_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,  # K steps in flight (GemvTiles.stages)
     USE_PDL: tl.constexpr,
 ):
     """All PAIRS experts' tiles are loaded in one step of the K loop ([PAIRS, BLOCK_N, BLOCK_K]): a token's pairs
@@ -203,7 +205,7 @@ def token_down_kernel(
         res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
         gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
-    for k in range(0, inter_size, BLOCK_K):
+    for k in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
         k_ok = k + ks < inter_size
         a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)

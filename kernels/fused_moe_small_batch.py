@@ -60,7 +60,8 @@ def _gate_up(
         hidden_size, inter, num_experts, logits.stride(0), num_tokens, partials.shape[0] if norm else 0, eps,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
         RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, num_warps=tiles.num_warps, **pdl_launch_options(hidden.device),
+        BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, STAGES=tiles.stages, num_warps=tiles.num_warps,
+        **pdl_launch_options(hidden.device),
     )  # fmt: skip
     return intermediate
 
@@ -90,8 +91,8 @@ def _down(
     token_down_kernel[(num_tokens * splits, h_tiles)](
         intermediate, w2, weights, ids, out, residual, gamma, scaled, partial_sq, workspace, counters, num_tokens,
         hidden_size, inter, PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits,
-        INTO_RESIDUAL=into is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        **pdl_launch_options(out.device),
+        INTO_RESIDUAL=into is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
+        num_warps=tiles.num_warps, **pdl_launch_options(out.device),
     )  # fmt: skip
     return NormInput(scaled, partial_sq)
 

@@ -2,12 +2,15 @@
 sort) against the grouped path with its tuned tiles, on a model's expert shape at decode token counts. Both are timed
 as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
 
-    python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--out DIR]
+    python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--from-tuned]
+        [--out DIR]
 
-Per token count: the grouped path, the small-batch default config, then a coordinate descent over the small-batch
-config (gate/up tiles; down tiles; the down pass's splits, with the down tiles again for a split; routing in a top-k
-launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth (bytes of
-the distinct experts the tokens chose, over the time). Ends with the best per token count, its gain over the grouped
+Per token count: the grouped path, the small-batch default config (with --from-tuned the table's entry for the
+count, where it has one), then a coordinate descent over the small-batch config (gate/up load stages, then its tiles
+at those stages; the same for the down pass; the down pass's splits, with the down tiles again for a split; routing
+in a top-k launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth
+(bytes of the distinct experts the tokens chose, over the time). A config whose pipeline buffers do not fit in
+shared memory is reported and skipped. Ends with the best per token count, its gain over the grouped
 path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the token counts where the
 small-batch path wins, from 1 up). --out writes the figures as JSON. About 100 configs per token count: the first
 count compiles each (a few minutes); later counts reuse the compiled kernels.
@@ -25,35 +28,45 @@ from pathlib import Path
 import torch
 from common import graph_ms, relative_error
 from sweep_moe import SHAPES, expert_weight_copies
+from triton.runtime.errors import OutOfResources
 
 from tidal.kernels._moe_config import tuned_moe_config
-from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig, default_small_batch_config
+from tidal.kernels._moe_small_batch_config import (
+    GemvTiles,
+    SmallBatchMoeConfig,
+    default_small_batch_config,
+    small_batch_moe_config,
+)
 from tidal.kernels.fused_moe import fused_moe_triton
 
 GATE_UP_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
 # The down pass loads its pairs' tiles side by side ([pairs, n, k] a step), so its K steps are shorter.
 DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128, 256) for w in (4, 8)]
+# K steps in flight (GemvTiles.stages): 1 is the unpipelined loop.
+STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
 
 
 def describe(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
-    gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps})"
+    gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps} st{g.stages})"
     routing = "" if config.fold_routing else " topk-launch"
-    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps}) s{config.down_splits}{routing}"
+    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps} st{d.stages}) s{config.down_splits}{routing}"
 
 
 def literal(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
     return (
-        f"SmallBatchMoeConfig(GemvTiles({g.block_n}, {g.block_k}, {g.num_warps}), "
-        f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}), down_splits={config.down_splits}"
+        f"SmallBatchMoeConfig(GemvTiles({g.block_n}, {g.block_k}, {g.num_warps}, {g.stages}), "
+        f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}, {d.stages}), down_splits={config.down_splits}"
         + ("" if config.fold_routing else ", fold_routing=False")
         + ")"
     )
 
 
-def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]]):
+def sweep_tokens(
+    tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]], from_tuned: bool
+):
     experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
@@ -79,29 +92,43 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
     want = fused_moe_triton(x, w13, w2, logits, top_k, True, grouped_config)
     results: dict[str, tuple[SmallBatchMoeConfig, float]] = {}
 
+    tried: set[str] = set()
+
     def try_config(config: SmallBatchMoeConfig) -> None:
         key = describe(config)
-        if key in results:
+        if key in tried:
             return
-        results[key] = (config, timed(config))
+        tried.add(key)
+        try:
+            results[key] = (config, timed(config))
+        except OutOfResources as error:  # pipeline buffers past shared memory
+            print(f"T{tokens:<3} {key:<58} skipped: {error}", flush=True)
+            return
         report(key, results[key][1])
 
-    default = best = default_small_batch_config(top_k)
+    tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter) if from_tuned else None
+    start = best = tuned or default_small_batch_config(top_k)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
+    for stages in STAGES:
+        try_config(replace(best, gate_up=replace(best.gate_up, stages=stages)))
+    best = min(results.values(), key=lambda r: r[1])[0]
     for tiles in GATE_UP_TILES:
-        try_config(replace(best, gate_up=tiles))
+        try_config(replace(best, gate_up=replace(tiles, stages=best.gate_up.stages)))
+    best = min(results.values(), key=lambda r: r[1])[0]
+    for stages in STAGES:
+        try_config(replace(best, down=replace(best.down, stages=stages)))
     best = min(results.values(), key=lambda r: r[1])[0]
     for tiles in DOWN_TILES:
-        try_config(replace(best, down=tiles))
+        try_config(replace(best, down=replace(tiles, stages=best.down.stages)))
     best = min(results.values(), key=lambda r: r[1])[0]
     for splits in (s for s in (1, 2, 4, 8) if top_k % s == 0):
         try_config(replace(best, down_splits=splits))
     best = min(results.values(), key=lambda r: r[1])[0]
     if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
         for tiles in DOWN_TILES:
-            try_config(replace(best, down=tiles))
+            try_config(replace(best, down=replace(tiles, stages=best.down.stages)))
     best = min(results.values(), key=lambda r: r[1])[0]
     try_config(replace(best, fold_routing=not best.fold_routing))  # a top-k launch of its own instead
     best, best_ms = min(results.values(), key=lambda r: r[1])
@@ -121,7 +148,8 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
         "best": asdict(best),
         "best_literal": literal(best),
         "best_ms": best_ms,
-        "default_ms": results[describe(default)][1],
+        "start": "tuned" if tuned else "default",
+        "start_ms": results[describe(start)][1],
         "relative_error_vs_grouped": err,
     }
 
@@ -140,12 +168,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--from-tuned", action="store_true", help="start at the table's config for each count")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape)
-    rows = [sweep_tokens(t, shape, weights) for t in sorted(args.tokens)]
+    rows = [sweep_tokens(t, shape, weights, args.from_tuned) for t in sorted(args.tokens)]
     print("\nTUNED_SMALL_BATCH_CONFIGS entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
     if args.out is not None:
