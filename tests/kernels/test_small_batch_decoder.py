@@ -158,8 +158,9 @@ _MOE_KERNELS: dict[str, Callable[[dict[str, Any]], str]] = {
 def test_fused_small_batch_forward_launches_one_kernel_per_projection(
     arch: str, per_layer: list[str], tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The launch plan the path is tuned to (six launches per layer on a GPU, with decode split and merge): another
-    small-batch launch, or an RMSNorm or SiLU-and-mul no longer folded into a projection, changes this sequence."""
+    """The launch plan the path is tuned to (on a GPU, with the decode attention, five launches a dense layer and six
+    an expert layer): another small-batch launch, or an RMSNorm or SiLU-and-mul no longer folded into a projection,
+    changes this sequence."""
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float16"
     runner = _runner(write_tiny_model(arch, tmp_path / arch), dev, dtype, fused=True, monkeypatch=monkeypatch)
