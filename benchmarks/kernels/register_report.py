@@ -1,0 +1,251 @@
+"""Registers, spills and shared memory of the small-batch kernels' launches on an H100/H200 (sm_90), from ptxas, on
+a machine with no GPU.
+
+    python benchmarks/kernels/register_report.py [--model qwen3-30b-a3b llama3-8b]   # exit status 1 if one spills
+
+Each wrapper runs on CPU tensors of the model's shapes (allocated, never touched) with its Triton kernels swapped
+for recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`,
+`TUNED_LINEAR_CONFIGS` and the qkv defaults, with their constexprs) is captured without running. Each recorded
+launch is compiled for sm_90 as Triton specialises it on the device (pointers and integers divisible by 16 marked
+so, PDL on), and ptxas -v reports its resources. A spill moves a tile that should stay in registers to local
+memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake
+to catch before device time goes on it (tests/kernels/test_register_report.py runs this on every push).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+import tidal.kernels.fused_moe as fused_moe
+import tidal.kernels.fused_moe_small_batch as moe_small_batch
+import tidal.kernels.small_batch_linear as small_batch_linear
+import tidal.kernels.small_batch_qkv as small_batch_qkv
+from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS
+from tidal.kernels.rotary_store_kv import HeadNorm
+from tidal.kernels.small_batch_linear import NormInput
+
+SM90 = GPUTarget("cuda", 90, 32)
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+                 torch.int64: "*i64"}  # fmt: skip
+# The kernels these wrappers launch, by the module attribute each wrapper calls them through.
+RECORDED: list[tuple[ModuleType, str]] = [
+    (moe_small_batch, "pair_gate_up_kernel"),
+    (moe_small_batch, "token_down_kernel"),
+    (fused_moe, "topk_softmax_kernel"),
+    (small_batch_linear, "linear_rows_kernel"),
+    (small_batch_qkv, "qkv_rope_kernel"),
+]
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Resources:
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch instead of running it."""
+
+    def __init__(self, kernel: JITFunction, launches: list[Launch]) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(Launch(self.kernel, args, kwargs))
+
+        return record
+
+
+@contextmanager
+def recording() -> Iterator[list[Launch]]:
+    launches: list[Launch] = []
+    originals = [(module, name, getattr(module, name)) for module, name in RECORDED]
+    for module, name, kernel in originals:
+        setattr(module, name, _Recorder(kernel, launches))
+    try:
+        yield launches
+    finally:
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
+
+
+def _specialisation(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
+    """(signature, constexprs, attributes) of the launch as Triton's launcher specialises it on a GPU."""
+    fn = launch.kernel
+    values = dict(zip(fn.arg_names, launch.args, strict=False))
+    values.update({k: v for k, v in launch.kwargs.items() if k in fn.arg_names})
+    unspecialised = {fn.arg_names[i] if isinstance(i, int) else i for i in getattr(fn, "do_not_specialize", ())}
+    signature: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
+    for index, param in enumerate(fn.params):
+        name, value = param.name, values[param.name]
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            constexprs[(index,)] = True if name == "USE_PDL" else value  # as on an H200
+            continue
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+            divisible = value.data_ptr() % 16 == 0
+        elif isinstance(value, bool):
+            signature[name], divisible = "i1", False
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            divisible = value % 16 == 0
+        elif isinstance(value, float):
+            signature[name], divisible = "fp32", False
+        else:
+            raise TypeError(f"{fn.__name__}: no Triton type for {name}={value!r}")
+        if divisible and name not in unspecialised:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _ptxas() -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no ptxas at {path}: the triton wheel ships one for its CUDA backend")
+    return path
+
+
+def sm90_resources(launch: Launch) -> Resources:
+    signature, constexprs, attrs = _specialisation(launch)
+    options = {"num_warps": launch.kwargs.get("num_warps", 4), "num_stages": launch.kwargs.get("num_stages", 3)}
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=SM90, options=options)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True).stderr  # fmt: skip
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    registers = re.search(r"Used (\d+) registers", report)
+    if spills is None or registers is None:
+        raise RuntimeError(f"ptxas -v printed no resource line for {launch.kernel.__name__}:\n{report}")
+    return Resources(int(registers[1]), int(spills[1]), int(spills[2]), int(compiled.metadata.shared))
+
+
+def describe(launch: Launch) -> str:
+    fn = launch.kernel
+    flags = {k: v for k, v in launch.kwargs.items() if k in fn.arg_names and k != "USE_PDL"}
+    shown = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in flags.items())
+    warps, stages = launch.kwargs.get("num_warps", 4), launch.kwargs.get("num_stages", 3)
+    return f"{fn.__name__} [{shown}] warps={warps} stages={stages}"
+
+
+# ----- the launches of each model's small-batch decode step -----
+
+
+def _empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def qwen3_30b_a3b_launches() -> list[Launch]:
+    """Qwen3-30B-A3B's expert kernels at every token count of its tuned table (fused counts in the decoder's form),
+    its o and router projections at one and two rows, and its whole-head qkv with the q/k norms."""
+    hidden, experts, top_k, inter, heads, kv_heads, head_dim = 2048, 128, 8, 768, 32, 4, 128
+    w13, w2 = _empty(experts, 2 * inter, hidden), _empty(experts, hidden, inter)
+    with recording() as launches:
+        for tokens, config in TUNED_SMALL_BATCH_CONFIGS[(experts, top_k, hidden, inter)]:
+            logits = _empty(tokens, experts, dtype=torch.float32)
+            if config.fuse_into_layer:
+                x = NormInput(_empty(tokens, hidden), _empty(hidden // 64, tokens, dtype=torch.float32))
+                fused_moe.fused_moe_into_residual_triton(x, 1e-6, w13, w2, logits, top_k, True, _empty(tokens, hidden),
+                                                         _empty(hidden), config)  # fmt: skip
+            else:
+                fused_moe.fused_moe_triton(_empty(tokens, hidden), w13, w2, logits, top_k, True, config)
+        for rows in (1, 2):
+            attention = _empty(rows, heads * head_dim)
+            small_batch_linear.linear_rows_into_residual_triton(attention, _empty(hidden, heads * head_dim),
+                                                                _empty(rows, hidden), _empty(hidden))  # fmt: skip
+            partials = _empty(hidden // 64, rows, dtype=torch.float32)
+            small_batch_linear.linear_rows_triton(_empty(rows, hidden), _empty(experts, hidden), None, partials, 1e-6)
+        _qkv(hidden, heads, kv_heads, head_dim, qk_norm=True)
+    return launches
+
+
+def llama3_8b_launches() -> list[Launch]:
+    """The 8B's small-batch projections at one row (the rule's tiles) and its half-head qkv."""
+    hidden, inter, heads, kv_heads, head_dim, vocab = 4096, 14336, 32, 8, 128, 128256
+    with recording() as launches:
+        row, residual, gamma = _empty(1, hidden), _empty(1, hidden), _empty(hidden)
+        partials = _empty(hidden // 32, 1, dtype=torch.float32)
+        small_batch_linear.linear_rows_into_residual_triton(row, _empty(hidden, hidden), residual, gamma)  # o
+        small_batch_linear.linear_rows_triton(row, _empty(2 * inter, hidden), None, partials, 1e-6, gated=True)
+        small_batch_linear.linear_rows_into_residual_triton(_empty(1, inter), _empty(hidden, inter), residual, gamma)
+        small_batch_linear.linear_rows_triton(row, _empty(vocab, hidden))  # the LM head
+        _qkv(hidden, heads, kv_heads, head_dim, qk_norm=False)
+    return launches
+
+
+def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -> None:
+    rows, blocks = 1, 4
+    norm = HeadNorm(_empty(head_dim), 1e-6) if qk_norm else None
+    small_batch_qkv.qkv_rope_store_triton(
+        _empty(rows, hidden), _empty((heads + 2 * kv_heads) * head_dim, hidden), None,
+        _empty(hidden // 64, rows, dtype=torch.float32), 1e-6, _empty(rows, dtype=torch.int64),
+        _empty(4096, head_dim), _empty(blocks, 16, kv_heads, head_dim), _empty(blocks, 16, kv_heads, head_dim),
+        _empty(rows, dtype=torch.int64), heads, kv_heads, norm, norm,
+    )  # fmt: skip
+
+
+MODELS: dict[str, Callable[[], list[Launch]]] = {
+    "qwen3-30b-a3b": qwen3_30b_a3b_launches,
+    "llama3-8b": llama3_8b_launches,
+}
+
+
+def report(models: list[str]) -> list[tuple[str, str, Resources]]:
+    """(model, launch, its resources) for every distinct launch of the models' small-batch steps."""
+    rows: list[tuple[str, str, Resources]] = []
+    for model in models:
+        seen: set[str] = set()
+        for launch in MODELS[model]():
+            name = describe(launch)
+            if name not in seen:
+                seen.add(name)
+                rows.append((model, name, sm90_resources(launch)))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), nargs="+", default=sorted(MODELS))
+    args = parser.parse_args()
+    spilled = 0
+    for model, name, res in report(args.model):
+        spills = res.spill_store_bytes + res.spill_load_bytes
+        spilled += spills > 0
+        print(f"{model:<14} regs {res.registers:>3}  spill st/ld {res.spill_store_bytes:>5}/{res.spill_load_bytes:<5} "
+              f"smem {res.shared_bytes:>6}  {name}", flush=True)  # fmt: skip
+    print(f"{spilled} launch(es) spill registers" if spilled else "no launch spills registers")
+    return 1 if spilled else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

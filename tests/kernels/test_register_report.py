@@ -1,0 +1,56 @@
+"""The small-batch kernels' launches compiled for sm_90 spill no registers (benchmarks/kernels/register_report.py):
+ptxas from the triton wheel, no GPU needed. Both checks run in a fresh interpreter without TRITON_INTERPRET, which
+this folder's conftest sets on a CPU and which would hand the compiler interpreted kernels."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "kernels" / "register_report.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+
+@pytest.mark.slow
+def test_tuned_launches_spill_no_registers() -> None:
+    result = _run(str(SCRIPT))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no launch spills registers" in result.stdout
+    # Every kernel of both models' small-batch steps was compiled and reported.
+    for kernel in ("pair_gate_up_kernel", "token_down_kernel", "topk_softmax_kernel", "linear_rows_kernel",
+                   "qkv_rope_kernel"):  # fmt: skip
+        assert kernel in result.stdout, result.stdout
+
+
+SPILLING_DOWN_PASS = """
+import sys
+import torch
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import _empty, recording, sm90_resources
+import tidal.kernels.fused_moe as fused_moe
+from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig
+
+# One warp holding eight pairs' 32 x 128 tiles of W2 a step: 1,024 fp32 a thread, past the 255 registers it may use.
+tiles = GemvTiles(32, 128, 1)
+config = SmallBatchMoeConfig(tiles, tiles, down_splits=1)
+with recording() as launches:
+    fused_moe.fused_moe_triton(_empty(1, 2048), _empty(128, 1536, 2048), _empty(128, 2048, 768),
+                               _empty(1, 128, dtype=torch.float32), 8, True, config)
+(down,) = [launch for launch in launches if launch.kernel.__name__ == "token_down_kernel"]
+print(sm90_resources(down).spill_store_bytes)
+"""
+
+
+@pytest.mark.slow
+def test_the_report_sees_a_spill() -> None:
+    """The check can fail: a down-pass tile too large for one warp's registers is reported as spilling."""
+    result = _run("-c", SPILLING_DOWN_PASS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert int(result.stdout.split()[-1]) > 0
