@@ -21,10 +21,11 @@ class GemvTiles:
     block_n: int  # output columns per program
     block_k: int  # input elements per load of each weight row: wide, vectorised loads along K
     num_warps: int
-    # K steps whose weight loads are in flight at once. With > 1 Triton pipelines the K loop through shared memory
-    # (cp.async, `stages` buffers), so a program keeps streaming while it multiplies; with 1 each step's loads wait for
-    # the previous step's products. These kernels reduce with sums, not tl.dot, and Triton pipelines such a loop only
-    # when the loop itself asks for stages (tl.range's num_stages), never from the launch's num_stages.
+    # Software-pipeline depth of the K loop. With > 1 Triton loads `stages - 1` K steps ahead into shared memory
+    # (cp.async), so a program keeps streaming while it multiplies; with 1 each step's loads wait for the previous
+    # step's products. These kernels reduce with sums, not tl.dot, and Triton pipelines such a loop only when the loop
+    # itself asks for stages (tl.range's num_stages), never from the launch's num_stages; and only loads of 4 or more
+    # aligned contiguous bytes, so K must be a multiple of 16 at launch (every model's is).
     stages: int = 1
 
 
@@ -67,9 +68,10 @@ def default_small_batch_config(top_k: int) -> SmallBatchMoeConfig:
 # fusion from profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1 (moe-perf-h200.md): a decode step at 1/2/4/8 tokens took
 # 3287/4305/6543/8877 us fused against 3336/4614/6242/8691 unfused, so 4 and 8 tokens stay unfused. The 1- and
 # 2-token entries were swept again from these ones with load stages and the down pass's splits summed in the kernel
-# (`--from-tuned --tokens 1 2`, moe-small-batch-sweep-qwen3-30b-a3b-h200-stages.txt): at 1 token four K steps in flight
-# through shared memory and wider tiles took 31.4 us against 33.9 for the old entry in the same run; at 2 tokens
-# every pipelined variant was slower (46.0 us unpipelined, 48.2-58.8 pipelined) and the entry stays.
+# (`--from-tuned --tokens 1 2`, moe-small-batch-sweep-qwen3-30b-a3b-h200-stages.txt): at 1 token a four-stage gate/up
+# pipeline and wider tiles took 31.4 us against 33.9 for the old entry in the same run; at 2 tokens every pipelined
+# variant was slower (46.0 us for the entry, 46.5-58.8 pipelined), the best found (45.9) is within noise of it, and
+# the entry stays.
 TUNED_SMALL_BATCH_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, SmallBatchMoeConfig], ...]] = {
     (128, 8, 2048, 768): (
         (1, SmallBatchMoeConfig(GemvTiles(32, 256, 4, stages=4), GemvTiles(32, 256, 8), down_splits=8)),

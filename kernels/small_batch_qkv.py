@@ -37,8 +37,9 @@ MIN_PROGRAMS = 80
 WHOLE_HEAD_STEP_ELEMENTS = 8192  # block_n x block_k of one of the program's two tiles
 WHOLE_HEAD_WARPS = 4
 # Timed for head_dim 128 only (no supported family has wider heads with a q/k norm). At 256 these defaults give
-# 128-wide tiles by 64 inputs a step; compiled for sm_90 (ptxas -v) the program uses 128 registers and spills none
-# (88 at head_dim 128), so it runs, at a speed no one has measured.
+# 128-wide tiles by 64 inputs a step; compiled for sm_90 the program uses 104 registers and spills none (92 at
+# head_dim 128; benchmarks/kernels/register_report.py, register-report-sm90.txt), so it runs, at a speed no one
+# has measured.
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:

@@ -10,10 +10,13 @@ count, where it has one), then a coordinate descent over the small-batch config 
 at those stages; the same for the down pass; the down pass's splits, with the down tiles again for a split; routing
 in a top-k launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth
 (bytes of the distinct experts the tokens chose, over the time). A config whose pipeline buffers do not fit in
-shared memory is reported and skipped. Ends with the best per token count, its gain over the grouped
-path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for kernels/_moe_small_batch_config.py (the token counts where the
-small-batch path wins, from 1 up). --out writes the figures as JSON. About 100 configs per token count: the first
-count compiles each (a few minutes); later counts reuse the compiled kernels.
+shared memory is reported and skipped. The op is timed in its unfused form (no norm scaling, no residual add), as
+`fused_moe` runs it; whether a token count fuses into the decoder layer (`fuse_into_layer`) is measured by
+profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1, and a --from-tuned entry keeps its table's value. Ends with the
+best per token count, its gain over the grouped path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for
+kernels/_moe_small_batch_config.py (the token counts where the small-batch path wins, from 1 up). --out writes the
+figures as JSON. About 100 configs per token count: the first count compiles each (a few minutes); later counts
+reuse the compiled kernels.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def literal(config: SmallBatchMoeConfig) -> str:
         f"SmallBatchMoeConfig(GemvTiles({g.block_n}, {g.block_k}, {g.num_warps}, {g.stages}), "
         f"GemvTiles({d.block_n}, {d.block_k}, {d.num_warps}, {d.stages}), down_splits={config.down_splits}"
         + ("" if config.fold_routing else ", fold_routing=False")
+        # Not swept here (the decoder's A/B decides it), but carried from a --from-tuned start so the printed entry
+        # keeps the table's choice.
+        + ("" if config.fuse_into_layer else ", fuse_into_layer=False")
         + ")"
     )
 

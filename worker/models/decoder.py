@@ -5,10 +5,11 @@ layers here do the rest. A mixture-of-experts family overrides `CausalLM.make_ml
 place of the dense MLP.
 
 Each layer has two forwards over the same weight tensors (weight updates, sleep and checksums see one set): the
-unfused one, and for a step of at most 16 tokens on a GPU in 16-bit the small-batch one, six launches per layer instead
-of twelve (`DecoderLayer.forward_small_batch`). `DecoderModel.forward` picks one of them per step; an expert layer
-joins the small-batch path at the token counts its small-batch expert kernels serve (SparseMoE.small_batch_config),
-and a step any layer cannot fuse runs unfused throughout.
+unfused one, and for a step of at most 16 tokens on a GPU in 16-bit the small-batch one, five launches a dense layer
+(six an expert layer, its router's included) instead of twelve (`DecoderLayer.forward_small_batch`).
+`DecoderModel.forward` picks one of them per step; an expert layer joins the small-batch path at the token counts
+its small-batch expert kernels serve (SparseMoE.small_batch_config), and a step any layer cannot fuse runs unfused
+throughout.
 """
 
 from __future__ import annotations
