@@ -107,7 +107,7 @@ def pair_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    STAGES: tl.constexpr,  # K steps in flight (GemvTiles.stages)
+    STAGES: tl.constexpr,  # software-pipeline depth of the K loop (GemvTiles.stages)
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -179,7 +179,7 @@ def token_down_kernel(
     INTO_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr,  # K steps in flight (GemvTiles.stages)
+    STAGES: tl.constexpr,  # software-pipeline depth of the K loop (GemvTiles.stages)
     USE_PDL: tl.constexpr,
 ):
     """All PAIRS experts' tiles are loaded in one step of the K loop ([PAIRS, BLOCK_N, BLOCK_K]): a token's pairs
