@@ -43,8 +43,6 @@ from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput
 
 SM90 = GPUTarget("cuda", 90, 32)
-POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-                 torch.int64: "*i64"}  # fmt: skip
 # The kernels these wrappers launch, by the module attribute each wrapper calls them through.
 RECORDED: list[tuple[ModuleType, str]] = [
     (moe_small_batch, "pair_gate_up_kernel"),
@@ -100,16 +98,23 @@ def recording() -> Iterator[list[Launch]]:
 class Bound:
     """A launch as Triton's launcher binds it for an sm_90 backend."""
 
+    kernel: JITFunction
     signature: dict[str, str]
     constexprs: dict[tuple[int, ...], Any]
     attrs: dict[tuple[int, ...], Any]
     options: Any  # the backend's CUDAOptions
     constants: dict[str, Any]  # constexprs by name, runtime integers equal to 1 included
 
-    def key(self, kernel: JITFunction) -> str:
+    def key(self) -> str:
         """What sets the compiled code apart: two launches with the same key compile to the same kernel."""
         options = self.options
-        return f"{kernel.__name__} {self.constants} {sorted(self.attrs)} {options.num_warps} {options.num_stages}"
+        return f"{self.kernel.__name__} {self.constants} {sorted(self.attrs)} {options.num_warps} {options.num_stages}"
+
+    def describe(self) -> str:
+        """The kernel and what it is compiled for: its constants as bound for sm_90, warps and stages."""
+        constants = {k: int(v) if isinstance(v, bool) else v for k, v in self.constants.items() if k != "USE_PDL"}
+        shown = " ".join(f"{k}={v}" for k, v in constants.items())
+        return f"{self.kernel.__name__} [{shown}] warps={self.options.num_warps} stages={self.options.num_stages}"
 
 
 def bind_sm90(launch: Launch) -> Bound:
@@ -124,7 +129,7 @@ def bind_sm90(launch: Launch) -> Bound:
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     constants = {fn.arg_names[path[0]]: value for path, value in constexprs.items()}
-    return Bound(signature, constexprs, attrs, options, constants)
+    return Bound(fn, signature, constexprs, attrs, options, constants)
 
 
 def _ptxas() -> str:
@@ -135,8 +140,11 @@ def _ptxas() -> str:
 
 
 def sm90_resources(launch: Launch) -> Resources:
-    bound = bind_sm90(launch)
-    source = ASTSource(fn=launch.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
+    return _compiled_resources(bind_sm90(launch))
+
+
+def _compiled_resources(bound: Bound) -> Resources:
+    source = ASTSource(fn=bound.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
     compiled = triton.compile(source, target=SM90, options=bound.options.__dict__)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
@@ -146,16 +154,8 @@ def sm90_resources(launch: Launch) -> Resources:
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     registers = re.search(r"Used (\d+) registers", report)
     if spills is None or registers is None:
-        raise RuntimeError(f"ptxas -v printed no resource line for {launch.kernel.__name__}:\n{report}")
+        raise RuntimeError(f"ptxas -v printed no resource line for {bound.kernel.__name__}:\n{report}")
     return Resources(int(registers[1]), int(spills[1]), int(spills[2]), int(compiled.metadata.shared))
-
-
-def describe(launch: Launch) -> str:
-    """The kernel and what it is compiled for: its constants as bound for sm_90, warps and stages."""
-    bound = bind_sm90(launch)
-    constants = {k: int(v) if isinstance(v, bool) else v for k, v in bound.constants.items() if k != "USE_PDL"}
-    shown = " ".join(f"{k}={v}" for k, v in constants.items())
-    return f"{launch.kernel.__name__} [{shown}] warps={bound.options.num_warps} stages={bound.options.num_stages}"
 
 
 # ----- the launches of each model's small-batch decode step -----
@@ -236,10 +236,10 @@ def report(models: list[str]) -> list[tuple[str, str, Resources]]:
     for model in models:
         seen: set[str] = set()
         for launch in MODELS[model]():
-            key = bind_sm90(launch).key(launch.kernel)
-            if key not in seen:
-                seen.add(key)
-                rows.append((model, describe(launch), sm90_resources(launch)))
+            bound = bind_sm90(launch)
+            if bound.key() not in seen:
+                seen.add(bound.key())
+                rows.append((model, bound.describe(), _compiled_resources(bound)))
     return rows
 
 

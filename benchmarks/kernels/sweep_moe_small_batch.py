@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from tidal.kernels.fused_moe import fused_moe_triton
 GATE_UP_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
 # The down pass loads its pairs' tiles side by side ([pairs, n, k] a step), so its K steps are shorter.
 DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128, 256) for w in (4, 8)]
-# K steps in flight (GemvTiles.stages): 1 is the unpipelined loop.
+# Software-pipeline depths of the K loops (GemvTiles.stages): 1 is the unpipelined loop.
 STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
 
@@ -112,32 +113,26 @@ def sweep_tokens(
             return
         report(key, results[key][1])
 
+    def best_of(candidates: Iterable[SmallBatchMoeConfig]) -> SmallBatchMoeConfig:
+        """Times each candidate not tried yet; -> the fastest config so far."""
+        for config in candidates:
+            try_config(config)
+        return min(results.values(), key=lambda r: r[1])[0]
+
     tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter) if from_tuned else None
     start = best = tuned or default_small_batch_config(top_k)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
-    for stages in STAGES:
-        try_config(replace(best, gate_up=replace(best.gate_up, stages=stages)))
-    best = min(results.values(), key=lambda r: r[1])[0]
-    for tiles in GATE_UP_TILES:
-        try_config(replace(best, gate_up=replace(tiles, stages=best.gate_up.stages)))
-    best = min(results.values(), key=lambda r: r[1])[0]
-    for stages in STAGES:
-        try_config(replace(best, down=replace(best.down, stages=stages)))
-    best = min(results.values(), key=lambda r: r[1])[0]
-    for tiles in DOWN_TILES:
-        try_config(replace(best, down=replace(tiles, stages=best.down.stages)))
-    best = min(results.values(), key=lambda r: r[1])[0]
-    for splits in (s for s in (1, 2, 4, 8) if top_k % s == 0):
-        try_config(replace(best, down_splits=splits))
-    best = min(results.values(), key=lambda r: r[1])[0]
+    best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
+    best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in GATE_UP_TILES)
+    best = best_of(replace(best, down=replace(best.down, stages=s)) for s in STAGES)
+    best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in DOWN_TILES)
+    best = best_of(replace(best, down_splits=s) for s in (1, 2, 4, 8) if top_k % s == 0)
     if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
-        for tiles in DOWN_TILES:
-            try_config(replace(best, down=replace(tiles, stages=best.down.stages)))
-    best = min(results.values(), key=lambda r: r[1])[0]
-    try_config(replace(best, fold_routing=not best.fold_routing))  # a top-k launch of its own instead
-    best, best_ms = min(results.values(), key=lambda r: r[1])
+        best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in DOWN_TILES)
+    best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
+    best_ms = results[describe(best)][1]
     err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want))
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
     print(
