@@ -8,9 +8,9 @@ from tidal.kernels._validate import (
     check_last_dim_contiguous,
     check_ndim,
     check_same_device,
-    check_same_dtype,
     check_shape,
 )
+from tidal.kernels.kv_cache_dtype import check_cache_dtype
 
 
 def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
@@ -19,7 +19,7 @@ def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     check_dtype("q", q, FLOAT_DTYPES)
     check_ndim("k_cache", k_cache, 4)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    check_same_dtype("q, k_cache and v_cache", q, k_cache, v_cache)
+    check_cache_dtype("k_cache and v_cache", q.dtype, k_cache, v_cache)
     if v_cache.stride() != k_cache.stride():  # the kernels address both caches with k_cache's strides
         raise ValueError(
             f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}"

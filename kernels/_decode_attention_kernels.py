@@ -9,7 +9,13 @@ one split the partial results are merged by their log-sum-exp in the split progr
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import arrives_last, exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import (
+    arrives_last,
+    exact_dot,
+    let_next_kernel_launch,
+    q_for_cache,
+    wait_for_previous_kernel,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -100,6 +106,7 @@ def decode_split_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )  # [GROUP_P2, HEAD_DIM_P2]
+    q = q_for_cache(q, k_cache_ptr, IS_FP32)
 
     m = tl.full([GROUP_P2], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_P2], tl.float32)
@@ -112,8 +119,9 @@ def decode_split_kernel(
         page = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
         row = page * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_offset  # [BLOCK_N]
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
-        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
+        # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache).
+        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
+        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)
         scores = exact_dot(q, tl.trans(k), IS_FP32)  # [GROUP_P2, BLOCK_N] fp32
         scores = tl.where(tok_ok[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -11,7 +11,7 @@ tiles run last-first: the last tile sees the longest context, and starting the h
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import exact_dot
+from tidal.kernels._triton_utils import exact_dot, q_for_cache
 
 
 @triton.jit
@@ -50,8 +50,9 @@ def _attend_tile(
         pages = tl.load(table + next_keys // BLOCK_SIZE, mask=next_keys < kv_end, other=0)
         # Full tiles below the diagonal need no key mask (fewer predicates on the copies).
         kv_mask = key_ok[:, None] & dim_ok[None, :] if CAUSAL_MASK else dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
-        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0)
+        # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache), as in decode.
+        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
+        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)
         scores = exact_dot(q, tl.trans(k), IS_FP32)  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if CAUSAL_MASK:
             visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < seq_len)
@@ -141,6 +142,7 @@ def prefill_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM_P2]
+    q = q_for_cache(q, k_cache_ptr, IS_FP32)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)

@@ -8,7 +8,13 @@ epilogue."""
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import arrives_last, exact_dot, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import (
+    arrives_last,
+    exact_dot,
+    for_cache,
+    let_next_kernel_launch,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -295,7 +301,7 @@ def qkv_rope_kernel(
     kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
     dest = slots[:, None] * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
     kv_mask = mask & (slots >= 0)[:, None] & (head >= num_q_heads)
-    tl.store(k_cache_ptr + dest, y1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask & is_k)
-    tl.store(k_cache_ptr + dest + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask & is_k)
-    tl.store(v_cache_ptr + dest, y1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask & is_v)
-    tl.store(v_cache_ptr + dest + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask & is_v)
+    tl.store(k_cache_ptr + dest, for_cache(y1, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
+    tl.store(k_cache_ptr + dest + HALF, for_cache(y2, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
+    tl.store(v_cache_ptr + dest, for_cache(y1, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
+    tl.store(v_cache_ptr + dest + HALF, for_cache(y2, v_cache_ptr, q_ptr), mask=kv_mask & is_v)

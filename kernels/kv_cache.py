@@ -3,13 +3,15 @@
 """Writing new K/V rows into the paged cache: the torch reference, the Triton kernel and the dispatching entry point.
 
 Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
-block_id * block_size + offset; slot -1 marks a padding token that is not written.
+block_id * block_size + offset; slot -1 marks a padding token that is not written. The cache holds the activations'
+dtype or FP8 e4m3 (kernels/kv_cache_dtype.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from tidal.kernels._triton_utils import for_cache
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -20,6 +22,7 @@ from tidal.kernels._validate import (
     check_same_dtype,
     check_shape,
 )
+from tidal.kernels.kv_cache_dtype import check_cache_dtype, to_cache_dtype
 
 
 def _check_inputs(
@@ -31,8 +34,9 @@ def _check_inputs(
     check_shape("k", k, (None, num_kv_heads, head_dim))
     check_shape("v", v, tuple(k.shape))
     check_shape("slot_mapping", slot_mapping, (k.shape[0],))
-    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
-    check_same_dtype("k, v, k_cache and v_cache", k, v, k_cache, v_cache)
+    check_dtype("k", k, FLOAT_DTYPES)
+    check_same_dtype("k and v", k, v)
+    check_cache_dtype("k_cache and v_cache", k.dtype, k_cache, v_cache)
     check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
     check_same_device("k, v, k_cache, v_cache and slot_mapping", k, v, k_cache, v_cache, slot_mapping)
     check_last_dim_contiguous("k", k)
@@ -49,8 +53,8 @@ def store_kv_reference(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     keep = slot_mapping >= 0  # [T]
     slots = slot_mapping[keep].long()  # [T_kept]
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = k[keep]
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = v[keep]
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = to_cache_dtype(v[keep], v_cache.dtype)
 
 
 @triton.jit
@@ -77,10 +81,10 @@ def _store_kv_kernel(
     dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
     mask = (heads < num_kv_heads) & (dims < head_dim)
     dest = slot * num_kv_heads * head_dim + heads * head_dim + dims  # cache rows are dense [heads, head_dim]
-    k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims, mask=mask)
-    v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=mask)
-    tl.store(k_cache_ptr + dest, k, mask=mask)
-    tl.store(v_cache_ptr + dest, v, mask=mask)
+    k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=mask).to(tl.float32)
+    tl.store(k_cache_ptr + dest, for_cache(k, k_cache_ptr, k_ptr), mask=mask)
+    tl.store(v_cache_ptr + dest, for_cache(v, v_cache_ptr, v_ptr), mask=mask)
 
 
 def store_kv_triton(

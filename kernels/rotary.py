@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.kernels._triton_utils import for_cache
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -139,7 +140,8 @@ def _rotate_heads(
     IS_NEOX: tl.constexpr,
 ):
     """Rotates the first 2*HALF dims of every head of one token from `src_ptr` (the token's row) into `dst_ptr`
-    (the same row for an in-place rotation); cos/sin [1, HALF_P2] fp32. Other dims are not touched."""
+    (the same row for an in-place rotation); cos/sin [1, HALF_P2] fp32. Other dims are not touched. A destination
+    in an FP8 KV cache gets the rotated values as the cache stores them (`for_cache`)."""
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     pairs = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
     mask = (heads < num_heads) & (pairs < HALF)
@@ -150,8 +152,8 @@ def _rotate_heads(
     src, dst = src_ptr + heads * src_stride_h, dst_ptr + heads * dst_stride_h
     x1 = tl.load(src + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + first, for_cache(x1 * cos - x2 * sin, dst_ptr, src_ptr), mask=mask)
+    tl.store(dst + second, for_cache(x2 * cos + x1 * sin, dst_ptr, src_ptr), mask=mask)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tidal.kernels._device import pdl_launch_options
-from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import for_cache, let_next_kernel_launch, wait_for_previous_kernel
 from tidal.kernels._validate import FLOAT_DTYPES, check_contiguous, check_dtype, check_shape
 from tidal.kernels.kv_cache import _check_inputs as _check_store_inputs
 from tidal.kernels.kv_cache import store_kv_reference
@@ -116,9 +116,10 @@ def _norm_rotate_heads(
     normed_ty = src_ptr.dtype.element_ty
     x1 = (x1 * inv_rms * g1).to(normed_ty).to(tl.float32)
     x2 = (x2 * inv_rms * g2).to(normed_ty).to(tl.float32)
-    tl.store(dst + tail, (xt * inv_rms * gt).to(dst_ptr.dtype.element_ty), mask=tail_mask)  # dst: src's dtype
-    tl.store(dst + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + second, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+    # dst: q's row (src's dtype) or k's cache row (src's dtype or FP8).
+    tl.store(dst + tail, for_cache(xt * inv_rms * gt, dst_ptr, src_ptr), mask=tail_mask)
+    tl.store(dst + first, for_cache(x1 * cos - x2 * sin, dst_ptr, src_ptr), mask=mask)
+    tl.store(dst + second, for_cache(x2 * cos + x1 * sin, dst_ptr, src_ptr), mask=mask)
 
 
 @triton.jit
@@ -177,8 +178,8 @@ def _rotary_store_kv_kernel(
         dims = tl.arange(0, HEAD_DIM_P2)[None, :]  # [1, HEAD_DIM_P2]
         dim_ok = (heads < num_kv_heads) & (dims < head_dim)
         dest = cache_row + heads * head_dim + dims
-        v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=dim_ok)
-        tl.store(v_cache_ptr + dest, v, mask=dim_ok)
+        v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=dim_ok).to(tl.float32)
+        tl.store(v_cache_ptr + dest, for_cache(v, v_cache_ptr, v_ptr), mask=dim_ok)
         if HAS_QK_NORM:
             _norm_rotate_heads(
                 k_row, k_cache_ptr + cache_row, k_stride_h, head_dim, num_kv_heads, head_dim, k_gamma_ptr, k_eps, cos,
@@ -186,7 +187,8 @@ def _rotary_store_kv_kernel(
             )  # fmt: skip
         else:
             tail_ok = dim_ok & (dims >= 2 * HALF)
-            tl.store(k_cache_ptr + dest, tl.load(k_row + heads * k_stride_h + dims, mask=tail_ok), mask=tail_ok)
+            k_tail = tl.load(k_row + heads * k_stride_h + dims, mask=tail_ok).to(tl.float32)
+            tl.store(k_cache_ptr + dest, for_cache(k_tail, k_cache_ptr, k_ptr), mask=tail_ok)
             _rotate_heads(
                 k_row, k_cache_ptr + cache_row, k_stride_h, head_dim, num_kv_heads, cos, sin, HALF, HALF_P2, BLOCK_HK,
                 IS_NEOX,

@@ -20,6 +20,7 @@ from tidal.kernels._device import pdl_launch_options
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
+from tidal.kernels.kv_cache_dtype import check_cache_dtype
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
 from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
 
@@ -76,6 +77,7 @@ def _check(
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_contiguous("k_cache", k_cache)
     check_contiguous("v_cache", v_cache)
+    check_cache_dtype("k_cache and v_cache", a.dtype, k_cache, v_cache)
     check_shape("weight", weight, ((num_q_heads + 2 * num_kv_heads) * head_dim, a.shape[1]))
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
     check_contiguous("cos_sin_cache", cos_sin_cache)

@@ -1,0 +1,50 @@
+"""The KV cache's element type: the activations' own (16-bit or fp32), or FP8 e4m3 at half the bytes of bf16.
+
+An FP8 cache holds K and V as they are, with no scale: e4m3 keeps 3 mantissa bits and saturates at +-448, which
+post-RoPE keys and values of trained models stay well inside (a per-tensor scale of 1.0, what vLLM uses for an FP8
+cache without calibrated scales). A value is first rounded to the activations' dtype, as a 16-bit cache would hold it,
+then to the nearest e4m3 value (ties to even), clamped to +-448; the kernels (`_triton_utils.for_cache`) and the
+torch references (`to_cache_dtype`) round alike, bit for bit. Attention converts the cached values back to the
+activations' dtype on load: every product and sum stays where it was.
+
+What it buys: twice the tokens in the same memory, and half the bytes a decode step reads for attention, which at
+large batch and long context is most of the step.
+"""
+
+import torch
+
+from tidal.kernels._validate import FLOAT_DTYPES
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+# The names `EngineConfig.kv_cache_dtype` accepts besides "auto" (the activations' dtype); "fp8" is e4m3, as in vLLM.
+FP8_NAMES = ("fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for a configured name."""
+    if name == "auto":
+        return activation_dtype
+    if name in FP8_NAMES:
+        return FP8_E4M3
+    raise ValueError(f"unknown KV cache dtype {name!r}; expected 'auto' or one of {FP8_NAMES}")
+
+
+def check_cache_dtype(names: str, activation_dtype: torch.dtype, *caches: torch.Tensor) -> None:
+    """Caches hold the activations' dtype, or FP8 e4m3 beside 16-bit or fp32 activations."""
+    allowed = {activation_dtype, FP8_E4M3} if activation_dtype in FLOAT_DTYPES else {activation_dtype}
+    for cache in caches:
+        if cache.dtype not in allowed:
+            raise ValueError(
+                f"{names} must have the activations' dtype ({activation_dtype}) or {FP8_E4M3}, got {cache.dtype}"
+            )
+    if len({c.dtype for c in caches}) > 1:
+        raise ValueError(f"{names} must share one dtype, got {[c.dtype for c in caches]}")
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x (in the activations' dtype) as the cache stores it: the same values, or for FP8 the nearest e4m3 value
+    (ties to even), clamped to +-448 (torch's own cast would turn values past 448 into NaN)."""
+    if cache_dtype != FP8_E4M3:
+        return x.to(cache_dtype)
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
