@@ -11,6 +11,8 @@ from tidal.operator.api.constants import BASE_WEIGHTS_VERSION, GROUP_PORT
 from tidal.operator.api.worker_spec import WorkerSpec
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+# The worker's `EngineConfig.kv_cache_dtype` names (a test keeps them equal; the operator imports no worker code).
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 def _not_bool(value: Any) -> Any:
@@ -70,6 +72,10 @@ class ModelSource(ApiModel):
     """Directory of the model (config.json, tokenizer, safetensors) relative to the volume, e.g. `qwen3-0.6b`."""
     dtype: Dtype = "auto"
     """Data type of the weights on the device; `auto` takes the checkpoint's."""
+    kv_cache_dtype: KvCacheDtype = "auto"
+    """Element type of the KV cache: `auto` is the activations' dtype; `fp8` (or `fp8_e4m3`) stores K and V as FP8
+    e4m3 without a scale: twice the tokens in the same memory and half the bytes decode attention reads, for a
+    small loss of precision (3 mantissa bits)."""
     max_model_len: int | None = Field(None, ge=16, le=1048576)
     """Longest sequence (prompt + output) in tokens. Default: the model's own limit."""
     served_name: str | None = Field(None, min_length=1, max_length=253)

@@ -6,6 +6,7 @@ PORT = "TIDAL_PORT"  # also passed as --port
 HOST = "TIDAL_HOST"  # the pod IP: both APIs listen there (on the local dev cluster pods share the host's ports)
 SERVED_MODEL_NAME = "TIDAL_SERVED_MODEL_NAME"
 DTYPE = "TIDAL_DTYPE"
+KV_CACHE_DTYPE = "TIDAL_KV_CACHE_DTYPE"
 MAX_MODEL_LEN = "TIDAL_MAX_MODEL_LEN"
 CONTROL_PORT = "TIDAL_CONTROL_PORT"
 CONTROL_TOKEN = "TIDAL_CONTROL_TOKEN"
@@ -34,6 +35,7 @@ RESERVED_ENV_NAMES: tuple[str, ...] = (
     HOST,
     SERVED_MODEL_NAME,
     DTYPE,
+    KV_CACHE_DTYPE,
     MAX_MODEL_LEN,
     CONTROL_PORT,
     CONTROL_TOKEN,

@@ -68,3 +68,23 @@ def test_cuda_graphs_give_the_eager_result(tiny_model):
     assert graphed.runner.decode_graphs.sizes == [1, 2, 4, 5]
     want = [r.output_token_ids for r in eager.generate(prompts, params)]
     assert [r.output_token_ids for r in graphed.generate(prompts, params)] == want
+
+
+def test_fp8_kv_cache_on_the_cuda_paths(tiny_model):
+    """An FP8 cache through the Triton kernels (the fused small-batch qkv of a q/k-norm model, decode and prefill
+    attention, the CUDA graphs): twice the blocks of bf16 in the same bytes, first tokens as with a bf16 cache
+    (this model's K and V are around 0.5, well inside e4m3), and preemption recomputing into it."""
+    model_dir = tiny_model("qwen3")
+    prompts = prompt_ids(model_dir)
+    bf16 = engine(model_dir, dtype="bfloat16", num_kv_blocks=256)
+    fp8 = engine(model_dir, dtype="bfloat16", num_kv_blocks=256, kv_cache_dtype="fp8")
+    assert all(k.dtype == torch.float8_e4m3fn for k, _ in fp8.runner.kv_caches)
+    assert fp8.runner.bytes_per_block * 2 == bf16.runner.bytes_per_block
+    first = SamplingParams(temperature=0, max_tokens=1)
+    want = [r.output_token_ids for r in bf16.generate(prompts, first)]
+    got = [r.output_token_ids for r in fp8.generate(prompts, first)]
+    assert sum(g == w for g, w in zip(got, want, strict=True)) >= len(prompts) - 1
+    tight = engine(model_dir, dtype="bfloat16", block_size=4, num_kv_blocks=24, max_model_len=96, kv_cache_dtype="fp8")
+    outputs = tight.generate(prompts, GREEDY)
+    assert tight.stats().num_preemptions > 0
+    assert all(len(r.output_token_ids) == GREEDY.max_tokens or r.finish_reason == "stop" for r in outputs)

@@ -8,6 +8,8 @@ from typing import Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
+# "auto": the activations' dtype; the others name FP8 e4m3 (kernels/kv_cache_dtype.py: FP8_NAMES, checked by a test).
+KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
 
 
 class EngineConfig(BaseModel):
@@ -28,6 +30,13 @@ class EngineConfig(BaseModel):
     dtype: DType = Field(default="auto", description="Weight/activation dtype; 'auto' takes the checkpoint's dtype.")
     device: str = Field(default="auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
     block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV cache block (a power of two).")
+    kv_cache_dtype: KVCacheDType = Field(
+        default="auto",
+        description=(
+            "KV cache element type: 'auto' (the activations' dtype) or 'fp8' / 'fp8_e4m3' (FP8 e4m3 without a scale:"
+            " twice the tokens, half the bytes decode attention reads)."
+        ),
+    )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Fixed number of KV cache blocks.")
     kv_cache_bytes: int | None = Field(default=None, ge=1, description="KV cache size in bytes (CPU).")
     gpu_memory_fraction: float = Field(default=0.9, gt=0.0, le=1.0, description="Share of free GPU memory for KV.")

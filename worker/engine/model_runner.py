@@ -28,9 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, block_size: int, kv_cache_dtype: torch.dtype | None = None
+    ) -> None:
+        """`kv_cache_dtype`: the KV cache's element type, the activations' dtype by default (or FP8 e4m3)."""
         self.model = loaded.model
         self.dtype = loaded.dtype
+        self.kv_cache_dtype = kv_cache_dtype or loaded.dtype
         self.device = device
         self.block_size = block_size
         self.weights_region = loaded.weights
@@ -44,7 +48,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.model.kv_cache_spec.bytes_per_block(self.block_size, self.dtype)
+        return self.model.kv_cache_spec.bytes_per_block(self.block_size, self.kv_cache_dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Take the KV cache's region from the memory provider, once."""
@@ -53,7 +57,7 @@ class ModelRunner:
         spec = self.model.kv_cache_spec
         block_shape = (self.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache_region = KVCacheRegion(
-            self._memory_provider, spec.num_layers, block_shape, num_blocks, self.dtype, self.device
+            self._memory_provider, spec.num_layers, block_shape, num_blocks, self.kv_cache_dtype, self.device
         )
         self.kv_caches = self.kv_cache_region.caches
         self.num_kv_blocks = num_blocks
@@ -139,7 +143,9 @@ class ModelRunner:
         num_seqs = max(1, min(num_seqs, num_tokens))
         per_seq = min(max_model_len, -(-num_tokens // num_seqs))
         num_blocks = -(-per_seq // self.block_size)
-        caches = throwaway_kv_caches(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
+        caches = throwaway_kv_caches(
+            self.model.kv_cache_spec, num_blocks, self.block_size, self.kv_cache_dtype, self.device
+        )
         lens = [per_seq] * num_seqs
         cu = [0]
         for n in lens:

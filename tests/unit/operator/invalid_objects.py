@@ -63,6 +63,14 @@ CASES: list[InvalidCase] = [
         "spec.model.dtype",
     ),
     InvalidCase(
+        "bad-kv-cache-dtype",
+        "the KV cache's dtype is an enum",
+        {"spec.model.kvCacheDtype": "int8"},
+        "Input should be 'auto', 'fp8' or 'fp8_e4m3'",
+        'Unsupported value: "int8"',
+        "spec.model.kvCacheDtype",
+    ),
+    InvalidCase(
         "negative-replicas",
         "replicas cannot be negative",
         {"spec.replicas": -1},
