@@ -157,8 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             progress(f"ceilings: {report['ceilings']}")
 
         config = engine_side.engine_config(
-            model_dir, loaded, device, workload, args.gpu_memory_fraction, not args.no_async_scheduling
-        )
+            model_dir, loaded, device, workload, args.gpu_memory_fraction, not args.no_async_scheduling,
+            args.kv_cache_dtype,
+        )  # fmt: skip
         engine, report["engine"]["setup"] = engine_side.build_engine(config, loaded)
         if device.type == "cuda":
             report["engine"]["memory_after_setup"] = devinfo.memory_gib(device)

@@ -18,6 +18,7 @@ import itertools
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
 from perf.step_counts import model_shape
 from torch.profiler import ProfilerActivity, profile
 
+from tidal.worker.engine.config import KVCacheDType
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
@@ -180,6 +182,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--gemm", action="store_true")
     parser.add_argument("--offline", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     preset = PRESETS[args.preset]
@@ -187,9 +190,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tidal-profile-") as tmp:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
         loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0)
-        engine, facts = build_engine(engine_config(model_dir, loaded, device, workload, 0.9), loaded)
+        config = engine_config(model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype)
+        engine, facts = build_engine(config, loaded)
         print(f"engine: {facts}", flush=True)
-        shape = model_shape(loaded.model, loaded.hf_config, engine.runner.dtype)
+        shape = model_shape(loaded.model, loaded.hf_config, engine.runner.kv_cache_dtype)
         for batch in args.batches:
             kernel_table(engine, shape, batch, args.context)
         if args.offline:

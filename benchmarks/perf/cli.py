@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from perf.presets import PRESETS
+from tidal.worker.engine.config import KVCacheDType
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -30,6 +32,7 @@ def engine_benchmark_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--smoke", action="store_true", help="the smallest workload (tests)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto", help="fp8: an e4m3 cache")
     return parser
 
 

@@ -15,7 +15,7 @@ import torch
 
 from perf.presets import Workload, random_prompts
 from perf.timing import DecodeRun, OfflineRun, now, steady_ms_per_step
-from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.config import EngineConfig, KVCacheDType
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
@@ -33,6 +33,7 @@ def engine_config(
     workload: Workload,
     gpu_memory_fraction: float,
     async_scheduling: bool = True,
+    kv_cache_dtype: KVCacheDType = "auto",
 ) -> EngineConfig:
     """Every decode batch's prompts fit one step (so its rows decode in lock step), and no prefix cache: a
     repeated prompt must cost a full prefill every time."""
@@ -47,6 +48,7 @@ def engine_config(
         enable_prefix_caching=False,
         gpu_memory_fraction=gpu_memory_fraction,
         async_scheduling=async_scheduling,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -61,6 +63,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "block_size": config.block_size,
         "kv_cache_bytes": runner.num_kv_blocks * runner.bytes_per_block,
         "kv_cache_tokens": runner.num_kv_blocks * config.block_size,
+        "kv_cache_dtype": str(runner.kv_cache_dtype).removeprefix("torch."),
         "max_model_len": engine.max_model_len,
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,

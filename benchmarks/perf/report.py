@@ -180,7 +180,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     if setup:
         lines.append(
             f"Engine: KV cache {setup['num_kv_blocks']} blocks x {setup['block_size']} tokens "
-            f"({setup['kv_cache_bytes'] / 2**30:.2f} GiB, {setup['kv_cache_tokens']} tokens), max_model_len "
+            f"({setup['kv_cache_bytes'] / 2**30:.2f} GiB, {setup['kv_cache_tokens']} tokens, "
+            f"{setup.get('kv_cache_dtype', 'model dtype')}), max_model_len "
             f"{setup['max_model_len']}, CUDA graphs for batch sizes {setup['cuda_graph_batch_sizes'] or 'none'}, "
             f"setup {setup['setup_seconds']:.1f} s."
         )
