@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ[SMALL_BATCH_SWITCH] = "0"  # read by fused_moe at each call, so also at graph capture
         report["moe_path"] = "grouped"
     stem = result_stem(preset.name, env, args.smoke) + ("-grouped" if args.moe_path == "grouped" else "")
+    stem += "" if args.kv_cache_dtype == "auto" else "-kv-fp8"  # never over the bf16 cache's record
     outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:

@@ -42,10 +42,12 @@ def _round_to_e4m3(x):
     # e4m3 keeps 3 mantissa bits; below its smallest normal exponent (-6) its steps stay 2^-9 (subnormals).
     step_exponent = tl.maximum(exponent, -6) - 3
     step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
-    scaled = x / step  # exact: a power of two; |scaled| < 16
+    inverse_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)  # 2^-step_exponent, a normal float
+    scaled = x * inverse_step  # exact: a power of two (a division would compile to an approximate one); |scaled| < 16
     rounded = (scaled + 12582912.0) - 12582912.0  # adding 1.5 * 2^23 rounds to an integer, ties to even
-    value = tl.clamp(rounded * step, -448.0, 448.0)
-    return tl.where(value == 0.0, x * 0.0, value)  # a negative value that rounds to zero keeps its sign, as in torch
+    value = tl.clamp(rounded * step, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in torch
+    signed_zero = tl.where(bits < 0, -1.0, 1.0) * 0.0  # a negative value (or -0) rounding to zero keeps its sign
+    return tl.where(value == 0.0, signed_zero, value)
 
 
 @triton.jit
@@ -62,9 +64,9 @@ def for_cache(x, cache_ptr, act_ptr):
 def q_for_cache(q, cache_ptr, IS_FP32: tl.constexpr):
     """q in the type of its products with the cached keys and values: its own, or beside an FP8 cache fp16
     (clamped to fp16's range), the type e4m3 converts to in one packed instruction. Converting the tiles to bf16
-    takes a second, unpacked conversion per element through fp16, and those were the loop's slowest instructions:
-    an H200's decode attention at batch 256 took 113 us a layer from an FP8 cache that way, against 102 from bf16.
-    fp16 holds every e4m3 value exactly and the probabilities P more finely than bf16; sums stay fp32."""
+    takes a second, unpacked conversion per element through fp16, which made decode attention slower than from a
+    bf16 cache (benchmarks/results/kv-cache-fp8-h200.md). fp16 holds every e4m3 value exactly and the probabilities
+    P more finely than bf16; sums stay fp32."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv and not IS_FP32:
         return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     else:

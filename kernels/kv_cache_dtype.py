@@ -3,9 +3,10 @@
 An FP8 cache holds K and V as they are, with no scale: e4m3 keeps 3 mantissa bits and saturates at +-448, which
 post-RoPE keys and values of trained models stay well inside (a per-tensor scale of 1.0, what vLLM uses for an FP8
 cache without calibrated scales). A value is first rounded to the activations' dtype, as a 16-bit cache would hold it,
-then to the nearest e4m3 value (ties to even), clamped to +-448; the kernels (`_triton_utils.for_cache`) and the
-torch references (`to_cache_dtype`) round alike, bit for bit. Attention converts the cached values back to the
-activations' dtype on load: every product and sum stays where it was.
+then to the nearest e4m3 value (ties to even), clamped to +-448, NaN kept; the kernels' rounding
+(`_triton_utils.for_cache`) gives the same bits as the references' (`to_cache_dtype`) for the same input. Attention
+converts the cached values back on load, to fp16 beside 16-bit activations (`_triton_utils.q_for_cache`: q and the
+probabilities then go to fp16 too) and to fp32 beside fp32 ones; sums stay fp32.
 
 What it buys: twice the tokens in the same memory, and half the bytes a decode step reads for attention, which at
 large batch and long context is most of the step.
@@ -28,6 +29,24 @@ def kv_cache_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
     if name in FP8_NAMES:
         return FP8_E4M3
     raise ValueError(f"unknown KV cache dtype {name!r}; expected 'auto' or one of {FP8_NAMES}")
+
+
+# The oldest GPUs whose Triton kernels can convert to and from e4m3 (Ada, Hopper and newer).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_device_holds(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuses an FP8 cache on a GPU older than FP8_MIN_CAPABILITY, before any kernel is compiled for it (Triton's
+    own error would come from deep inside the first compile). CPUs take every dtype (the references)."""
+    if cache_dtype != FP8_E4M3 or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        wanted = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(
+            f"an FP8 KV cache needs a GPU of compute capability {wanted} or newer (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'"
+        )
 
 
 def check_cache_dtype(names: str, activation_dtype: torch.dtype, *caches: torch.Tensor) -> None:

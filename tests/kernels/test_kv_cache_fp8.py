@@ -41,17 +41,24 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_kernel_rounding_is_torch_rounding(device, dtype):
-    """Every e4m3 binade, subnormals, ties (the midpoints between neighbours), both signs, values past +-448 (clamped)
-    and past fp16's range: the same bits as the reference's cast."""
+    """Every e4m3 binade, subnormals, ties (the midpoints between neighbours), both signs, values past +-448 (clamped,
+    infinities too): the same bits as the reference's cast; NaN stays NaN."""
     grid = torch.arange(256, dtype=torch.uint8).view(FP8_E4M3).float()
     grid = grid[grid.isfinite()]
     midpoints = (grid.sort().values[1:] + grid.sort().values[:-1]) / 2
     spread = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-4, 3, 20000)
-    values = torch.cat([grid, midpoints, spread, torch.tensor([0.0, -0.0, 447.9, 449.0, 464.0, -470.0, 1e4, -6e4])])
+    edges = [0.0, -0.0, 447.9, 449.0, 464.0, -470.0, 1e4, -6e4, float("inf"), float("-inf")]
+    values = torch.cat([grid, midpoints, spread, torch.tensor(edges)])
     x = values.to(dtype).to(device)
     got = torch.empty(x.shape, dtype=FP8_E4M3, device=device)
     _for_cache_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
     _same_bits(got.cpu(), to_cache_dtype(x, FP8_E4M3).cpu())
+    if device == "cpu":
+        return  # the interpreter's own fp32 -> e4m3 cast turns NaN into a number; the compiled cast keeps it
+    nan = torch.tensor([float("nan")] * 4, dtype=dtype, device=device)
+    got_nan = torch.empty(4, dtype=FP8_E4M3, device=device)
+    _for_cache_kernel[(1,)](nan, got_nan, 4, BLOCK=4)
+    assert got_nan.float().isnan().all()  # a blown-up value shows in the cache, as with torch's cast
 
 
 def test_store_kv(device):
@@ -146,6 +153,20 @@ def test_prefill_attention(device, dtype):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 64**-0.5)
     config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
+
+
+def test_an_fp8_cache_needs_ada_or_newer(monkeypatch):
+    """Refused before any kernel compiles on an A100 (8.0); taken on an H100/H200 (9.0), and on CPU always."""
+    from tidal.kernels.kv_cache_dtype import check_device_holds
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer .* NVIDIA A100 is 8.0"):
+        check_device_holds(FP8_E4M3, torch.device("cuda", 0))
+    check_device_holds(torch.bfloat16, torch.device("cuda", 0))  # a 16-bit cache is fine anywhere
+    check_device_holds(FP8_E4M3, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_device_holds(FP8_E4M3, torch.device("cuda", 0))
 
 
 def test_names_and_refusals():

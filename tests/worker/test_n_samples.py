@@ -48,9 +48,13 @@ def count_computed_tokens(engine: LLMEngine) -> list[int]:
     return computed
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_each_seeded_sample_equals_a_single_request_seeded_with_its_index(model_dir, prompts, async_scheduling):
-    engine = make(model_dir, async_scheduling)
+@pytest.mark.parametrize(
+    ("async_scheduling", "kv_cache_dtype"), [(True, "auto"), (False, "auto"), (True, "fp8")]
+)  # fp8: the fork copies an FP8 cache's partial block byte for byte
+def test_each_seeded_sample_equals_a_single_request_seeded_with_its_index(
+    model_dir, prompts, async_scheduling, kv_cache_dtype
+):
+    engine = make(model_dir, async_scheduling, kv_cache_dtype=kv_cache_dtype)
     free_at_start = engine.block_manager.num_free_blocks
     computed = count_computed_tokens(engine)
     n = 3
@@ -60,7 +64,7 @@ def test_each_seeded_sample_equals_a_single_request_seeded_with_its_index(model_
     assert sum(computed) == sum(len(p) for p in prompts) + len(prompts) * n * (SEEDED.max_tokens - 1)
     assert engine.stats().num_prompt_tokens == sum(len(p) for p in prompts)
     assert engine.block_manager.num_free_blocks == free_at_start
-    single = make(model_dir, async_scheduling)
+    single = make(model_dir, async_scheduling, kv_cache_dtype=kv_cache_dtype)
     for i, prompt in enumerate(prompts):
         samples = results[i * n : (i + 1) * n]
         for j, sample in enumerate(samples):

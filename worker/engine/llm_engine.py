@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Self
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tidal.kernels.kv_cache_dtype import kv_cache_dtype
+from tidal.kernels.kv_cache_dtype import check_device_holds, kv_cache_dtype
 from tidal.worker.engine.block_manager import BlockManager
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.detokenizer import IncrementalDetokenizer, WindowDecoder, push_each
@@ -127,7 +127,12 @@ class LLMEngine:
         if loaded.model.expert_parallel is not None:
             config = expert_parallel_config(config, device)
         max_model_len = resolve_max_model_len(config, model_max_len(loaded.hf_config))
-        runner = ModelRunner(loaded, device, config.block_size, kv_cache_dtype(config.kv_cache_dtype, loaded.dtype))
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded.dtype)
+        try:
+            check_device_holds(cache_dtype, device)
+        except ValueError as error:
+            raise EngineConfigError(str(error)) from None
+        runner = ModelRunner(loaded, device, config.block_size, cache_dtype)
         runner.allocate_kv_cache(decide_num_kv_blocks(config, runner, max_model_len))
         max_model_len = fit_max_model_len(config, max_model_len, runner.num_kv_blocks)
         warm_up_expert_parallel(runner, config, max_model_len)

@@ -34,7 +34,7 @@ class ModelRunner:
         """`kv_cache_dtype`: the KV cache's element type, the activations' dtype by default (or FP8 e4m3)."""
         self.model = loaded.model
         self.dtype = loaded.dtype
-        self.kv_cache_dtype = kv_cache_dtype or loaded.dtype
+        self.kv_cache_dtype = kv_cache_dtype if kv_cache_dtype is not None else loaded.dtype
         self.device = device
         self.block_size = block_size
         self.weights_region = loaded.weights
@@ -128,8 +128,9 @@ class ModelRunner:
             pairs = to_device(int64_tensor([b for pair in copies for b in pair]), self.device).view(-1, 2)  # [C, 2]
             sources, destinations = pairs[:, 0], pairs[:, 1]
             for k_cache, v_cache in self.kv_caches:  # each [num_blocks, block_size, kv_heads, head_dim]
-                k_cache.index_copy_(0, destinations, k_cache.index_select(0, sources))
-                v_cache.index_copy_(0, destinations, v_cache.index_select(0, sources))
+                for cache in (k_cache, v_cache):
+                    raw = cache.view(torch.uint8)  # bytes: torch's index_copy_ has no FP8 kernel (on CPU)
+                    raw.index_copy_(0, destinations, raw.index_select(0, sources))
 
     def synchronize(self) -> None:
         """Wait until the device has done all the work queued so far (not on the step path: see SampledTokens)."""
