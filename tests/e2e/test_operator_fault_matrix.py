@@ -191,7 +191,7 @@ def check_workers(dc: DevCluster, namespace: str, chain: Chain, target: Target) 
 
 
 def victim_behind(dc: DevCluster, namespace: str, chain: Chain, victim: str, target: Target) -> str:
-    """Why the restarted victim worker is not (yet) at `target` ("" once it is)."""
+    """Why the restarted or replaced victim worker is not (yet) at `target` ("" once it is)."""
     try:
         state = worker_state(dc, namespace, chain.name, victim)
     except (httpx.HTTPError, ApiException) as err:
@@ -309,20 +309,23 @@ def test_a_transition_converges_through_a_fault(devcluster, matrix, transition, 
     before = pod_identity(devcluster, ns, chain.name)
     t_fault = time.monotonic() - t0
     killed_operator = inject(devcluster, ns, chain, victim)
-    if chain.fault == "kill-worker":
-        # Until the node agent has restarted the killed worker (or the operator replaced its pod), the status may
-        # still say what held before the kill: the model converges once the fault has taken effect, not before.
+    if chain.fault in ("kill-worker", "delete-pod"):
+        # Until the node agent has restarted the killed worker (or the operator replaced its pod), or the deleted pod
+        # has terminated (it keeps its name and uid meanwhile, with a deletion timestamp) and been replaced, the
+        # status may still say what held before the fault: the model converges once the fault has taken effect.
         wait_until(
-            lambda: pod_identity(devcluster, ns, chain.name).get(victim) != before[victim], 60, f"{victim} restarted"
+            lambda: pod_identity(devcluster, ns, chain.name).get(victim) != before[victim],
+            60,
+            f"{victim} restarted or replaced",
         )
 
     last: list[str] = []
 
     def converged(obj: dict[str, Any]) -> bool:
         last[:] = [mismatch(obj, chain, target)]
-        if not last[0] and chain.fault == "kill-worker":
-            # The status is read before the operator has seen the restarted worker, too: it says the same as before
-            # the kill until a pass notices. Converged is the status and the restarted worker both at the target.
+        if not last[0] and chain.fault in ("kill-worker", "delete-pod"):
+            # The status is read before the operator has seen the restarted (or new) worker, too: it says the same as
+            # before the fault until a pass notices. Converged is the status and that worker both at the target.
             last[:] = [victim_behind(devcluster, ns, chain, victim, target)]
         return not last[0]
 
