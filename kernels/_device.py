@@ -25,8 +25,13 @@ _PDL_SWITCH = os.environ.get("TIDAL_PDL", "1") != "0"
 
 
 @functools.cache
-def _cuda_supports_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, (9, 0) on Hopper; PDL and the FP8 KV cache both depend on it."""
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def uses_pdl(device: torch.device) -> bool:
@@ -35,7 +40,7 @@ def uses_pdl(device: torch.device) -> bool:
     kernel's last ones still run, which hides the launch gap between the many small kernels of a decode step."""
     if device.type != "cuda" or not _PDL_SWITCH or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return _cuda_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_capability(device) >= (9, 0)
 
 
 def pdl_launch_options(device: torch.device) -> dict[str, bool]:

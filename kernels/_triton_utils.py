@@ -6,6 +6,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from tidal.kernels.kv_cache_dtype import FP8_E4M3_MAX
+
+# A @triton.jit function reads a module global only if it is a tl.constexpr instance (an annotation is not enough).
+_E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
+_FP16_MAX = tl.constexpr(65504.0)  # torch.finfo(torch.float16).max
+
 
 @triton.jit
 def exact_dot(a, b, IS_FP32: tl.constexpr, acc=None):
@@ -45,7 +51,8 @@ def _round_to_e4m3(x):
     inverse_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)  # 2^-step_exponent, a normal float
     scaled = x * inverse_step  # exact: a power of two (a division would compile to an approximate one); |scaled| < 16
     rounded = (scaled + 12582912.0) - 12582912.0  # adding 1.5 * 2^23 rounds to an integer, ties to even
-    value = tl.clamp(rounded * step, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as in torch
+    # NaN stays NaN, as in torch
+    value = tl.clamp(rounded * step, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     signed_zero = tl.where(bits < 0, -1.0, 1.0) * 0.0  # a negative value (or -0) rounding to zero keeps its sign
     return tl.where(value == 0.0, signed_zero, value)
 
@@ -68,7 +75,7 @@ def q_for_cache(q, cache_ptr, IS_FP32: tl.constexpr):
     bf16 cache (benchmarks/results/kv-cache-fp8-h200.md). fp16 holds every e4m3 value exactly and the probabilities
     P more finely than bf16; sums stay fp32."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv and not IS_FP32:
-        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        return tl.clamp(q.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
     else:
         return q
 

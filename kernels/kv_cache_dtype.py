@@ -9,11 +9,14 @@ converts the cached values back on load, to fp16 beside 16-bit activations (`_tr
 probabilities then go to fp16 too) and to fp32 beside fp32 ones; sums stay fp32.
 
 What it buys: twice the tokens in the same memory, and half the bytes a decode step reads for attention, which at
-large batch and long context is most of the step.
+large batch and long context is most of the step. On the H200 that has not yet made decode attention faster: V, the
+second operand of P @ V, has no 8-bit form of the transposing shared-memory load, so the kernel reads it from shared
+memory byte by byte (benchmarks/results/kv-cache-fp8-h200.md).
 """
 
 import torch
 
+from tidal.kernels._device import cuda_capability
 from tidal.kernels._validate import FLOAT_DTYPES
 
 FP8_E4M3 = torch.float8_e4m3fn
@@ -40,7 +43,7 @@ def check_device_holds(cache_dtype: torch.dtype, device: torch.device) -> None:
     own error would come from deep inside the first compile). CPUs take every dtype (the references)."""
     if cache_dtype != FP8_E4M3 or device.type != "cuda":
         return
-    capability = torch.cuda.get_device_capability(device)
+    capability = cuda_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         wanted = ".".join(map(str, FP8_MIN_CAPABILITY))
         raise ValueError(

@@ -8,6 +8,7 @@ import triton.language as tl
 from paged_kv import make_paged_kv
 from tolerances import DOT_DTYPES, assert_close
 
+from tidal.kernels._device import _cuda_capability
 from tidal.kernels._triton_utils import for_cache
 from tidal.kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from tidal.kernels.kv_cache import store_kv_reference, store_kv_triton
@@ -155,17 +156,30 @@ def test_prefill_attention(device, dtype):
     assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
 
 
-def test_an_fp8_cache_needs_ada_or_newer(monkeypatch):
+@pytest.fixture
+def set_capability(monkeypatch):
+    """Makes torch report `capability` for every GPU. The lookup is cached per device (kernels/_device.py), so the
+    cache is emptied with each setting, and afterwards so that no later test sees the made-up value."""
+
+    def set_to(capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        _cuda_capability.cache_clear()
+
+    yield set_to
+    _cuda_capability.cache_clear()
+
+
+def test_an_fp8_cache_needs_ada_or_newer(monkeypatch, set_capability):
     """Refused before any kernel compiles on an A100 (8.0); taken on an H100/H200 (9.0), and on CPU always."""
     from tidal.kernels.kv_cache_dtype import check_device_holds
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    set_capability((8, 0))
     with pytest.raises(ValueError, match=r"compute capability 8.9 or newer .* NVIDIA A100 is 8.0"):
         check_device_holds(FP8_E4M3, torch.device("cuda", 0))
     check_device_holds(torch.bfloat16, torch.device("cuda", 0))  # a 16-bit cache is fine anywhere
     check_device_holds(FP8_E4M3, torch.device("cpu"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    set_capability((9, 0))
     check_device_holds(FP8_E4M3, torch.device("cuda", 0))
 
 
