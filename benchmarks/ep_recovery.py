@@ -13,7 +13,9 @@ brings the group back whole; the load stops `--settle-s` after that. Prints, and
 survivors' serving interruption (longest gap between two tokens of a surviving stream, from the fault until the
 replacement starts; and after it, at the rejoin), the time from the fault to serving again, the time until the group
 is whole after the replacement starts, the expert reload time, and the requests lost on survivors and on the failed
-rank(s). Outputs are checked against a single worker of world_size 1 (`--no-reference` skips it).
+rank(s); with --device cuda also the memory in use on each survivor's GPU just before the fault and once the group
+is whole again (nvidia-smi: NCCL's buffers of the old epoch's group included, if they were kept). Outputs are
+checked against a single worker of world_size 1 (`--no-reference` skips it).
 
 With `--device cuda`, rank r sees GPU r mod (the GPUs visible) as its only device (CUDA_VISIBLE_DEVICES), as in a pod.
 """
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tidal.worker.testing.gpu_memory import MIB, rank_memory
 from tidal.worker.testing.group_conductor import EventKind, GroupConductorError
 from tidal.worker.testing.group_harness import GroupHarness, ranks_holding_every_copy, reference_texts
 from tidal.worker.testing.recovery_metrics import RecoveryReport, recovery_report
@@ -116,6 +119,8 @@ async def run(
         async with group.load(prompts, args.max_tokens).start(repeat=True) as load:
             await load.wait_streaming(args.timeout_s)
             await asyncio.sleep(args.fault_after_s)
+            survivors = [r for r in group.processes.ranks if r not in failed]
+            memory_before = rank_memory(launch.visible_devices, survivors)
             fault_at = inject(group.processes, args.fault, failed)
             try:
                 if args.no_replace:
@@ -125,8 +130,13 @@ async def run(
             except GroupConductorError as exc:
                 notes["error"] = str(exc)
             await asyncio.sleep(args.settle_s)
+            memory_after = rank_memory(launch.visible_devices, survivors)
             load.stop_repeating()
             records = await load.wait(args.timeout_s)
+        if memory_before is not None and memory_after is not None:
+            notes["survivors_gpu_memory_mib"] = {
+                rank: {"before": memory_before[rank] // MIB, "after": memory_after[rank] // MIB} for rank in survivors
+            }
         if "error" not in notes and reference is not None:
             # Every rank, the replacement included, serves the reference once the group is whole again.
             wrong = []
@@ -163,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         report, notes = asyncio.run(run(args, launch, reference))
     print(report.summary())
     print(f"after recovery, every rank serves the reference: {notes.get('after_recovery_correct', 'not checked')}")
+    memory = notes.get("survivors_gpu_memory_mib")
+    if isinstance(memory, dict):
+        shown = ", ".join(f"rank {r} {m['before']} -> {m['after']} MiB" for r, m in memory.items())
+        print(f"GPU memory in use on the survivors' GPUs, before the fault -> whole again: {shown}")
     if "error" in notes:
         print(f"the recovery did not finish: {str(notes['error']).splitlines()[0]}")
     print("timeline (seconds after the fault):")

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from perf.random_model import save_shards
 
 from tidal.contract.control_api import SleepRequest, WakeUpRequest, WeightsUpdateRequest
 from tidal.worker.config import WorkerConfig, WorkerEngineConfig
@@ -45,7 +45,6 @@ SHAPES = {
         "num_key_value_heads": 2, "max_position_embeddings": 1024, "vocab_size": 512,
     },
 }  # fmt: skip
-SHARD_BYTES = 4 * 2**30
 GiB = 2**30
 
 
@@ -61,26 +60,14 @@ def write_model(out: Path, shape: dict, device: torch.device, seed: int = 0) -> 
     with torch.device("meta"):
         model = resolve_model_class(config.architectures).from_hf_config(config, torch.bfloat16, torch.device("meta"))
     gen = torch.Generator(device=device).manual_seed(seed)
-    shard: dict[str, torch.Tensor] = {}
-    index: dict[str, str] = {}
-    num = 0
 
-    def flush() -> None:
-        nonlocal shard, num
-        if shard:
-            name = f"model-{num:05d}.safetensors"
-            save_file(shard, out / name, metadata={"format": "pt"})
-            index.update(dict.fromkeys(shard, name))
-            shard, num = {}, num + 1
+    def drawn() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, meta in sorted(model.checkpoint_weights().items()):
+            t = torch.randn(meta.shape, generator=gen, device=device, dtype=torch.float32)
+            t = (1.0 + 0.05 * t) if name.endswith("norm.weight") else t * (0.5 / meta.shape[-1] ** 0.5)
+            yield name, t.to(torch.bfloat16).cpu()
 
-    for name, meta in sorted(model.checkpoint_weights().items()):
-        t = torch.randn(meta.shape, generator=gen, device=device, dtype=torch.float32)
-        t = (1.0 + 0.05 * t) if name.endswith("norm.weight") else t * (0.5 / meta.shape[-1] ** 0.5)
-        shard[name] = t.to(torch.bfloat16).cpu()
-        if sum(x.numel() * 2 for x in shard.values()) >= SHARD_BYTES:
-            flush()
-    flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    save_shards(drawn(), out)
     return out
 
 

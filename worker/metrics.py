@@ -16,6 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from tidal.worker.layers.expert_exchange import ExchangeSnapshot
+
 PREFIX = "tidal"
 
 # Outcomes of a request: the engine's finish reasons, plus what happens around them. "abort": the engine ended it
@@ -45,6 +47,8 @@ class EngineStatsLike(Protocol):
     def num_preemptions(self) -> int: ...
     @property
     def num_prefix_cache_hit_tokens(self) -> int: ...
+    @property
+    def expert_exchanges(self) -> ExchangeSnapshot | None: ...
 
 
 class _EngineCollector(Collector):
@@ -71,10 +75,48 @@ class _EngineCollector(Collector):
             "Prompt tokens whose KV was reused from the prefix cache",
             value=stats.num_prefix_cache_hit_tokens,
         )
+        yield from _exchange_metrics(stats.expert_exchanges)
 
     def describe(self) -> list[Metric]:
         # Empty: keeps the registry from calling collect() (and the engine) when the collector is registered.
         return []
+
+
+def _exchange_metrics(snapshot: ExchangeSnapshot | None) -> Iterator[Metric]:
+    """An expert-parallel rank's group steps and its dispatch and combine traffic (nothing without expert
+    parallelism); the seconds only where the worker times them (`--time-expert-exchanges`), so a dashboard never
+    reads an untimed 0."""
+    if snapshot is None:
+        return
+    totals = snapshot.phases
+    yield CounterMetricFamily(
+        f"{PREFIX}_expert_parallel_steps",
+        "Steps taken in lockstep with the expert-parallel group (empty steps included)",
+        value=snapshot.steps,
+    )
+    exchanges = CounterMetricFamily(
+        f"{PREFIX}_expert_exchanges", "MoE layer exchanges with the expert-parallel group, by phase", labels=["phase"]
+    )
+    sent = CounterMetricFamily(
+        f"{PREFIX}_expert_exchange_bytes",
+        "Bytes of MoE rows (dispatch) and expert outputs (combine) to or from other ranks",
+        labels=["phase", "direction"],
+    )
+    seconds = CounterMetricFamily(
+        f"{PREFIX}_expert_exchange_seconds",
+        "Time in MoE dispatch and combine collectives, peers' lateness included (only with --time-expert-exchanges)",
+        labels=["phase"],
+    )
+    for phase in totals:
+        exchanges.add_metric([phase.phase], phase.exchanges)
+        sent.add_metric([phase.phase, "sent"], phase.bytes_sent)
+        sent.add_metric([phase.phase, "received"], phase.bytes_received)
+        if phase.seconds is not None:
+            seconds.add_metric([phase.phase], phase.seconds)
+    yield exchanges
+    yield sent
+    if any(phase.seconds is not None for phase in totals):
+        yield seconds
 
 
 class WorkerMetrics:

@@ -1,23 +1,43 @@
-"""A model of a preset's shape with seeded random weights made where they live (no checkpoint on disk).
+"""A model of a preset's shape with seeded random weights made where they live (no checkpoint on disk), or, for
+benchmarks whose workers are processes that read a checkpoint, the same weights written as one.
 
 Writing and reading 16 GB of random bf16 through a disk would cost the GPU run minutes; drawing them on the
 device takes well under a second. transformers then loads the very same tensors (transformers_side.py), so both
 implementations run identical weights. The scales follow tidal.worker.testing.tiny_models: unit-variance
 activations through every matrix, norms near 1, so logits are spread and greedy choices are rarely near-ties.
+`write_random_checkpoint` draws the same values in the same order, so a worker reading its files serves the model
+`build_random_model` builds with the same seed.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.loader.hf_config import load_hf_config
 from tidal.worker.loader.model_loader import LoadedModel, build_model
 from tidal.worker.memory.provider import TorchMemory
+from tidal.worker.models.registry import resolve_model_class
+
+SHARD_BYTES = 4 * 2**30
+
+
+def _draw_(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    if name.endswith("norm.weight"):
+        t.normal_(1.0, 0.1, generator=gen)
+    elif name.endswith(".bias"):
+        t.normal_(0.0, 0.1, generator=gen)
+    elif name.endswith("embed_tokens.weight"):
+        t.normal_(0.0, 1.0, generator=gen)
+    else:  # [out, in]
+        t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
 
 
 @torch.no_grad()
@@ -26,15 +46,52 @@ def fill_random_(weights: dict[str, torch.Tensor], seed: int) -> None:
     device = next(iter(weights.values())).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name in sorted(weights):
-        t = weights[name]
-        if name.endswith("norm.weight"):
-            t.normal_(1.0, 0.1, generator=gen)
-        elif name.endswith(".bias"):
-            t.normal_(0.0, 0.1, generator=gen)
-        elif name.endswith("embed_tokens.weight"):
-            t.normal_(0.0, 1.0, generator=gen)
-        else:  # [out, in]
-            t.normal_(0.0, 1.0 / math.sqrt(t.shape[-1]), generator=gen)
+        _draw_(name, weights[name], gen)
+
+
+@torch.no_grad()
+def write_random_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int) -> int:
+    """The weights `build_random_model(model_dir, dtype, device, seed)` draws, written into `model_dir` (which has
+    the config) as safetensors shards and their index, one tensor at a time -> bytes written. Drawing on a GPU is
+    fast; the disk sets the pace (a 61 GB model takes about a minute on the H200 machines)."""
+    hf_config = load_hf_config(model_dir)
+    meta = torch.device("meta")
+    shapes = resolve_model_class(hf_config.architectures).from_hf_config(hf_config, dtype, meta).checkpoint_weights()
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def drawn() -> Iterable[tuple[str, torch.Tensor]]:
+        for name in sorted(shapes):
+            t = torch.empty(shapes[name].shape, dtype=dtype, device=device)
+            _draw_(name, t, gen)
+            yield name, t.cpu()
+
+    return save_shards(drawn(), model_dir)
+
+
+def save_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_bytes: int = SHARD_BYTES) -> int:
+    """(name, CPU tensor) pairs -> `model-NNNNN.safetensors` files of about `shard_bytes` each and
+    `model.safetensors.index.json`, as a sharded Hugging Face checkpoint has them -> bytes written."""
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    shard_size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            name = f"model-{len(set(index.values())):05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            shard, shard_size = {}, 0
+
+    for name, tensor in tensors:
+        shard[name] = tensor
+        shard_size += tensor.numel() * tensor.element_size()
+        total += tensor.numel() * tensor.element_size()
+        if shard_size >= shard_bytes:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return total
 
 
 @torch.no_grad()

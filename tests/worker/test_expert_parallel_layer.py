@@ -4,9 +4,13 @@ the single-process layer's on the same tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from tidal.kernels.fused_moe import topk_route_reference
 from tidal.worker.experts.expert_map import ExpertMap, GroupShape
 from tidal.worker.experts.full_layout import full_layout
 from tidal.worker.experts.placement import plan_placement
@@ -83,6 +87,50 @@ def layer_scenario(rank: int, world_size: int) -> list[float]:
 def test_each_rank_gets_the_single_process_output_for_its_own_tokens(world_size):
     results = run_peers(world_size, layer_scenario)
     assert len(results) == world_size and all(len(r) == 2 * len(LAYER_KINDS) for r in results)
+
+
+def exchange_scenario(rank: int, world_size: int) -> dict[str, object]:
+    """Two steps of one layer (R = 1) with rank 0 timing its exchanges -> this rank's exchange totals and the rows
+    the routing rule sends away from it in one step, counted here without the layer."""
+    comm = GlooExpertComm(range(world_size))
+    full = full_layer(0)
+    settings = ExpertParallelSettings(rank, world_size, 1, time_exchanges=rank == 0)
+    state = ExpertParallelState(settings, EXPERTS)
+    layer = rank_layer(full, state)
+    state.enter_epoch(state.expert_map, comm, build_routing(state.expert_map, comm.members, rank, CPU))
+    x = tokens(rank, TOKENS_PER_RANK[world_size][rank])
+    with torch.no_grad():
+        layer(x)
+        layer(x)
+        _, ids = topk_route_reference(F.linear(x, full.router), TOP_K, full.moe.renormalize)
+    away = sum(
+        pick_copy(state.expert_map.copies(expert), token, rank).rank != rank
+        for token, row in enumerate(ids.tolist())
+        for expert in row
+    )
+    return {"totals": [dataclasses.asdict(t) for t in state.exchange.snapshot().phases], "away": away}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchanges_count_the_bytes_that_cross_links_and_time_only_when_asked(world_size):
+    results = run_peers(world_size, exchange_scenario)
+    row_out, row_back = 4 + HIDDEN * 4, HIDDEN * 4  # fp32: the slot index and the hidden state; the output
+    by_phase: dict[str, list[dict]] = {"dispatch": [], "combine": []}
+    for rank, result in enumerate(results):
+        dispatch, combine = result["totals"]
+        assert (dispatch["phase"], combine["phase"]) == ("dispatch", "combine")
+        assert dispatch["exchanges"] == combine["exchanges"] == 2  # two steps of one layer
+        assert dispatch["bytes_sent"] == 2 * result["away"] * row_out
+        assert combine["bytes_received"] == 2 * result["away"] * row_back
+        assert combine["bytes_sent"] * row_out == dispatch["bytes_received"] * row_back  # each row comes back
+        timed = rank == 0
+        for phase in (dispatch, combine):
+            assert (phase["seconds"] is not None) == timed
+            assert not timed or phase["seconds"] > 0
+            by_phase[phase["phase"]].append(phase)
+    assert any(r["away"] for r in results)  # the test sends something over the wire
+    for phase in by_phase.values():  # what one rank sends, another receives
+        assert sum(p["bytes_sent"] for p in phase) == sum(p["bytes_received"] for p in phase)
 
 
 @pytest.mark.parametrize(("world_size", "redundant", "absent"), [(4, 1, ()), (4, 1, (2,)), (2, 0, ()), (3, 2, ())])

@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from tidal.worker.engine.outputs import EngineStats
+from tidal.worker.layers.expert_exchange import ExchangeSnapshot, ExchangeTotals
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.app import build_api_app
 from tidal.worker.server.config import ServerConfig
@@ -159,6 +161,31 @@ def test_two_metric_sets_do_not_collide():
     first.record_finished("completions", "stop")
     assert b'outcome="stop"} 1.0' in first.render()[0]
     assert b'outcome="stop"} 0.0' in second.render()[0]
+
+
+def _stats(exchanges: ExchangeSnapshot | None) -> EngineStats:
+    return EngineStats(
+        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=1, num_preemptions=0, num_prompt_tokens=0,
+        num_generated_tokens=0, num_prefix_cache_hit_tokens=0, expert_exchanges=exchanges,
+    )  # fmt: skip
+
+
+def test_expert_exchange_series_appear_with_expert_parallelism_and_seconds_only_when_timed():
+    def scrape(exchanges: ExchangeSnapshot | None) -> str:
+        return WorkerMetrics(CollectorRegistry(), lambda: _stats(exchanges)).render()[0].decode()
+
+    def snapshot(dispatch_s: float | None, combine_s: float | None) -> ExchangeSnapshot:
+        dispatch = ExchangeTotals("dispatch", 96, 4000, 3000, dispatch_s)
+        return ExchangeSnapshot(32, (dispatch, ExchangeTotals("combine", 96, 2900, 3900, combine_s)))
+
+    assert "tidal_expert" not in scrape(None)  # no expert parallelism
+    untimed = scrape(snapshot(None, None))
+    assert "tidal_expert_parallel_steps_total 32.0" in untimed
+    assert 'tidal_expert_exchanges_total{phase="dispatch"} 96.0' in untimed
+    assert 'tidal_expert_exchange_bytes_total{direction="sent",phase="dispatch"} 4000.0' in untimed
+    assert 'tidal_expert_exchange_bytes_total{direction="received",phase="combine"} 3900.0' in untimed
+    assert "tidal_expert_exchange_seconds" not in untimed  # never an untimed zero
+    assert 'tidal_expert_exchange_seconds_total{phase="combine"} 0.5' in scrape(snapshot(0.25, 0.5))
 
 
 def test_request_models_normalise_openai_forms():

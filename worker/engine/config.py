@@ -73,6 +73,14 @@ class EngineConfig(BaseModel):
             "members report (/state group.slots_per_rank)."
         ),
     )  # fmt: skip
+    time_expert_exchanges: bool = Field(
+        default=False,
+        description=(
+            "Expert parallelism: time each MoE layer's dispatch and combine (tidal_expert_exchange_seconds_total). "
+            "Each then waits for the device to be idle before it starts, which costs the overlap of queueing it: "
+            "for measuring where a step's time goes, not for serving."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:

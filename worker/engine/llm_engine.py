@@ -111,7 +111,11 @@ class LLMEngine:
         passes CUDA virtual memory so that they can be released and restored at the same addresses)."""
         device = resolve_device(config.device)
         group = ExpertParallelSettings(
-            config.rank, config.world_size, config.redundant_experts_per_rank, config.expert_slots_per_rank
+            config.rank,
+            config.world_size,
+            config.redundant_experts_per_rank,
+            config.expert_slots_per_rank,
+            config.time_expert_exchanges,
         )
         return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory, group))
 
@@ -548,6 +552,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=self.block_manager.num_prefix_hit_tokens,
+            expert_exchanges=self.runner.expert_exchanges(),
         )
 
 

@@ -20,6 +20,7 @@ from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import throwaway_kv_caches
 from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
+from tidal.worker.layers.expert_exchange import ExchangeSnapshot
 from tidal.worker.loader.model_loader import LoadedModel
 from tidal.worker.memory.kv_region import KVCacheRegion, KVCaches
 from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
@@ -117,6 +118,12 @@ class ModelRunner:
         if not isinstance(self.model, MoeDecoderForCausalLM) or self.model.expert_parallel is None:
             raise RuntimeError("an empty step needs a model built for expert parallelism")
         self.model.run_empty_moe_step()
+
+    def expert_exchanges(self) -> ExchangeSnapshot | None:
+        """What this rank's MoE layers exchanged with their group (None without expert parallelism)."""
+        if not isinstance(self.model, MoeDecoderForCausalLM) or self.model.expert_parallel is None:
+            return None
+        return self.model.expert_parallel.exchange.snapshot()
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

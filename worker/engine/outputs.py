@@ -6,6 +6,8 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from tidal.worker.layers.expert_exchange import ExchangeSnapshot
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -61,3 +63,4 @@ class EngineStats(BaseModel):
     num_prompt_tokens: int  # since start, prompt tokens of admitted requests
     num_generated_tokens: int  # since start
     num_prefix_cache_hit_tokens: int  # since start
+    expert_exchanges: ExchangeSnapshot | None = None  # expert parallelism's traffic since the load; else None

@@ -4,14 +4,18 @@ the copy routing picks, that rank runs its slot's expert on it, and the result c
 One step of one layer is three collectives: the row counts, the rows out (each row's slot index and hidden state
 packed into one byte row, so one exchange carries both), and the expert outputs back. The routing weights never
 leave their rank: the source weights what comes back, accumulating in fp32 like the single-process kernel.
-A rank with no tokens (an empty step) sends nothing but still serves the rows its peers send it.
+A rank with no tokens (an empty step) sends nothing but still serves the rows its peers send it. The first two are
+the dispatch phase and the last the combine phase of `ExchangeStats` (bytes counted, time when asked for).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tidal.kernels.fused_moe import fused_moe_experts_reference, fused_moe_experts_triton
+from tidal.worker.layers.expert_exchange import ExchangeStats
 from tidal.worker.layers.expert_parallel import EpochRouting, ExpertComm
 
 SLOT_BYTES = 4  # an int32 slot index at the front of each dispatched row
@@ -25,10 +29,11 @@ def dispatch_and_combine(
     w2: torch.Tensor,
     comm: ExpertComm,
     routing: EpochRouting,
+    stats: ExchangeStats | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], topk_weights [T, k] fp32 and topk_ids [T, k] (logical experts) -> [T, H] in hidden's dtype:
     sum over k of weight * expert(hidden), the experts run by the ranks holding them; w13 [S, 2I, H], w2 [S, H, I]
-    are this rank's slots."""
+    are this rank's slots. `stats`: where the exchanges are counted (and timed), for a group of more than one."""
     num_tokens, top_k = topk_ids.shape
     num_slots = routing.slots_per_rank
     ids = topk_ids.long()
@@ -37,11 +42,15 @@ def dispatch_and_combine(
     dest = target // num_slots
     order = torch.argsort(dest, stable=True)  # [T * k] rows grouped by destination, in member order
     send_counts = torch.bincount(dest, minlength=comm.size)  # [size]
-    recv_counts = comm.all_to_all_counts(send_counts)  # [size]
-    sends, recvs = send_counts.tolist(), recv_counts.tolist()  # the host needs the splits (a sync on a GPU)
     tokens = order // top_k  # [T * k] the token of each sorted row
     slots = (target[order] % num_slots).to(torch.int32)  # [T * k]
-    rows = comm.all_to_all(pack_rows(hidden.index_select(0, tokens), slots), sends, recvs)  # [M, 4 + H * b]
+    packed = pack_rows(hidden.index_select(0, tokens), slots)  # [T * k, 4 + H * b]
+    if comm.size == 1:
+        stats = None  # a rank alone (the warm-up's loopback) exchanges nothing with anyone
+    with _timing(stats, "dispatch", hidden.device):
+        recv_counts = comm.all_to_all_counts(send_counts)  # [size]
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()  # the host needs the splits (a sync on a GPU)
+        rows = comm.all_to_all(packed, sends, recvs)  # [M, 4 + H * b]
     received, received_slots = unpack_rows(rows, hidden.dtype, hidden.shape[1])  # [M, H], [M, 1]
     ones = torch.ones(received_slots.shape, dtype=torch.float32, device=hidden.device)  # [M, 1]
     if hidden.is_cuda:
@@ -51,11 +60,22 @@ def dispatch_and_combine(
         expert_out = fused_moe_experts_triton(received, w13, w2, ones, received_slots, allow_small_batch=False)
     else:
         expert_out = fused_moe_experts_reference(received, w13, w2, ones, received_slots)  # [M, H]
-    returned = comm.all_to_all(expert_out, recvs, sends)  # [T * k, H], in `order`
+    with _timing(stats, "combine", hidden.device):
+        returned = comm.all_to_all(expert_out, recvs, sends)  # [T * k, H], in `order`
+    if stats is not None:
+        me = comm.group_rank
+        rows_out, rows_in = sum(sends) - sends[me], sum(recvs) - recvs[me]  # rows that cross a link
+        stats.add("dispatch", rows_out * packed.shape[1], rows_in * packed.shape[1])
+        out_row_bytes = expert_out.shape[1] * expert_out.element_size()
+        stats.add("combine", rows_in * out_row_bytes, rows_out * out_row_bytes)
     weights = topk_weights.reshape(-1)[order].float()  # [T * k]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     out.index_add_(0, tokens, returned.float() * weights[:, None])
     return out.to(hidden.dtype)
+
+
+def _timing(stats: ExchangeStats | None, phase: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
+    return stats.timing(phase, device) if stats is not None else contextlib.nullcontext()
 
 
 def pack_rows(hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from tidal.worker.experts.changes import RankChanges, rank_changes
 from tidal.worker.experts.expert_map import ExpertMap, GroupShape, Slots
 from tidal.worker.experts.placement import plan_placement
+from tidal.worker.layers.expert_exchange import ExchangeStats
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ExpertParallelSettings:
     world_size: int
     redundant_slots_per_rank: int = 0
     slots_per_rank: int | None = None  # None: ceil(E / world_size) + redundant_slots_per_rank
+    time_exchanges: bool = False  # time each dispatch and combine (expert_exchange.py: a measuring setting)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -142,6 +144,7 @@ class ExpertParallelState:
         self.expert_map = plan_placement(self.shape, range(settings.world_size)).expert_map
         self.comm: ExpertComm | None = None
         self.routing: EpochRouting | None = None
+        self.exchange = ExchangeStats(settings.time_exchanges)  # over every epoch: the counters only grow
 
     @property
     def rank(self) -> int:

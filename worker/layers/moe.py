@@ -96,7 +96,7 @@ class SparseMoE(nn.Module):
         else:
             weights, ids = topk_route(router_logits, self.moe.top_k, self.moe.renormalize)  # [T, k] each
             comm, routing = self.expert_parallel.epoch()
-            out = dispatch_and_combine(x, weights, ids, self.w13, self.w2, comm, routing)
+            out = dispatch_and_combine(x, weights, ids, self.w13, self.w2, comm, routing, self.expert_parallel.exchange)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # gate [T, 1]
         return out

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from tidal.worker.experts.changes import RankChanges
 from tidal.worker.experts.expert_map import ExpertMap
+from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.layers.expert_install import (
     ExpertInstallReport,
     StagedEpoch,
@@ -120,11 +121,23 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         """The group broke: forget its comm (a MoE layer refuses to run until the next epoch); weights stay."""
         self._state().drop_comm()
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        self._count_group_step()
+        return super().forward(input_ids, positions, batch)
+
     def run_empty_moe_step(self) -> None:
         """This rank's share of a step it has no tokens for: every MoE layer, in order, on zero tokens, serving the
         rows its peers send."""
+        self._count_group_step()
         for _, layer in self.expert_layers:
             layer(layer.router.new_empty((0, layer.router.shape[1])))
+
+    def _count_group_step(self) -> None:
+        """A forward (or empty step) of a group of more than one: its exchanges' totals count it, so that a reader
+        gets per-step figures from one scrape."""
+        state = self.expert_parallel
+        if state is not None and state.comm is not None and state.comm.size > 1:
+            state.exchange.count_step()
 
     def _state(self) -> ExpertParallelState:
         if self.expert_parallel is None:

@@ -16,6 +16,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from tidal.operator.metrics import OperatorMetrics
+from tidal.worker.layers.expert_exchange import PHASES, ExchangeSnapshot, ExchangeTotals
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.metrics import WorkerMetrics
 
@@ -85,14 +86,20 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+_TIMED_RANK_EXCHANGES = ExchangeSnapshot(0, tuple(ExchangeTotals(p, 0, 0, 0, 0.0) for p in PHASES))
+
+
 @dataclass(frozen=True)
 class _Stats:
+    """An engine of an expert-parallel rank that times its exchanges: every family a worker can export."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_kv_blocks: int = 1
     num_preemptions: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    expert_exchanges: ExchangeSnapshot = _TIMED_RANK_EXCHANGES
 
 
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
