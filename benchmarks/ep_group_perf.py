@@ -19,9 +19,10 @@ the group, and prints:
    files as a new version) on every rank at once, each rank's own duration and the wall time of the slowest, then
    one completion per rank checked against the reference again.
 
---preset writes the preset's shape with random weights to --dir (default: a temporary directory) first; a --dir
-that already holds that preset and seed is reused. Exit status 1 if an output differs from the reference after the
-lifecycle steps, a rank refused a call, or a window was cut short by a stream ending in it.
+--preset writes the preset's shape with random weights (bf16 on a GPU, fp32 on a CPU) to --dir (default: a
+temporary directory) first; a --dir that already holds that preset and seed is reused. Exit status 1 if an output
+differs from the reference after the lifecycle steps, or a window was cut short by a stream ending in it; a rank
+that refuses a call stops the run with its answer.
 """
 
 from __future__ import annotations
@@ -82,8 +83,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error("--world-size must be 2 or more: this measures a group")
-    if args.preset is not None and args.device != "cuda":
-        parser.error("--preset is a GPU-sized model: use it with --device cuda")
     return args
 
 
@@ -103,7 +102,8 @@ def prepare_model(args: argparse.Namespace, tmp: Path) -> Path:
         return model_dir
     start = time.monotonic()
     write_model_dir(PRESETS[args.preset], model_dir)
-    written = write_random_checkpoint(model_dir, torch.bfloat16, torch.device("cuda"), args.seed)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # a CPU checks outputs exactly in fp32
+    written = write_random_checkpoint(model_dir, dtype, torch.device(args.device), args.seed)
     marker.write_text(json.dumps(wanted))
     print(f"model: wrote {written / 1e9:.1f} GB of random weights in {time.monotonic() - start:.0f}s", flush=True)
     return model_dir

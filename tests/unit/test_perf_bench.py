@@ -6,11 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from perf.presets import PRESETS, SMOKE_WORKLOAD, Workload, write_model_dir  # noqa: E402
+from perf.random_model import build_random_model, write_random_checkpoint  # noqa: E402
 from perf.report import (  # noqa: E402
     agreement,
     bandwidth_bound,
@@ -21,6 +23,7 @@ from perf.report import (  # noqa: E402
     targets,
 )
 from perf.timing import steady_ms_per_step  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 
 def test_common_prefix_and_agreement():
@@ -213,3 +216,17 @@ def test_smoke_run_on_cpu_writes_a_consistent_report(tmp_path, preset):
     assert report["targets"] == []
     markdown = (tmp_path / f"perf-{preset}-cpu-smoke.md").read_text()
     assert "## Decode (steady state)" in markdown and "| 1 |" in markdown
+
+
+def test_a_written_random_checkpoint_holds_what_the_in_memory_model_draws(tmp_path):
+    model_dir = write_model_dir(PRESETS["tiny-moe"], tmp_path / "tiny-moe")
+    written = write_random_checkpoint(model_dir, torch.float32, torch.device("cpu"), seed=3)
+    on_disk = {}
+    for shard in model_dir.glob("model-*.safetensors"):
+        on_disk.update(load_file(shard))
+    drawn = build_random_model(model_dir, torch.float32, torch.device("cpu"), seed=3).model.checkpoint_weights()
+    assert set(on_disk) == set(drawn) and written == sum(t.numel() * 4 for t in on_disk.values())
+    for name, tensor in drawn.items():
+        assert torch.equal(on_disk[name], tensor), name
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(on_disk)
