@@ -11,7 +11,6 @@ of it per token.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from tidal.kernels.fused_moe import topk_route
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.layers.embedding import LMHead, VocabEmbedding
-from tidal.worker.layers.moe import FUSED_LAYER_SWITCH, SparseMoE
+from tidal.worker.layers.moe import SparseMoE
 
 
 def moe_layers(model: torch.nn.Module) -> list[SparseMoE]:
@@ -81,22 +80,21 @@ def touched_experts(engine: LLMEngine, input_ids: list[int], context_len: int) -
         _, ids = topk_route(router_logits, module.moe.top_k, module.moe.renormalize)
         counts.append(int(ids.unique().numel()))
 
-    handles = [layer.register_forward_pre_hook(count) for layer in moe_layers(runner.model)]
+    layers = moe_layers(runner.model)
+    handles = [layer.register_forward_pre_hook(count) for layer in layers]
     graphs, runner.decode_graphs = runner.decode_graphs, None  # a replayed graph runs no Python hook
     # The decoder's fused small-batch path calls SparseMoE.forward_small_batch, which the hook does not see: this
     # eager step runs the unfused layers (the same routing, up to the rounding of the normed input).
-    fused_switch = os.environ.get(FUSED_LAYER_SWITCH)
-    os.environ[FUSED_LAYER_SWITCH] = "0"
+    fused = [layer.fuses_into_layer for layer in layers]
+    for layer in layers:
+        layer.fuses_into_layer = False
     try:
         runner.execute(decode_plan(batch, context_len, block_size, input_ids))
     finally:
         runner.decode_graphs = graphs
-        for handle in handles:
+        for handle, layer, fuses in zip(handles, layers, fused, strict=True):
             handle.remove()
-        if fused_switch is None:
-            del os.environ[FUSED_LAYER_SWITCH]
-        else:
-            os.environ[FUSED_LAYER_SWITCH] = fused_switch
+            layer.fuses_into_layer = fuses
     if len(counts) != len(handles):
         raise RuntimeError(f"counted {len(counts)} of {len(handles)} MoE layers: a layer ran without its hook")
     return counts

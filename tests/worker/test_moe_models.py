@@ -98,4 +98,6 @@ def test_expert_layers_join_the_small_batch_path_where_measured_faster(monkeypat
     fused = {tokens: layer.small_batch_config(tokens) is not None for tokens in (1, 2, 4, 8, 9)}
     assert fused == {1: True, 2: True, 4: False, 8: False, 9: False}
     monkeypatch.setenv(FUSED_LAYER_SWITCH, "0")
+    assert SparseMoE(2048, spec, torch.bfloat16, torch.device("meta")).small_batch_config(1) is None
+    layer.fuses_into_layer = False  # what a benchmark sets for one eager step
     assert layer.small_batch_config(1) is None

@@ -75,6 +75,9 @@ class SparseMoE(nn.Module):
         num_experts, inter = moe.num_experts, moe.expert_intermediate_size
         self.moe = moe
         self.expert_parallel = expert_parallel
+        # TIDAL_MOE_FUSED_LAYER=0 keeps the unfused forward at every token count (an A/B between processes, as
+        # profile_steps.py runs it); read once here, not on every step. A benchmark may set the flag per layer.
+        self.fuses_into_layer = os.environ.get(FUSED_LAYER_SWITCH, "1") != "0"
         stacked = num_experts if expert_parallel is None else expert_parallel.slots_per_rank
         self.router = new_weight((num_experts, hidden_size), dtype, device)  # [E, H]
         self.w13 = new_weight((stacked, 2 * inter, hidden_size), dtype, device)  # [E or S, 2I, H]: gate, then up
@@ -105,11 +108,9 @@ class SparseMoE(nn.Module):
         """The small-batch expert kernels' config where a step of `num_tokens` runs this block in the decoder's
         small-batch path (`forward_small_batch`), else None (also where the config measured the unfused layers
         faster at this count, `fuse_into_layer`). Expert parallelism (a dispatch to other ranks) and a
-        shared expert keep the unfused forward, and so does TIDAL_MOE_FUSED_LAYER=0 (timing the two against each
-        other; the unfused layers still take the small-batch expert kernels)."""
-        if self.expert_parallel is not None or self.shared_expert is not None:
-            return None
-        if os.environ.get(FUSED_LAYER_SWITCH, "1") == "0":  # read per call: an A/B in one benchmark process
+        shared expert keep the unfused forward, and so does `fuses_into_layer` False (TIDAL_MOE_FUSED_LAYER=0:
+        timing the two against each other; the unfused layers still take the small-batch expert kernels)."""
+        if self.expert_parallel is not None or self.shared_expert is not None or not self.fuses_into_layer:
             return None
         config = auto_small_batch_config(num_tokens, self.moe.top_k, self.w13)
         return config if config is not None and config.fuse_into_layer else None
