@@ -31,6 +31,7 @@ def _worker_metric_names() -> set[str]:
         num_kv_blocks=1,
         num_preemptions=0,
         num_prefix_cache_hit_tokens=0,
+        expert_exchanges=None,  # no expert parallelism
     )
     metrics = WorkerMetrics(CollectorRegistry(), lambda: stats)
     return {family.name for family in metrics.registry.collect()}
