@@ -7,7 +7,8 @@
 Starts one worker process per rank (`GroupHarness`: with --device cuda rank r sees only GPU r, as in a pod), forms
 the group, and prints:
 1. Outputs: greedy completions of --check-prompts prompts from every rank against one worker of world size 1 (the
-   same model in this process, before the group starts): how many are identical, and where the first differs.
+   same model, in a process of its own before the group starts): how many are identical, and where the first
+   differs.
 2. Decode at each of --batches B: B greedy streams on every rank at once. Once every stream is producing, each
    rank's /metrics are read, and again --window-s later: tokens/s per rank and for the group
    (tidal_generation_tokens_total), the group steps taken (tidal_expert_parallel_steps_total), so ms per step.
@@ -21,8 +22,8 @@ the group, and prints:
 
 --preset writes the preset's shape with random weights (bf16 on a GPU, fp32 on a CPU) to --dir (default: a
 temporary directory) first; a --dir that already holds that preset and seed is reused. Exit status 1 if an output
-differs from the reference after the lifecycle steps, or a window was cut short by a stream ending in it; a rank
-that refuses a call stops the run with its answer.
+differs from the reference (before or after the lifecycle steps), or a window was cut short by a stream ending in
+it; a rank that refuses a call stops the run with its answer.
 """
 
 from __future__ import annotations
@@ -34,24 +35,33 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
+from perf.ep_group import (
+    NVLINK_H200_GBS,
+    BatchDecode,
+    GroupTransition,
+    OutputCheck,
+    RankReading,
+    compare,
+    parse_reading,
+    rank_decode,
+    summarize,
+)
 from perf.presets import PRESETS, random_prompts, write_model_dir
 from perf.random_model import write_random_checkpoint
-from prometheus_client.parser import text_string_to_metric_families
 
 from tidal.worker.testing.gpu_memory import MIB, rank_memory
 from tidal.worker.testing.group_harness import GroupHarness, reference_texts
 from tidal.worker.testing.tiny_models import TINY_ARCHS, write_tiny_model
 from tidal.worker.testing.worker_processes import WorkerLaunch
-
-NVLINK_H200_GBS = 450.0  # NVLink 4 on an H200 SXM: 18 links x 25 GB/s each way
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--redundant", type=int, default=1, help="redundant expert slots per rank")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--num-kv-blocks", type=int, help="per rank (default: the worker's own sizing on a GPU)")
+    parser.add_argument("--num-kv-blocks", type=int, help="per rank (default: enough for the largest batch)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64], help="streams per rank")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens of each random prompt")
     parser.add_argument("--max-tokens", type=int, default=512, help="tokens per stream: must outlast the window")
@@ -96,14 +106,17 @@ def prepare_model(args: argparse.Namespace, tmp: Path) -> Path:
         return write_tiny_model(args.arch, tmp / args.arch)
     model_dir = (args.dir or tmp) / args.preset
     marker = model_dir / "tidal-random-checkpoint.json"
-    wanted = {"preset": args.preset, "seed": args.seed}
+    dtype = "bfloat16" if args.device == "cuda" else "float32"  # a CPU checks outputs exactly in fp32
+    wanted = {"preset": args.preset, "seed": args.seed, "dtype": dtype, "drawn_on": args.device}
     if marker.exists() and json.loads(marker.read_text()) == wanted:
         print(f"model: reusing {model_dir}", flush=True)
         return model_dir
     start = time.monotonic()
     write_model_dir(PRESETS[args.preset], model_dir)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32  # a CPU checks outputs exactly in fp32
-    written = write_random_checkpoint(model_dir, dtype, torch.device(args.device), args.seed)
+    # In a child on a GPU: this process then holds no CUDA context or cached blocks on rank 0's GPU.
+    written = in_child(
+        args.device, write_random_checkpoint, model_dir, getattr(torch, dtype), torch.device(args.device), args.seed
+    )
     marker.write_text(json.dumps(wanted))
     print(f"model: wrote {written / 1e9:.1f} GB of random weights in {time.monotonic() - start:.0f}s", flush=True)
     return model_dir
@@ -116,92 +129,14 @@ def vocab_size(model_dir: Path) -> int:
 # ----- reading the ranks -----
 
 
-@dataclass(frozen=True)
-class RankReading:
-    """One rank's counters at one moment."""
-
-    at: float  # monotonic
-    generated_tokens: float
-    group_steps: float  # tidal_expert_parallel_steps_total: forwards and empty steps
-    exchange_seconds: dict[str, float]  # by phase; empty unless the rank times its exchanges
-    exchange_bytes_sent: dict[str, float]  # by phase
-    exchanges: dict[str, float]  # by phase
-
-
 async def read_rank(group: GroupHarness, rank: int, client: httpx.AsyncClient) -> RankReading:
     at = time.monotonic()
     response = await client.get(f"{group.processes.serving_url(rank)}/metrics")
     response.raise_for_status()
-    generated = steps = 0.0
-    seconds: dict[str, float] = {}
-    sent: dict[str, float] = {}
-    exchanges: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            phase = sample.labels.get("phase", "")
-            if sample.name == "tidal_generation_tokens_total":
-                generated = sample.value
-            elif sample.name == "tidal_expert_parallel_steps_total":
-                steps = sample.value
-            elif sample.name == "tidal_expert_exchange_seconds_total":
-                seconds[phase] = sample.value
-            elif sample.name == "tidal_expert_exchange_bytes_total" and sample.labels.get("direction") == "sent":
-                sent[phase] = sample.value
-            elif sample.name == "tidal_expert_exchanges_total":
-                exchanges[phase] = sample.value
-    return RankReading(at, generated, steps, seconds, sent, exchanges)
+    return parse_reading(at, response.text)
 
 
 # ----- 2 and 3: decode at a batch size -----
-
-
-@dataclass(frozen=True)
-class RankDecode:
-    rank: int
-    tokens_per_s: float
-    steps: int
-    ms_per_step: float
-    moe_layers_per_step: float  # exchanges / steps: every MoE layer exchanges once a step
-    dispatch_ms_per_step: float | None
-    combine_ms_per_step: float | None
-    dispatch_mb_per_step: float
-    combine_mb_per_step: float
-
-
-@dataclass(frozen=True)
-class BatchDecode:
-    batch_per_rank: int
-    timed_exchanges: bool
-    window_s: float
-    group_tokens_per_s: float
-    ranks: list[RankDecode]
-    cut_short: bool  # a stream ended inside the window: the rates undercount
-
-
-def _delta(after: dict[str, float], before: dict[str, float], phase: str) -> float:
-    return after.get(phase, 0.0) - before.get(phase, 0.0)
-
-
-def rank_decode(rank: int, before: RankReading, after: RankReading) -> RankDecode:
-    elapsed = after.at - before.at
-    steps = int(after.group_steps - before.group_steps)
-    per_step = max(steps, 1)
-    timed = bool(after.exchange_seconds)
-
-    def ms(phase: str) -> float | None:
-        return 1000 * _delta(after.exchange_seconds, before.exchange_seconds, phase) / per_step if timed else None
-
-    return RankDecode(
-        rank=rank,
-        tokens_per_s=(after.generated_tokens - before.generated_tokens) / elapsed,
-        steps=steps,
-        ms_per_step=1000 * elapsed / per_step,
-        moe_layers_per_step=_delta(after.exchanges, before.exchanges, "dispatch") / per_step,
-        dispatch_ms_per_step=ms("dispatch"),
-        combine_ms_per_step=ms("combine"),
-        dispatch_mb_per_step=_delta(after.exchange_bytes_sent, before.exchange_bytes_sent, "dispatch") / per_step / 1e6,
-        combine_mb_per_step=_delta(after.exchange_bytes_sent, before.exchange_bytes_sent, "combine") / per_step / 1e6,
-    )
 
 
 async def measure_batch(
@@ -230,21 +165,6 @@ async def measure_batch(
 # ----- 1 and 4: outputs and lifecycle -----
 
 
-@dataclass(frozen=True)
-class OutputCheck:
-    rank: int
-    prompt: int
-    identical: bool
-    first_difference: int | None  # character index where the texts part, None when identical
-
-
-def compare(rank: int, prompt: int, text: str, reference: str) -> OutputCheck:
-    if text == reference:
-        return OutputCheck(rank, prompt, True, None)
-    first = next((i for i, (a, b) in enumerate(zip(text, reference, strict=False)) if a != b), None)
-    return OutputCheck(rank, prompt, False, first if first is not None else min(len(text), len(reference)))
-
-
 async def check_outputs(
     group: GroupHarness, prompts: list[list[int]], reference: list[str], max_tokens: int
 ) -> list[OutputCheck]:
@@ -253,14 +173,6 @@ async def check_outputs(
         for i, prompt in enumerate(prompts):
             checks.append(compare(rank, i, await group.complete(rank, prompt, max_tokens), reference[i]))
     return checks
-
-
-@dataclass(frozen=True)
-class GroupTransition:
-    step: str
-    wall_s: float  # from the calls to the last answer
-    rank_durations_s: list[float]  # each rank's own duration_s
-    bytes_moved: int  # over all ranks
 
 
 async def on_every_rank(
@@ -288,20 +200,25 @@ async def lifecycle(group: GroupHarness, model_dir: Path, timeout_s: float) -> l
 # ----- the run -----
 
 
-def kv_blocks(args: argparse.Namespace) -> int | None:
-    """--num-kv-blocks, else on a CPU enough 16-token blocks for the largest batch's streams (on a GPU the worker
-    sizes its cache from the memory left)."""
-    if args.num_kv_blocks is not None or args.device == "cuda":
-        return args.num_kv_blocks
+def kv_blocks(args: argparse.Namespace) -> int:
+    """--num-kv-blocks, else enough 16-token blocks for the largest batch's streams. An expert-parallel worker is
+    always given a count: on a GPU it does not size its cache by profiling (its peers would wait on the profile)."""
+    if args.num_kv_blocks is not None:
+        return int(args.num_kv_blocks)
     tokens = max(max(args.batches), args.check_prompts) * (args.prompt_len + max(args.max_tokens, args.check_tokens))
     return -(-tokens // 16) + 16
 
 
-def reference_in_child(launch: WorkerLaunch, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    """`reference_texts` in a process of its own: on a GPU the one-rank worker's memory is all given back before
-    rank 0 starts on the same GPU."""
+_T = TypeVar("_T")
+
+
+def in_child(device: str, work: Callable[..., _T], *args: Any) -> _T:
+    """`work(*args)` in a spawned process of its own on a GPU, so that every byte it took there (the CUDA context
+    included) is given back before the ranks start; here on a CPU."""
+    if device != "cuda":
+        return work(*args)
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(reference_texts, launch, prompts, max_tokens).result()
+        return pool.submit(work, *args).result()
 
 
 def launch_for(args: argparse.Namespace, model_dir: Path, timed: bool) -> WorkerLaunch:
@@ -344,61 +261,17 @@ async def run_group(
     return results
 
 
-def print_decode(batches: list[dict[str, Any]], link_gbs: float) -> None:
-    for batch in batches:
-        flag = "  (CUT SHORT: raise --max-tokens)" if batch["cut_short"] else ""
-        timed = "exchanges timed" if batch["timed_exchanges"] else "untimed"
-        print(f"batch {batch['batch_per_rank']} per rank, {timed}: group {batch['group_tokens_per_s']:.1f} tok/s{flag}")
-        for r in batch["ranks"]:
-            sent_kb = 1000 * (r["dispatch_mb_per_step"] + r["combine_mb_per_step"])
-            line = f"  rank {r['rank']}: {r['tokens_per_s']:9.1f} tok/s {r['ms_per_step']:8.2f} ms/step"
-            line += f" ({r['moe_layers_per_step']:.0f} MoE layers); sent {sent_kb:8.1f} KB/step"
-            if r["dispatch_ms_per_step"] is not None:
-                link_us = sent_kb / link_gbs  # KB / (GB/s) = us
-                line += f"; dispatch {r['dispatch_ms_per_step']:.3f} + combine {r['combine_ms_per_step']:.3f} ms/step"
-                line += f" (the bytes alone at {link_gbs:g} GB/s: {link_us:.1f} us)"
-            print(line)
-
-
-def summarize(results: dict[str, Any], link_gbs: float) -> int:
-    failures = 0
-    for key in ("outputs", "outputs_after_lifecycle"):
-        checks = results.get(key)
-        if checks:
-            same = sum(c["identical"] for c in checks)
-            parts = [
-                f"rank {c['rank']} prompt {c['prompt']} at char {c['first_difference']}"
-                for c in checks
-                if not c["identical"]
-            ]
-            print(
-                f"{key}: {same} of {len(checks)} identical to the world-size-1 worker"
-                + (f"; differ: {parts}" if parts else "")
-            )
-            if key == "outputs_after_lifecycle":
-                failures += len(checks) - same
-    print_decode(results["decode"], link_gbs)
-    if "decode_timed" in results:
-        print_decode(results["decode_timed"], link_gbs)
-    failures += sum(b["cut_short"] for b in results["decode"] + results.get("decode_timed", []))
-    if "gpu_memory_mib" in results:
-        print(f"GPU memory in use per rank's GPU once loaded (MiB): {results['gpu_memory_mib']}")
-    for t in results.get("lifecycle", []):
-        durations = ", ".join(f"{d:.2f}" for d in t["rank_durations_s"])
-        print(
-            f"{t['step']:<42} {t['wall_s']:7.2f} s for the group (ranks: {durations}); {t['bytes_moved'] / 1e9:.2f} GB"
-        )
-    return 1 if failures else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ep-group-perf-") as tmp:
         model_dir = prepare_model(args, Path(tmp))
-        prompts = random_prompts(max(max(args.batches), args.check_prompts), args.prompt_len, vocab_size(model_dir), 0)
+        # One prompt per stream of the largest batch on every rank: no two streams share tokens, experts or a
+        # cached prefix.
+        streams = max(max(args.batches) * args.world_size, args.check_prompts)
+        prompts = random_prompts(streams, args.prompt_len, vocab_size(model_dir), 0)
         untimed = launch_for(args, model_dir, timed=False)
-        reference = reference_in_child(untimed, prompts[: args.check_prompts], args.check_tokens)
+        reference = in_child(args.device, reference_texts, untimed, prompts[: args.check_prompts], args.check_tokens)
         results = asyncio.run(run_group(args, untimed, prompts, reference))
         if not args.no_exchange_timing:
             timed = asyncio.run(run_group(args, launch_for(args, model_dir, timed=True), prompts, None))

@@ -52,8 +52,13 @@ def fill_random_(weights: dict[str, torch.Tensor], seed: int) -> None:
 @torch.no_grad()
 def write_random_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int) -> int:
     """The weights `build_random_model(model_dir, dtype, device, seed)` draws, written into `model_dir` (which has
-    the config) as safetensors shards and their index, one tensor at a time -> bytes written. Drawing on a GPU is
-    fast; the disk sets the pace (a 61 GB model takes about a minute on the H200 machines)."""
+    the config) as safetensors shards and their index, one tensor at a time -> bytes written. The config's dtype is
+    set to `dtype`, so a worker started with dtype "auto" serves them as drawn. Drawing on a GPU is fast; the disk
+    sets the pace (a 61 GB model takes about a minute on the H200 machines)."""
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     hf_config = load_hf_config(model_dir)
     meta = torch.device("meta")
     shapes = resolve_model_class(hf_config.architectures).from_hf_config(hf_config, dtype, meta).checkpoint_weights()

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from ep_group_perf import RankReading, compare, rank_decode  # noqa: E402
+from perf.ep_group import RankReading, compare, parse_reading, rank_decode  # noqa: E402
 
 from tidal.worker.testing.gpu_memory import MIB, parse_memory_used  # noqa: E402
 from tidal.worker.testing.tiny_models import TINY_ARCHS  # noqa: E402
@@ -32,6 +32,22 @@ def test_a_rank_window_gives_rates_per_step_and_exchange_time_only_when_timed():
     assert got.dispatch_mb_per_step == pytest.approx(0.02) and got.combine_mb_per_step == pytest.approx(0.01)
     untimed = rank_decode(3, reading(10.0, 0, 0, {}, 0), reading(11.0, 10, 5, {}, 0))
     assert untimed.dispatch_ms_per_step is None and untimed.combine_ms_per_step is None
+
+
+def test_a_reading_takes_the_counters_from_the_metrics_text():
+    text = (
+        "tidal_generation_tokens_total 120.0\n"
+        "tidal_expert_parallel_steps_total 40.0\n"
+        'tidal_expert_exchanges_total{phase="dispatch"} 160.0\n'
+        'tidal_expert_exchange_bytes_total{direction="sent",phase="combine"} 2048.0\n'
+        'tidal_expert_exchange_bytes_total{direction="received",phase="combine"} 9999.0\n'
+        'tidal_expert_exchange_seconds_total{phase="dispatch"} 0.5\n'
+    )
+    got = parse_reading(7.0, text)
+    assert (got.at, got.generated_tokens, got.group_steps) == (7.0, 120.0, 40.0)
+    assert got.exchanges == {"dispatch": 160.0} and got.exchange_bytes_sent == {"combine": 2048.0}
+    assert got.exchange_seconds == {"dispatch": 0.5}
+    assert parse_reading(0.0, "tidal_generation_tokens_total 1.0\n").exchange_seconds == {}  # untimed
 
 
 def test_compare_names_where_two_texts_part():

@@ -230,3 +230,4 @@ def test_a_written_random_checkpoint_holds_what_the_in_memory_model_draws(tmp_pa
         assert torch.equal(on_disk[name], tensor), name
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(on_disk)
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "float32"  # as drawn: "auto" serves it

@@ -122,15 +122,16 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         self._state().drop_comm()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        self._count_group_step()
-        return super().forward(input_ids, positions, batch)
+        hidden = super().forward(input_ids, positions, batch)
+        self._count_group_step()  # once it went through: a step the group broke in is run again and counted then
+        return hidden
 
     def run_empty_moe_step(self) -> None:
         """This rank's share of a step it has no tokens for: every MoE layer, in order, on zero tokens, serving the
         rows its peers send."""
-        self._count_group_step()
         for _, layer in self.expert_layers:
             layer(layer.router.new_empty((0, layer.router.shape[1])))
+        self._count_group_step()
 
     def _count_group_step(self) -> None:
         """A forward (or empty step) of a group of more than one: its exchanges' totals count it, so that a reader
