@@ -97,7 +97,7 @@ def _exchange_metrics(snapshot: ExchangeSnapshot | None) -> Iterator[Metric]:
     exchanges = CounterMetricFamily(
         f"{PREFIX}_expert_exchanges", "MoE layer exchanges with the expert-parallel group, by phase", labels=["phase"]
     )
-    sent = CounterMetricFamily(
+    traffic = CounterMetricFamily(
         f"{PREFIX}_expert_exchange_bytes",
         "Bytes of MoE rows (dispatch) and expert outputs (combine) to or from other ranks",
         labels=["phase", "direction"],
@@ -109,12 +109,12 @@ def _exchange_metrics(snapshot: ExchangeSnapshot | None) -> Iterator[Metric]:
     )
     for phase in totals:
         exchanges.add_metric([phase.phase], phase.exchanges)
-        sent.add_metric([phase.phase, "sent"], phase.bytes_sent)
-        sent.add_metric([phase.phase, "received"], phase.bytes_received)
+        traffic.add_metric([phase.phase, "sent"], phase.bytes_sent)
+        traffic.add_metric([phase.phase, "received"], phase.bytes_received)
         if phase.seconds is not None:
             seconds.add_metric([phase.phase], phase.seconds)
     yield exchanges
-    yield sent
+    yield traffic
     if any(phase.seconds is not None for phase in totals):
         yield seconds
 

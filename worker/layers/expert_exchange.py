@@ -2,8 +2,8 @@
 
 Each MoE layer of a group step has two phases on the wire: dispatch (the row counts, then the rows out to the ranks
 holding their experts) and combine (the expert outputs back). Bytes cost nothing to count: the row counts are on the
-host already, because the exchange needs them there. Only bytes that leave the rank count; rows for its own slots
-go through the collective but not over a link.
+host already, because the exchange needs them there. Only rows that cross a link count, sent and received: rows for
+the rank's own slots go through the collective but never leave it, and the counts' few bytes are left out.
 
 Time is another matter. On a GPU a collective runs on NCCL's stream behind the layer's own kernels, so a host timer
 around the call would also count the kernels queued before it (attention and the router before the dispatch, the
