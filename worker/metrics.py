@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from tidal.worker.layers.expert_exchange import ExchangeSnapshot
+from tidal.worker.layers.expert_exchange import PHASES, ExchangeSnapshot, ExchangeTotals
 
 PREFIX = "tidal"
 
@@ -82,17 +82,20 @@ class _EngineCollector(Collector):
         return []
 
 
+# A worker without expert parallelism exchanges nothing: zeros, as the other series start, so a dashboard shows a
+# flat line rather than a gap.
+_NO_EXCHANGES = ExchangeSnapshot(0, tuple(ExchangeTotals(phase, 0, 0, 0, None) for phase in PHASES))
+
+
 def _exchange_metrics(snapshot: ExchangeSnapshot | None) -> Iterator[Metric]:
-    """An expert-parallel rank's group steps and its dispatch and combine traffic (nothing without expert
+    """An expert-parallel rank's group steps and its dispatch and combine traffic (zeros without expert
     parallelism); the seconds only where the worker times them (`--time-expert-exchanges`), so a dashboard never
     reads an untimed 0."""
-    if snapshot is None:
-        return
-    totals = snapshot.phases
+    totals = (snapshot or _NO_EXCHANGES).phases
     yield CounterMetricFamily(
         f"{PREFIX}_expert_parallel_steps",
         "Steps taken in lockstep with the expert-parallel group (empty steps included)",
-        value=snapshot.steps,
+        value=snapshot.steps if snapshot is not None else 0,
     )
     exchanges = CounterMetricFamily(
         f"{PREFIX}_expert_exchanges", "MoE layer exchanges with the expert-parallel group, by phase", labels=["phase"]

@@ -170,7 +170,7 @@ def _stats(exchanges: ExchangeSnapshot | None) -> EngineStats:
     )  # fmt: skip
 
 
-def test_expert_exchange_series_appear_with_expert_parallelism_and_seconds_only_when_timed():
+def test_expert_exchange_series_count_what_a_rank_exchanged_and_seconds_only_when_timed():
     def scrape(exchanges: ExchangeSnapshot | None) -> str:
         return WorkerMetrics(CollectorRegistry(), lambda: _stats(exchanges)).render()[0].decode()
 
@@ -178,7 +178,10 @@ def test_expert_exchange_series_appear_with_expert_parallelism_and_seconds_only_
         dispatch = ExchangeTotals("dispatch", 96, 4000, 3000, dispatch_s)
         return ExchangeSnapshot(32, (dispatch, ExchangeTotals("combine", 96, 2900, 3900, combine_s)))
 
-    assert "tidal_expert" not in scrape(None)  # no expert parallelism
+    alone = scrape(None)  # no expert parallelism: zeros, no seconds
+    assert "tidal_expert_parallel_steps_total 0.0" in alone
+    assert 'tidal_expert_exchange_bytes_total{direction="sent",phase="combine"} 0.0' in alone
+    assert "tidal_expert_exchange_seconds" not in alone
     untimed = scrape(snapshot(None, None))
     assert "tidal_expert_parallel_steps_total 32.0" in untimed
     assert 'tidal_expert_exchanges_total{phase="dispatch"} 96.0' in untimed
