@@ -12,10 +12,12 @@ the group, and prints:
 2. Decode at each of --batches B: B greedy streams on every rank at once. Once every stream is producing, each
    rank's /metrics are read, and again --window-s later: tokens/s per rank and for the group
    (tidal_generation_tokens_total), the group steps taken (tidal_expert_parallel_steps_total), so ms per step.
+   With --device cuda, then the memory in use on each rank's GPU (nvidia-smi: NCCL's buffers included).
 3. Unless --no-exchange-timing: the same again on a group started with --time-expert-exchanges, which gives each
-   step's time in dispatch and in combine (tidal_expert_exchange_seconds_total, peers' lateness included) and the
-   bytes they sent over links, set against the time those bytes take at --link-gbs (an H200's NVLink: 450 GB/s
-   each way). Timing makes each exchange wait for the device first, so step 2's rates are from the untimed group.
+   step's time in dispatch and in combine (tidal_expert_exchange_seconds_total, peers' lateness included; also per
+   layer, the unit DeepEP reports) and the bytes they sent over links, set against the time those bytes take at
+   --link-gbs (an H200's NVLink: 450 GB/s each way). Timing makes each exchange wait for the device first, so step
+   2's rates are from the untimed group.
 4. Unless --no-lifecycle: a level-1 sleep and wake, a level-2 sleep and wake, and an in-place weight update (the same
    files as a new version) on every rank at once, each rank's own duration and the wall time of the slowest, then
    one completion per rank checked against the reference again.
@@ -247,13 +249,14 @@ async def run_group(
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     async with GroupHarness(launch, workdir=args.workdir, load_timeout_s=args.timeout_s, watch=False) as group:
-        memory = rank_memory(launch.visible_devices, group.processes.ranks)
-        if memory is not None:
-            results["gpu_memory_mib"] = {rank: used // MIB for rank, used in memory.items()}
         if reference is not None:
             checks = await check_outputs(group, prompts[: args.check_prompts], reference, args.check_tokens)
             results["outputs"] = [asdict(c) for c in checks]
         results["decode"] = [asdict(await measure_batch(group, b, prompts, args)) for b in args.batches]
+        # Read once the ranks have served: NCCL makes its buffers at the first collective, after the group forms.
+        memory = rank_memory(launch.visible_devices, group.processes.ranks)
+        if memory is not None:
+            results["gpu_memory_mib"] = {rank: used // MIB for rank, used in memory.items()}
         if reference is not None and not args.no_lifecycle:
             results["lifecycle"] = [asdict(t) for t in await lifecycle(group, launch.model_path, args.timeout_s)]
             after = await check_outputs(group, prompts[:1], reference[:1], args.check_tokens)

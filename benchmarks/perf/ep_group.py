@@ -137,8 +137,11 @@ def print_decode(batches: list[dict[str, Any]], link_gbs: float) -> None:
             line += f" ({r['moe_layers_per_step']:.0f} MoE layers); sent {sent_kb:8.1f} KB/step"
             if r["dispatch_ms_per_step"] is not None:
                 link_us = sent_kb / link_gbs  # KB / (GB/s) = us
+                layers = max(r["moe_layers_per_step"], 1.0)
+                per_layer = 1000 * r["dispatch_ms_per_step"] / layers, 1000 * r["combine_ms_per_step"] / layers
                 line += f"; dispatch {r['dispatch_ms_per_step']:.3f} + combine {r['combine_ms_per_step']:.3f} ms/step"
-                line += f" (the bytes alone at {link_gbs:g} GB/s: {link_us:.1f} us)"
+                line += f", a layer {per_layer[0]:.0f} + {per_layer[1]:.0f} us (DeepEP's unit)"
+                line += f"; the bytes alone at {link_gbs:g} GB/s: {link_us:.1f} us"
             print(line)
 
 
@@ -163,7 +166,7 @@ def summarize(results: dict[str, Any], link_gbs: float) -> int:
         print_decode(results["decode_timed"], link_gbs)
     failures += sum(b["cut_short"] for b in results["decode"] + results.get("decode_timed", []))
     if "gpu_memory_mib" in results:
-        print(f"GPU memory in use per rank's GPU once loaded (MiB): {results['gpu_memory_mib']}")
+        print(f"GPU memory in use on each rank's GPU after the decode runs (MiB): {results['gpu_memory_mib']}")
     for t in results.get("lifecycle", []):
         durations = ", ".join(f"{d:.2f}" for d in t["rank_durations_s"])
         print(
