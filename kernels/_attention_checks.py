@@ -11,19 +11,17 @@ from tidal.kernels._validate import (
     check_shape,
 )
 from tidal.kernels.kv_cache_dtype import check_cache_dtype
+from tidal.kernels.kv_layout import is_tokens_innermost
 
 
 def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
-    """q [*, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]; tables [B, max_blocks]."""
+    """q [*, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim] (V in either layout of
+    kernels/kv_layout.py); tables [B, max_blocks]."""
     check_ndim("q", q, 3)
     check_dtype("q", q, FLOAT_DTYPES)
     check_ndim("k_cache", k_cache, 4)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     check_cache_dtype("k_cache and v_cache", q.dtype, k_cache, v_cache)
-    if v_cache.stride() != k_cache.stride():  # the kernels address both caches with k_cache's strides
-        raise ValueError(
-            f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}"
-        )
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -33,8 +31,10 @@ def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     check_ndim("block_tables", block_tables, 2)
     check_dtype("block_tables", block_tables, (torch.int32,))
     check_same_device("q, k_cache, v_cache and block_tables", q, k_cache, v_cache, block_tables)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
+    if not is_tokens_innermost(v_cache):  # the kernels follow V's strides; K's head dims must be dense
+        check_last_dim_contiguous("v_cache", v_cache)
 
 
 def check_seq_lens(seq_lens: torch.Tensor, batch: int, device: torch.device) -> None:

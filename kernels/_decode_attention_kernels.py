@@ -54,6 +54,58 @@ def _merge_if_last(part_ptr, lse_ptr, out_ptr, counters_ptr, seq, kv_head, heads
 
 
 @triton.jit
+def _attend_tile(acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, tile, end, k_head, v_head, dims, dim_ok,
+                 cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim, scale_log2,
+                 MASKED: tl.constexpr, V_LIKE_K: tl.constexpr, V_PAGE_RUNS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr):  # fmt: skip
+    """Online-softmax accumulation over the tile of BLOCK_N tokens at `tile`. Unmasked tiles lie wholly before
+    `end`: their loads have no token mask, which keeps a tokens-innermost V's loads vectorised along the tokens (a
+    mask that changed token by token would split them into single bytes), and they read nothing past the context."""
+    tokens = tl.multiple_of(tile, BLOCK_N) + tl.arange(0, BLOCK_N)  # [BLOCK_N]; tiles start on multiples of BLOCK_N
+    tok_ok = tokens < end
+    if MASKED and V_PAGE_RUNS:
+        # Whole pages: the last page's ids cover its slots past `end` too, so V's runs stay true to the hints below.
+        page_ok = tokens // BLOCK_SIZE < tl.cdiv(end, BLOCK_SIZE)
+        page = tl.load(table + tokens // BLOCK_SIZE, mask=page_ok, other=0).to(tl.int64)
+    elif MASKED:
+        page = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + tokens // BLOCK_SIZE).to(tl.int64)
+    row = page * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_offset  # [BLOCK_N]
+    if V_LIKE_K:  # V laid out as K: K's addresses serve (64-bit address arithmetic once, not twice, per tile)
+        v_at = v_cache_ptr + row[:, None] + k_head
+    else:
+        v_row = page * v_stride_block + (tokens % BLOCK_SIZE) * v_stride_offset + v_head
+        if V_PAGE_RUNS:
+            # A page's tokens lie side by side (kernels/kv_layout.py): aligned runs of min(BLOCK_N, BLOCK_SIZE),
+            # which the compiler cannot see through the gathered page ids.
+            RUN: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
+            v_row = tl.max_contiguous(tl.multiple_of(v_row, RUN), RUN)
+        v_at = v_cache_ptr + v_row[:, None] + dims[None, :] * v_stride_dim
+    # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache).
+    kv_mask = tok_ok[:, None] & dim_ok[None, :] if MASKED else dim_ok[None, :]
+    if MASKED and V_PAGE_RUNS:
+        # V by whole pages, a mask that stays vectorised along a page's tokens (one that changed token by token
+        # made the loads single bytes); the slots past `end` in the last page are then zeroed, since they may hold
+        # anything, NaN included, and 0 x NaN is NaN.
+        v = tl.load(v_at, mask=page_ok[:, None] & dim_ok[None, :], other=0.0).to(q.dtype)
+        v = tl.where(tok_ok[:, None], v, tl.zeros_like(v))
+    else:
+        v = tl.load(v_at, mask=kv_mask, other=0.0).to(q.dtype)
+    k = tl.load(k_cache_ptr + row[:, None] + k_head, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
+    scores = exact_dot(q, tl.trans(k), IS_FP32)  # [GROUP_P2, BLOCK_N] fp32
+    scores = scores * scale_log2
+    if MASKED:
+        scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
+    return acc, m_new, denom
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -69,6 +121,10 @@ def decode_split_kernel(
     cache_stride_block,
     cache_stride_offset,
     cache_stride_head,
+    v_stride_block,
+    v_stride_offset,
+    v_stride_head,
+    v_stride_dim,
     tables_stride,
     scale_log2,
     head_dim,
@@ -77,6 +133,8 @@ def decode_split_kernel(
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    V_LIKE_K: tl.constexpr,  # V's strides are K's
+    V_PAGE_RUNS: tl.constexpr,  # kv_layout.has_page_runs(V)
     NUM_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     IS_FP32: tl.constexpr,
@@ -112,24 +170,33 @@ def decode_split_kernel(
     denom = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM_P2], tl.float32)
     table = block_tables_ptr + seq * tables_stride
-    head_offset = kv_head * cache_stride_head + dims[None, :]
-    for tile in range(start, end, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        tok_ok = tokens < end
-        page = tl.load(table + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
-        row = page * cache_stride_block + (tokens % BLOCK_SIZE) * cache_stride_offset  # [BLOCK_N]
-        kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache).
-        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
-        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = exact_dot(q, tl.trans(k), IS_FP32)  # [GROUP_P2, BLOCK_N] fp32
-        scores = tl.where(tok_ok[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
-        m = m_new
+    k_head = kv_head * cache_stride_head + dims[None, :]
+    v_head = kv_head * v_stride_head
+    if V_PAGE_RUNS:
+        # Whole tiles unmasked, then the split's partial last tile 16 tokens at a time: one masked tile of BLOCK_N
+        # tokens here took ~60 more registers than the loop, for the whole kernel (kv-cache-fp8-v-layout-h200.md).
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for tile in range(start, full_end, BLOCK_N):
+            acc, m, denom = _attend_tile(
+                acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, tile, end, k_head, v_head, dims, dim_ok,
+                cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim, scale_log2,
+                False, False, True, BLOCK_SIZE, BLOCK_N, IS_FP32,
+            )  # fmt: skip
+        for tile in range(full_end, end, 16):
+            acc, m, denom = _attend_tile(
+                acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, tile, end, k_head, v_head, dims, dim_ok,
+                cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim, scale_log2,
+                True, False, True, BLOCK_SIZE, 16, IS_FP32,
+            )  # fmt: skip
+    else:
+        # V's head dims dense: a token mask keeps its loads vectorised, and one masked loop over every tile is as
+        # fast as splitting off the last (a 16-bit V; kv-cache-fp8-v-layout-h200.md).
+        for tile in range(start, end, BLOCK_N):
+            acc, m, denom = _attend_tile(
+                acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, tile, end, k_head, v_head, dims, dim_ok,
+                cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim, scale_log2,
+                True, V_LIKE_K, False, BLOCK_SIZE, BLOCK_N, IS_FP32,
+            )  # fmt: skip
 
     safe_l = tl.where(denom > 0, denom, 1.0)
     result = acc / safe_l[:, None]  # zeros where the split saw no token

@@ -23,7 +23,9 @@ def _attend_tile(
     k_cache_ptr,
     v_cache_ptr,
     table,
-    head_offset,
+    k_head,
+    v_head,
+    dims,
     dim_ok,
     positions,
     seq_len,
@@ -31,8 +33,13 @@ def _attend_tile(
     kv_end,
     cache_stride_block,
     cache_stride_offset,
+    v_stride_block,
+    v_stride_offset,
+    v_stride_dim,
     scale_log2,
     CAUSAL_MASK: tl.constexpr,
+    V_LIKE_K: tl.constexpr,
+    V_PAGE_RUNS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP32: tl.constexpr,
@@ -43,16 +50,24 @@ def _attend_tile(
     first_keys = kv_start + tl.arange(0, BLOCK_N)
     pages = tl.load(table + first_keys // BLOCK_SIZE, mask=first_keys < kv_end, other=0)
     for tile in range(kv_start, kv_end, BLOCK_N):
-        keys = tile + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        keys = tl.multiple_of(tile, BLOCK_N) + tl.arange(0, BLOCK_N)  # [BLOCK_N]; both ranges start on a tile
         key_ok = keys < kv_end
         row = pages.to(tl.int64) * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+        if V_LIKE_K:  # K's addresses serve (as in decode: _decode_attention_kernels.py)
+            v_at = v_cache_ptr + row[:, None] + k_head
+        else:
+            v_row = pages.to(tl.int64) * v_stride_block + (keys % BLOCK_SIZE) * v_stride_offset + v_head
+            if V_PAGE_RUNS:  # a page's tokens lie side by side (as in decode)
+                RUN: tl.constexpr = min(BLOCK_N, BLOCK_SIZE)
+                v_row = tl.max_contiguous(tl.multiple_of(v_row, RUN), RUN)
+            v_at = v_cache_ptr + v_row[:, None] + dims[None, :] * v_stride_dim
         next_keys = keys + BLOCK_N
         pages = tl.load(table + next_keys // BLOCK_SIZE, mask=next_keys < kv_end, other=0)
         # Full tiles below the diagonal need no key mask (fewer predicates on the copies).
         kv_mask = key_ok[:, None] & dim_ok[None, :] if CAUSAL_MASK else dim_ok[None, :]
         # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache), as in decode.
-        k = tl.load(k_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
-        v = tl.load(v_cache_ptr + row[:, None] + head_offset, mask=kv_mask, other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + row[:, None] + k_head, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, HD_P2]
+        v = tl.load(v_at, mask=kv_mask, other=0.0).to(q.dtype)
         scores = exact_dot(q, tl.trans(k), IS_FP32)  # [BLOCK_M, BLOCK_N] fp32, unscaled
         if CAUSAL_MASK:
             visible = (keys[None, :] <= positions[:, None]) & (keys[None, :] < seq_len)
@@ -87,6 +102,10 @@ def prefill_kernel(
     cache_stride_block,
     cache_stride_offset,
     cache_stride_head,
+    v_stride_block,
+    v_stride_offset,
+    v_stride_head,
+    v_stride_dim,
     tables_stride,
     scale_log2,
     batch,
@@ -100,6 +119,8 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    V_LIKE_K: tl.constexpr,  # V's strides are K's
+    V_PAGE_RUNS: tl.constexpr,  # kv_layout.has_page_runs(V)
     IS_FP32: tl.constexpr,
 ):
     # A tile is BLOCK_M rows = TOKENS new tokens x Q_HEADS query heads that share one KV head, so each K/V tile
@@ -148,20 +169,22 @@ def prefill_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * tables_stride
-    head_offset = (head_block * Q_HEADS // GROUP) * cache_stride_head + dims[None, :]
+    kv_head = head_block * Q_HEADS // GROUP
+    k_head = kv_head * cache_stride_head + dims[None, :]
+    v_head = kv_head * v_stride_head
     first_pos = seq_len - q_len + tile * TOKENS
     last_visible = tl.minimum(first_pos + TOKENS, seq_len)  # keys past this are masked for every row
     # Keys every row of the tile may see need no mask; only the tiles crossing the diagonal do.
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     acc, m, denom = _attend_tile(
-        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, head_offset, dim_ok, positions, seq_len,
-        0, unmasked_end, cache_stride_block, cache_stride_offset, scale_log2,
-        False, BLOCK_SIZE, BLOCK_N, IS_FP32,
+        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, k_head, v_head, dims, dim_ok, positions, seq_len,
+        0, unmasked_end, cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim,
+        scale_log2, False, V_LIKE_K, V_PAGE_RUNS, BLOCK_SIZE, BLOCK_N, IS_FP32,
     )  # fmt: skip
     acc, m, denom = _attend_tile(
-        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, head_offset, dim_ok, positions, seq_len,
-        unmasked_end, last_visible, cache_stride_block, cache_stride_offset, scale_log2,
-        True, BLOCK_SIZE, BLOCK_N, IS_FP32,
+        acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, k_head, v_head, dims, dim_ok, positions, seq_len,
+        unmasked_end, last_visible, cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset,
+        v_stride_dim, scale_log2, True, V_LIKE_K, V_PAGE_RUNS, BLOCK_SIZE, BLOCK_N, IS_FP32,
     )  # fmt: skip
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     out_rows = out_ptr + (tokens[:, None] * num_heads + heads[:, None]) * head_dim + dims[None, :]

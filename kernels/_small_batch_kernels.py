@@ -13,6 +13,7 @@ from tidal.kernels._triton_utils import (
     exact_dot,
     for_cache,
     let_next_kernel_launch,
+    v_slot_offset,
     wait_for_previous_kernel,
 )
 
@@ -210,7 +211,7 @@ def qkv_rope_kernel(
     slot_ptr,  # [M] cache slot of each row's k and v; -1: not written
     q_ptr,  # [M, Hq * D] rotated q out
     k_cache_ptr,  # [num_blocks * block_size, Hkv, D] (dense slots)
-    v_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] at its strides (kernels/kv_layout.py)
     q_gamma_ptr,  # [D] q's per-head norm weight when QK_NORM
     k_gamma_ptr,  # [D] k's, when QK_NORM
     workspace_ptr,  # [programs along axis 0, SPLIT_K, 2, BLOCK_M, BLOCK_N] fp32 when SPLIT_K > 1
@@ -226,8 +227,13 @@ def qkv_rope_kernel(
     cos_sin_stride,
     num_q_heads,
     num_kv_heads,
+    v_cache_stride_block,
+    v_cache_stride_offset,
+    v_cache_stride_head,
+    v_cache_stride_dim,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     TILES_PER_HALF: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -303,5 +309,8 @@ def qkv_rope_kernel(
     kv_mask = mask & (slots >= 0)[:, None] & (head >= num_q_heads)
     tl.store(k_cache_ptr + dest, for_cache(y1, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
     tl.store(k_cache_ptr + dest + HALF, for_cache(y2, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
-    tl.store(v_cache_ptr + dest, for_cache(y1, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
-    tl.store(v_cache_ptr + dest + HALF, for_cache(y2, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
+    v_slots = tl.where(slots >= 0, slots, 0)  # -1 would give a negative block; its stores are masked anyway
+    v_dest = (v_slot_offset(v_slots, v_cache_stride_block, v_cache_stride_offset, BLOCK_SIZE)[:, None]
+              + kv_head * v_cache_stride_head + dims[None, :] * v_cache_stride_dim)  # fmt: skip
+    tl.store(v_cache_ptr + v_dest, for_cache(y1, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
+    tl.store(v_cache_ptr + v_dest + HALF * v_cache_stride_dim, for_cache(y2, v_cache_ptr, q_ptr), mask=kv_mask & is_v)

@@ -68,6 +68,13 @@ def for_cache(x, cache_ptr, act_ptr):
 
 
 @triton.jit
+def v_slot_offset(slot, stride_block, stride_offset, BLOCK_SIZE: tl.constexpr):
+    """Elements from the V cache's start to a slot's (head 0, dim 0), in whichever layout V has
+    (kernels/kv_layout.py); `slot` is int64."""
+    return (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset
+
+
+@triton.jit
 def q_for_cache(q, cache_ptr, IS_FP32: tl.constexpr):
     """q in the type of its products with the cached keys and values: its own, or beside an FP8 cache fp16
     (clamped to fp16's range), the type e4m3 converts to in one packed instruction. Converting the tiles to bf16

@@ -10,12 +10,17 @@ from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gath
 from tidal.kernels._decode_attention_kernels import LOG2E, decode_split_kernel
 from tidal.kernels._device import multiprocessor_count, pdl_launch_options
 from tidal.kernels._split_k import arrival_counters
+from tidal.kernels.kv_layout import cache_strides, has_page_runs, is_tokens_innermost
 
 # A split shorter than this spends more on the merge than it wins in parallelism.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 # On an H200, batch 64 x 8 KV heads (512 programs, about 3.9 per multiprocessor) ran fastest unsplit.
 PROGRAMS_PER_SM = 3
+# Copies in flight per program. A tokens-innermost (FP8) V takes two: at three its loop compiled to more registers
+# (fewer programs per multiprocessor) and ran 26% slower on an H200 (kv-cache-fp8-v-layout-h200.md).
+STAGES = 3
+TOKENS_INNER_V_STAGES = 2
 # Splits the in-kernel merge loads per step: [group heads (>= 16), chunk, head_dim] fp32 stays in registers.
 MERGE_CHUNK = 4
 
@@ -73,7 +78,7 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
     into that many pieces (split-K); by default it is chosen from the shapes. The last split to finish on a
@@ -93,6 +98,9 @@ def paged_decode_attention_triton(
     if block_n is None:
         block_n = 64 if head_dim_p2 <= 128 else 32
     group = num_heads // num_kv_heads
+    tokens_inner = is_tokens_innermost(v_cache)
+    if num_stages is None:
+        num_stages = TOKENS_INNER_V_STAGES if tokens_inner else STAGES
     if num_splits > 1:
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -114,6 +122,7 @@ def paged_decode_attention_triton(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *cache_strides(v_cache),
         block_tables.stride(0),
         scale * LOG2E,
         head_dim,
@@ -122,6 +131,8 @@ def paged_decode_attention_triton(
         HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
+        V_LIKE_K=v_cache.stride() == k_cache.stride(),
+        V_PAGE_RUNS=has_page_runs(v_cache),
         NUM_SPLITS=num_splits,
         MERGE_CHUNK=MERGE_CHUNK,
         IS_FP32=q.dtype == torch.float32,

@@ -2,16 +2,16 @@
 # mypy: disable-error-code="no-untyped-def"
 """Writing new K/V rows into the paged cache: the torch reference, the Triton kernel and the dispatching entry point.
 
-Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
-block_id * block_size + offset; slot -1 marks a padding token that is not written. The cache holds the activations'
-dtype or FP8 e4m3 (kernels/kv_cache_dtype.py).
+Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim], V possibly as a tokens-innermost view
+(kernels/kv_layout.py); a token's slot is block_id * block_size + offset; slot -1 marks a padding token that is not
+written. The cache holds the activations' dtype or FP8 e4m3 (kernels/kv_cache_dtype.py).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import for_cache
+from tidal.kernels._triton_utils import for_cache, v_slot_offset
 from tidal.kernels._validate import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -23,6 +23,7 @@ from tidal.kernels._validate import (
     check_shape,
 )
 from tidal.kernels.kv_cache_dtype import check_cache_dtype, to_cache_dtype
+from tidal.kernels.kv_layout import cache_strides, check_kv_layouts
 
 
 def _check_inputs(
@@ -41,8 +42,7 @@ def _check_inputs(
     check_same_device("k, v, k_cache, v_cache and slot_mapping", k, v, k_cache, v_cache, slot_mapping)
     check_last_dim_contiguous("k", k)
     check_last_dim_contiguous("v", v)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    check_kv_layouts(k_cache, v_cache)
 
 
 def store_kv_reference(
@@ -50,11 +50,12 @@ def store_kv_reference(
 ) -> None:
     """k, v [T, num_kv_heads, head_dim] written in place at slot_mapping [T]; slots < 0 are skipped."""
     _check_inputs(k, v, k_cache, v_cache, slot_mapping)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0  # [T]
     slots = slot_mapping[keep].long()  # [T_kept]
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = to_cache_dtype(k[keep], k_cache.dtype)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = to_cache_dtype(v[keep], v_cache.dtype)
+    blocks, offsets = slots // block_size, slots % block_size  # indexing both keeps V's view (no reshaped copy)
+    k_cache[blocks, offsets] = to_cache_dtype(k[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(v[keep], v_cache.dtype)
 
 
 @triton.jit
@@ -68,8 +69,13 @@ def _store_kv_kernel(
     k_stride_h,
     v_stride_t,
     v_stride_h,
+    v_cache_stride_block,
+    v_cache_stride_offset,
+    v_cache_stride_head,
+    v_cache_stride_dim,
     num_kv_heads,
     head_dim,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -80,11 +86,12 @@ def _store_kv_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    dest = slot * num_kv_heads * head_dim + heads * head_dim + dims  # cache rows are dense [heads, head_dim]
+    k_dest = slot * num_kv_heads * head_dim + heads * head_dim + dims  # K's rows are dense [heads, head_dim]
+    v_dest = v_slot_offset(slot, v_cache_stride_block, v_cache_stride_offset, BLOCK_SIZE) + heads * v_cache_stride_head
     k = tl.load(k_ptr + token * k_stride_t + heads * k_stride_h + dims, mask=mask).to(tl.float32)
     v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=mask).to(tl.float32)
-    tl.store(k_cache_ptr + dest, for_cache(k, k_cache_ptr, k_ptr), mask=mask)
-    tl.store(v_cache_ptr + dest, for_cache(v, v_cache_ptr, v_ptr), mask=mask)
+    tl.store(k_cache_ptr + k_dest, for_cache(k, k_cache_ptr, k_ptr), mask=mask)
+    tl.store(v_cache_ptr + v_dest + dims * v_cache_stride_dim, for_cache(v, v_cache_ptr, v_ptr), mask=mask)
 
 
 def store_kv_triton(
@@ -110,8 +117,10 @@ def store_kv_triton(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        *cache_strides(v_cache),
         num_kv_heads,
         head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4,

@@ -9,9 +9,11 @@ converts the cached values back on load, to fp16 beside 16-bit activations (`_tr
 probabilities then go to fp16 too) and to fp32 beside fp32 ones; sums stay fp32.
 
 What it buys: twice the tokens in the same memory, and half the bytes a decode step reads for attention, which at
-large batch and long context is most of the step. On the H200 that has not yet made decode attention faster: V, the
-second operand of P @ V, has no 8-bit form of the transposing shared-memory load, so the kernel reads it from shared
-memory byte by byte (benchmarks/results/kv-cache-fp8-h200.md).
+large batch and long context is most of the step. V is stored with each block's tokens innermost
+(kernels/kv_layout.py), because the tensor cores want V's tokens in pairs and there is no 8-bit transposing
+shared-memory load: with head dims innermost Triton read V byte by byte, and decode attention was no faster than
+from bf16 (benchmarks/results/kv-cache-fp8-h200.md); with tokens innermost it is 14-20% faster than from bf16
+(kv-cache-fp8-v-layout-h200.md).
 """
 
 import torch

@@ -10,6 +10,7 @@ from tidal.kernels._attention_checks import check_paged_kv, check_seq_lens, gath
 from tidal.kernels._decode_attention_kernels import LOG2E
 from tidal.kernels._prefill_attention_kernels import prefill_kernel
 from tidal.kernels._validate import check_dtype, check_ndim
+from tidal.kernels.kv_layout import cache_strides, has_page_runs
 
 # The sequence lookup costs the same at 256 lanes as at 16 next to a prefill tile's work; 256 covers the usual
 # max_num_seqs with a single compiled kernel.
@@ -137,6 +138,7 @@ def paged_prefill_attention_triton(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *cache_strides(v_cache),
         block_tables.stride(0),
         scale * LOG2E,
         batch,
@@ -150,6 +152,8 @@ def paged_prefill_attention_triton(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         HEADS_FIRST=config.heads_first,
+        V_LIKE_K=v_cache.stride() == k_cache.stride(),
+        V_PAGE_RUNS=has_page_runs(v_cache),
         IS_FP32=q.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from tidal.kernels._device import pdl_launch_options
-from tidal.kernels._triton_utils import for_cache, let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import for_cache, let_next_kernel_launch, v_slot_offset, wait_for_previous_kernel
 from tidal.kernels._validate import FLOAT_DTYPES, check_contiguous, check_dtype, check_shape
 from tidal.kernels.kv_cache import _check_inputs as _check_store_inputs
 from tidal.kernels.kv_cache import store_kv_reference
+from tidal.kernels.kv_layout import cache_strides
 from tidal.kernels.rms_norm import rms_norm_reference
 from tidal.kernels.rotary import _check_inputs as _check_rotary_inputs
 from tidal.kernels.rotary import _cos_sin, _rotate_heads, apply_rotary_reference
@@ -141,11 +142,16 @@ def _rotary_store_kv_kernel(
     v_stride_t,
     v_stride_h,
     cos_sin_stride,
+    v_cache_stride_block,
+    v_cache_stride_offset,
+    v_cache_stride_head,
+    v_cache_stride_dim,
     num_heads,
     num_kv_heads,
     head_dim,
     q_eps,
     k_eps,
+    BLOCK_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     HALF_P2: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
@@ -172,14 +178,16 @@ def _rotary_store_kv_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         k_row = k_ptr + token * k_stride_t
-        cache_row = slot * num_kv_heads * head_dim  # cache rows are dense [heads, head_dim]
+        cache_row = slot * num_kv_heads * head_dim  # K's rows are dense [heads, head_dim]
         # k goes in rotated; v, and the dims of k past the rotary part, go over unchanged (k's normalised if asked).
         heads = tl.arange(0, BLOCK_HK)[:, None]  # [BLOCK_HK, 1]
         dims = tl.arange(0, HEAD_DIM_P2)[None, :]  # [1, HEAD_DIM_P2]
         dim_ok = (heads < num_kv_heads) & (dims < head_dim)
         dest = cache_row + heads * head_dim + dims
+        v_dest = (v_slot_offset(slot, v_cache_stride_block, v_cache_stride_offset, BLOCK_SIZE)
+                  + heads * v_cache_stride_head + dims * v_cache_stride_dim)  # fmt: skip
         v = tl.load(v_ptr + token * v_stride_t + heads * v_stride_h + dims, mask=dim_ok).to(tl.float32)
-        tl.store(v_cache_ptr + dest, for_cache(v, v_cache_ptr, v_ptr), mask=dim_ok)
+        tl.store(v_cache_ptr + v_dest, for_cache(v, v_cache_ptr, v_ptr), mask=dim_ok)
         if HAS_QK_NORM:
             _norm_rotate_heads(
                 k_row, k_cache_ptr + cache_row, k_stride_h, head_dim, num_kv_heads, head_dim, k_gamma_ptr, k_eps, cos,
@@ -223,7 +231,8 @@ def rotary_store_kv_triton(
     _rotary_store_kv_kernel[(num_tokens,)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_gamma, k_gamma,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        num_heads, num_kv_heads, head_dim, q_eps, k_eps,
+        *cache_strides(v_cache), num_heads, num_kv_heads, head_dim, q_eps, k_eps,
+        BLOCK_SIZE=k_cache.shape[1],
         HALF=half,
         HALF_P2=triton.next_power_of_2(half),
         HEAD_DIM_P2=triton.next_power_of_2(head_dim),

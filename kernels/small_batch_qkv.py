@@ -21,6 +21,7 @@ from tidal.kernels._small_batch_kernels import qkv_rope_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
 from tidal.kernels.kv_cache_dtype import check_cache_dtype
+from tidal.kernels.kv_layout import cache_strides, check_kv_layouts
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
 from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
 
@@ -75,8 +76,7 @@ def _check(
     head_dim = k_cache.shape[-1]
     check_shape("k_cache", k_cache, (None, None, num_kv_heads, head_dim))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    check_contiguous("k_cache", k_cache)
-    check_contiguous("v_cache", v_cache)
+    check_kv_layouts(k_cache, v_cache)
     check_cache_dtype("k_cache and v_cache", a.dtype, k_cache, v_cache)
     check_shape("weight", weight, ((num_q_heads + 2 * num_kv_heads) * head_dim, a.shape[1]))
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
@@ -171,9 +171,10 @@ def qkv_rope_store_triton(
         a, weight, bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
         positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
         num_rows, k_in, a.stride(0), weight.stride(0), norm_partials.shape[0] if norm_partials is not None else 0,
-        eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
+        eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache),
         HEAD_DIM=head_dim,
         HALF=half,
+        BLOCK_SIZE=k_cache.shape[1],
         TILES_PER_HALF=tiles_per_half,
         ROW_SCALE=norm_partials is not None,
         HAS_BIAS=bias is not None,

@@ -5,34 +5,54 @@ import torch.nn.functional as F
 from common import Row, bandwidth_row, bench_ms, compute_row, graph_ms, relative_error
 
 from tidal.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+from tidal.kernels.kv_cache_dtype import FP8_E4M3, to_cache_dtype
+from tidal.kernels.kv_layout import cache_view, is_tokens_innermost, new_kv_cache_pair
 from tidal.kernels.prefill_attention import PrefillConfig, default_config, paged_prefill_attention_triton
 
 
-def _paged(batch, context, num_kv_heads, head_dim, block_size):
-    """Random caches with each sequence's blocks scattered (shuffled block ids), and the same K/V densely."""
+def _paged(batch, context, num_kv_heads, head_dim, block_size, cache_dtype=torch.bfloat16, v_tokens_innermost=None):
+    """Random caches with each sequence's blocks scattered (shuffled block ids), V laid out as the engine keeps it
+    for `cache_dtype` (kernels/kv_layout.py) unless `v_tokens_innermost` says, and the same K/V densely in bf16."""
     blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    block_shape = (block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = new_kv_cache_pair(num_blocks, block_shape, cache_dtype, torch.device("cuda"))
+    if v_tokens_innermost is not None:
+        flat = torch.empty(v_cache.numel(), dtype=cache_dtype, device="cuda")
+        v_cache = cache_view(flat, block_shape, v_tokens_innermost)
+    for cache in (k_cache, v_cache):
+        cache.copy_(to_cache_dtype(torch.randn(cache.shape, device="cuda", dtype=torch.bfloat16), cache_dtype))
     tables = torch.randperm(num_blocks, device="cuda").int().view(batch, blocks_per_seq)
-    dense_k = k_cache[tables.long()].reshape(batch, context, num_kv_heads, head_dim).transpose(1, 2)
-    dense_v = v_cache[tables.long()].reshape(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    k_cache_bf16, v_cache_bf16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    dense_k = k_cache_bf16[tables.long()].reshape(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    dense_v = v_cache_bf16[tables.long()].reshape(batch, context, num_kv_heads, head_dim).transpose(1, 2)
     return k_cache, v_cache, tables, dense_k.contiguous(), dense_v.contiguous()
 
 
-def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, sweep=True):
-    k_cache, v_cache, tables, dense_k, dense_v = _paged(batch, context, num_kv_heads, head_dim, block_size)
+def _cache_name(v_cache):
+    if v_cache.dtype != FP8_E4M3:
+        return str(v_cache.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    return "fp8 cache, V " + ("tokens inner" if is_tokens_innermost(v_cache) else "dims inner")
+
+
+def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, sweep=True,
+                 cache_dtype=torch.bfloat16, stages_sweep=False, v_tokens_innermost=None):  # fmt: skip
+    """`stages_sweep`: the default splits at 2 and 3 stages too (what decode_attention.STAGES chose)."""
+    k_cache, v_cache, tables, dense_k, dense_v = _paged(batch, context, num_kv_heads, head_dim, block_size,
+                                                        cache_dtype, v_tokens_innermost)  # fmt: skip
     q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
     want = F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
-    shape = f"B{batch} ctx{context} {num_heads}/{num_kv_heads}h d{head_dim} bs{block_size} bf16"
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * cache_dtype.itemsize
+    shape = f"B{batch} ctx{context} {num_heads}/{num_kv_heads}h d{head_dim} bs{block_size} {_cache_name(v_cache)}"
     target = 0.8 if (batch, context, head_dim) == (64, 4096, 128) else None
     default_splits = choose_num_splits(
         batch, num_kv_heads, context, torch.cuda.get_device_properties(0).multi_processor_count
     )
-    variants = [(None, None, 4, 3)]
+    variants = [(None, None, 4, None)]
+    if stages_sweep:
+        variants += [(None, None, 4, 2), (None, None, 4, 3)]
     if sweep:
         variants += [(s, n, w, st) for s in (1, 2, 4) for n, w, st in ((64, 4, 3), (128, 4, 2))]
     rows = []
@@ -45,10 +65,13 @@ def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=
             )  # fmt: skip
 
         err = relative_error(run(), want)
-        impl = "triton default" if splits is None else f"triton splits={splits} block_n={block_n} w{warps} s{stages}"
+        if splits is None:
+            impl = "triton default" if stages is None else f"triton default splits s{stages}"
+        else:
+            impl = f"triton splits={splits} block_n={block_n} w{warps} s{stages}"
         note = f"rel err {err:.1e}" + (f"; default splits={default_splits}" if splits is None else "")
         rows.append(bandwidth_row("decode attention", shape, impl, bench_ms(run), kv_bytes, target, note))
-        if splits is None:
+        if splits is None and stages is None:
             rows.append(
                 bandwidth_row("decode attention", shape, impl + " [CUDA graph]", graph_ms(run), kv_bytes, target)
             )
@@ -57,8 +80,10 @@ def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=
     return rows
 
 
-def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, sweep=True):
-    k_cache, v_cache, tables, dense_k, dense_v = _paged(batch, length, num_kv_heads, head_dim, block_size)
+def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, sweep=True,
+                  cache_dtype=torch.bfloat16, v_tokens_innermost=None):  # fmt: skip
+    k_cache, v_cache, tables, dense_k, dense_v = _paged(batch, length, num_kv_heads, head_dim, block_size,
+                                                        cache_dtype, v_tokens_innermost)  # fmt: skip
     q = torch.randn(batch * length, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * length
     seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -67,7 +92,7 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     want = F.scaled_dot_product_attention(dense_q, dense_k, dense_v, is_causal=True, scale=scale, enable_gqa=True)
     want = want.transpose(1, 2).reshape(batch * length, num_heads, head_dim)
     flops = 4 * batch * num_heads * head_dim * (length * (length + 1) // 2)  # QK^T and PV over the causal half
-    shape = f"{batch}x{length} causal {num_heads}/{num_kv_heads}h d{head_dim} bs{block_size} bf16"
+    shape = f"{batch}x{length} causal {num_heads}/{num_kv_heads}h d{head_dim} bs{block_size} {_cache_name(v_cache)}"
     configs = [default_config(head_dim, num_heads // num_kv_heads)]
     if sweep:
         configs += [
@@ -98,4 +123,12 @@ def run(sweep: bool = True) -> list[Row]:
     rows += bench_decode(batch=4, context=32768, sweep=False)  # long context: where split-K matters
     rows += bench_decode(batch=64, context=4096, block_size=128, sweep=False)
     rows += bench_prefill(sweep=sweep)
+    # An FP8 cache beside bf16 at the 8B offline run's decode shape (a context with a partial last tile), and at
+    # the long one; the FP8 cache in both V layouts (kernels/kv_layout.py).
+    rows += bench_decode(batch=256, context=400, sweep=False, stages_sweep=True)
+    for v_inner in (True, False):
+        rows += bench_decode(batch=256, context=400, sweep=False, cache_dtype=FP8_E4M3, stages_sweep=v_inner,
+                             v_tokens_innermost=v_inner)  # fmt: skip
+        rows += bench_decode(sweep=False, cache_dtype=FP8_E4M3, v_tokens_innermost=v_inner)
+        rows += bench_prefill(sweep=False, cache_dtype=FP8_E4M3, v_tokens_innermost=v_inner)
     return rows

@@ -26,10 +26,12 @@ CASES = [
 @pytest.mark.parametrize(("seq_lens", "block_size", "num_heads", "num_kv_heads", "head_dim"), CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, 6])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("v_tokens_innermost", [False, True])
 def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits,
-                                  dtype):  # fmt: skip
-    """Unsplit, and split with the merge by the last split (6: more splits than one merge chunk)."""
-    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+                                  dtype, v_tokens_innermost):  # fmt: skip
+    """Unsplit, and split with the merge by the last split (6: more splits than one merge chunk); V in either
+    layout (kernels/kv_layout.py), the odd block size's without the runs a power of two gives."""
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, v_tokens_innermost)
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
@@ -68,13 +70,17 @@ def test_split_choice_fills_the_device_and_respects_short_contexts():
     assert choose_num_splits(batch=256, num_kv_heads=8, max_context=4096, num_sms=132) == 1
 
 
-def test_v_cache_with_other_strides_than_k_cache_is_refused(device):
-    # The kernels address V with K's strides: a V of the same shape laid out differently would be read wrongly.
+def test_v_cache_is_read_by_its_own_strides(device):
+    """The kernel follows V's strides, whatever they are, so long as each head's dims or each page's tokens are
+    dense; V with neither is refused."""
     kv = make_paged_kv([20, 7], 4, 2, 64, torch.float32, device)
-    v_cache = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, head-major blocks
+    head_major = kv.v_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, head-major blocks
     q = torch.randn(2, 4, 64, device=device)
-    with pytest.raises(ValueError, match="same strides"):
-        paged_decode_attention_triton(q, kv.k_cache, v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    args = (q, kv.k_cache, head_major, kv.block_tables, kv.seq_lens, 0.125)
+    assert_close(paged_decode_attention_triton(*args, block_n=16), paged_decode_attention_reference(*args))
+    scattered = kv.v_cache.transpose(0, 3).contiguous().transpose(0, 3)  # neither dims nor tokens dense
+    with pytest.raises(ValueError, match="stride 1 in its last dimension"):
+        paged_decode_attention_triton(q, kv.k_cache, scattered, kv.block_tables, kv.seq_lens, 0.125)
 
 
 @pytest.mark.parametrize("num_splits", [4, 16])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from paged_kv import make_paged_kv
+from paged_kv import in_v_layout, make_paged_kv
 from tolerances import DOT_DTYPES, assert_close
 
 from tidal.kernels._device import _cuda_capability
@@ -13,6 +13,7 @@ from tidal.kernels._triton_utils import for_cache
 from tidal.kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from tidal.kernels.kv_cache import store_kv_reference, store_kv_triton
 from tidal.kernels.kv_cache_dtype import FP8_E4M3, check_cache_dtype, kv_cache_dtype, to_cache_dtype
+from tidal.kernels.kv_layout import new_kv_cache_pair, v_tokens_innermost
 from tidal.kernels.prefill_attention import (
     PrefillConfig,
     paged_prefill_attention_reference,
@@ -38,6 +39,11 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
         f"{mismatch.numel()} values differ, first {got.flatten()[mismatch[:4]].float().tolist()} "
         f"against {want.flatten()[mismatch[:4]].float().tolist()}"
     )
+
+
+def _fp8_caches(num_blocks, block_size, kv_heads, head_dim, device):
+    """Zeroed FP8 (K, V) tensors as the engine allocates them: V tokens innermost."""
+    return list(new_kv_cache_pair(num_blocks, (block_size, kv_heads, head_dim), FP8_E4M3, torch.device(device)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -68,7 +74,7 @@ def test_store_kv(device):
     slots = torch.tensor([3, -1, 0, 7, 12, 5, 1, 2, 30], device=device)
     results = []
     for fn in (store_kv_triton, store_kv_reference):
-        caches = [torch.zeros(8, 4, 2, 64, dtype=FP8_E4M3, device=device) for _ in range(2)]
+        caches = _fp8_caches(8, 4, 2, 64, device)
         fn(k, v, *caches, slots)
         results.append(caches)
     for got, want in zip(*results, strict=True):
@@ -91,7 +97,7 @@ def test_rotary_store_kv(device, qk_norm, dtype):
     norms = (HeadNorm(torch.rand(head_dim, generator=gen).add(0.5).to(dtype).to(device), 1e-6),) * 2 if qk_norm else ()
     results = []
     for fn in (rotary_store_kv_triton, rotary_store_kv_reference):
-        caches = [torch.zeros(3, 4, kv_heads, head_dim, dtype=FP8_E4M3, device=device) for _ in range(2)]
+        caches = _fp8_caches(3, 4, kv_heads, head_dim, device)
         q_out = fn(q.clone(), k.clone(), v.clone(), positions, cos_sin, True, *caches, slots, *norms)
         results.append((q_out, *caches))
     (q_got, *got), (q_want, *want) = results
@@ -118,7 +124,7 @@ def test_small_batch_qkv(device, qk_norm):
     norms = (HeadNorm(torch.rand(head_dim, generator=gen).add(0.5).to(dtype).to(device), 1e-6),) * 2 if qk_norm else ()
     results = []
     for fn in (qkv_rope_store_triton, qkv_rope_store_reference):
-        caches = [torch.zeros(4, 4, kv_heads, head_dim, dtype=FP8_E4M3, device=device) for _ in range(2)]
+        caches = _fp8_caches(4, 4, kv_heads, head_dim, device)
         q = fn(a, weight, None, None, 0.0, positions, cos_sin, *caches, slots, heads, kv_heads, *norms)
         results.append((q, *caches))
     (q_got, *got), (q_want, *want) = results
@@ -130,15 +136,19 @@ def test_small_batch_qkv(device, qk_norm):
 
 
 def _fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, device):
+    """V tokens innermost, as an FP8 cache keeps it (kernels/kv_layout.py)."""
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, device)
-    kv.k_cache, kv.v_cache = (to_cache_dtype(c * 3, FP8_E4M3) for c in (kv.k_cache, kv.v_cache))
+    kv.k_cache = to_cache_dtype(kv.k_cache * 3, FP8_E4M3)
+    kv.v_cache = in_v_layout(to_cache_dtype(kv.v_cache * 3, FP8_E4M3), v_tokens_innermost(FP8_E4M3))
     return kv
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-def test_decode_attention(device, num_splits, dtype):
-    kv = _fp8_paged_kv([0, 5, 40, 71], 16, 2, 64, device)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_attention(device, num_splits, dtype, block_size):
+    """5: pages whose tokens do not line up with the tiles (kv_layout.has_page_runs)."""
+    kv = _fp8_paged_kv([0, 5, 40, 71], block_size, 2, 64, device)
     q = torch.randn(4, 8, 64, dtype=dtype, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 64**-0.5)
     assert_close(paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16),

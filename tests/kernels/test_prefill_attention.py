@@ -24,10 +24,13 @@ CASES = [
 
 @pytest.mark.parametrize(("lens", "block_size", "num_heads", "num_kv_heads", "head_dim"), CASES)
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-def test_prefill_matches_reference(device, lens, block_size, num_heads, num_kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("v_tokens_innermost", [False, True])
+def test_prefill_matches_reference(device, lens, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                   v_tokens_innermost):  # fmt: skip
+    """V in either layout (kernels/kv_layout.py)."""
     q_lens = [n for n, _ in lens]
     seq_lens = [n + prefix for n, prefix in lens]
-    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, v_tokens_innermost)
     q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, head_dim**-0.5)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tidal.kernels.kv_layout import is_tokens_innermost
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
@@ -77,6 +78,21 @@ def test_the_kv_cache_is_views_into_one_zeroed_region_that_survives_a_release():
     kv.restore()
     k0.fill_(1)  # the same view object, over the restored storage
     assert kv.usable_blocks == 5 and bool((kv.caches[0][0] == 1).all())
+
+
+def test_an_fp8_cache_keeps_v_tokens_innermost_inside_its_planes():
+    """K dense; V of an FP8 cache a tokens-innermost view (kernels/kv_layout.py) over exactly its own plane, so a
+    block is still one run of bytes and a wake's first share is still a prefix of blocks."""
+    kv = KVCacheRegion(TorchMemory(), num_layers=2, block_shape=(4, 2, 8), num_blocks=5, dtype=torch.float8_e4m3fn,
+                       device=CPU)  # fmt: skip
+    base, offsets = kv.region.tensor.data_ptr(), kv.placement.plane_offsets
+    for layer, (k, v) in enumerate(kv.caches):
+        assert k.is_contiguous() and not v.is_contiguous() and is_tokens_innermost(v)
+        assert v.shape == k.shape == (5, 4, 2, 8) and v.stride() == (64, 1, 32, 4)
+        assert (k.data_ptr(), v.data_ptr()) == (base + offsets[2 * layer], base + offsets[2 * layer + 1])
+    dense = KVCacheRegion(TorchMemory(), num_layers=1, block_shape=(4, 2, 8), num_blocks=5, dtype=torch.bfloat16,
+                          device=CPU)  # fmt: skip
+    assert all(t.is_contiguous() for t in dense.caches[0])
 
 
 def test_an_engine_serves_the_same_after_its_regions_were_released_and_restored(tiny_model):

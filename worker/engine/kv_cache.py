@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from tidal.kernels.kv_layout import new_kv_cache_pair
 from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import KVCacheSpec
 
@@ -20,11 +21,8 @@ def throwaway_kv_caches(
 ) -> KVCaches:
     """A small cache from torch's allocator for one profiling forward. Zeroed because that forward writes nothing
     (its slot mapping is all padding) yet attends over the blocks: its reads must see finite values."""
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(spec.num_layers)
-    ]
+    block_shape = (block_size, spec.num_kv_heads, spec.head_dim)
+    return [new_kv_cache_pair(num_blocks, block_shape, dtype, device) for _ in range(spec.num_layers)]
 
 
 def num_blocks_for_bytes(num_bytes: int, bytes_per_block: int) -> int:

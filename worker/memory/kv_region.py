@@ -10,11 +10,14 @@ import math
 
 import torch
 
+from tidal.kernels.kv_layout import cache_view, v_tokens_innermost
 from tidal.worker.memory.kv_placement import packed_kv, place_kv
 from tidal.worker.memory.provider import MemoryProvider
 from tidal.worker.memory.regions import DeviceRegion
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [num_blocks, block_size, kv_heads, hd]
+# Per layer (k, v), each [num_blocks, block_size, kv_heads, hd]; V of an FP8 cache as a tokens-innermost view
+# (kernels/kv_layout.py).
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 # Bytes of each layer's K and V mapped before serving resumes on a wake (the rest follows while serving): for a
 # Llama-3-8B shape, 2048 blocks of 16 tokens, 4 GiB in all, created in ~7 ms.
@@ -43,8 +46,11 @@ class KVCacheRegion:
         self.region: DeviceRegion = memory.region(self.placement.total, device, pieces=pieces)
         self.num_blocks = num_blocks
         self.nbytes = sum(size for _, size in pieces)
-        plane_bytes, shape = self.placement.plane_bytes, (num_blocks, *block_shape)
-        planes = [self.region.tensor[o : o + plane_bytes].view(dtype).view(shape) for o in self.placement.plane_offsets]
+        plane_bytes, v_inner = self.placement.plane_bytes, v_tokens_innermost(dtype)
+        planes = [
+            cache_view(self.region.tensor[o : o + plane_bytes].view(dtype), block_shape, v_inner and i % 2 == 1)
+            for i, o in enumerate(self.placement.plane_offsets)
+        ]
         self.caches: KVCaches = [(planes[2 * i], planes[2 * i + 1]) for i in range(num_layers)]
         # Zeroed once, here, as a guard only: attention (kernels and references alike) reads nothing but a
         # sequence's written context, so no result depends on it, and the memory a wake maps again is left as the
