@@ -78,15 +78,15 @@ def save_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_by
     `model.safetensors.index.json`, as a sharded Hugging Face checkpoint has them -> bytes written."""
     shard: dict[str, torch.Tensor] = {}
     index: dict[str, str] = {}
-    shard_size = total = 0
+    shard_size = total = num_shards = 0
 
     def flush() -> None:
-        nonlocal shard, shard_size
+        nonlocal shard, shard_size, num_shards
         if shard:
-            name = f"model-{len(set(index.values())):05d}.safetensors"
+            name = f"model-{num_shards:05d}.safetensors"
             save_file(shard, out / name, metadata={"format": "pt"})
             index.update(dict.fromkeys(shard, name))
-            shard, shard_size = {}, 0
+            shard, shard_size, num_shards = {}, 0, num_shards + 1
 
     for name, tensor in tensors:
         shard[name] = tensor

@@ -13,7 +13,6 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from tidal.worker.engine.outputs import EngineStats
 from tidal.worker.layers.expert_exchange import ExchangeSnapshot, ExchangeTotals
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.app import build_api_app
@@ -21,6 +20,7 @@ from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from tidal.worker.server.runtime import Phase, WorkerRuntime
+from tidal.worker.testing.engine_stats import idle_engine_stats
 
 
 def _api_app(runtime, metrics):
@@ -163,16 +163,9 @@ def test_two_metric_sets_do_not_collide():
     assert b'outcome="stop"} 0.0' in second.render()[0]
 
 
-def _stats(exchanges: ExchangeSnapshot | None) -> EngineStats:
-    return EngineStats(
-        num_running=0, num_waiting=0, kv_cache_usage=0.0, num_kv_blocks=1, num_preemptions=0, num_prompt_tokens=0,
-        num_generated_tokens=0, num_prefix_cache_hit_tokens=0, expert_exchanges=exchanges,
-    )  # fmt: skip
-
-
 def test_expert_exchange_series_count_what_a_rank_exchanged_and_seconds_only_when_timed():
     def scrape(exchanges: ExchangeSnapshot | None) -> str:
-        return WorkerMetrics(CollectorRegistry(), lambda: _stats(exchanges)).render()[0].decode()
+        return WorkerMetrics(CollectorRegistry(), lambda: idle_engine_stats(exchanges)).render()[0].decode()
 
     def snapshot(dispatch_s: float | None, combine_s: float | None) -> ExchangeSnapshot:
         dispatch = ExchangeTotals("dispatch", 96, 4000, 3000, dispatch_s)

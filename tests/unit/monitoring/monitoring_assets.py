@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from tidal.operator.metrics import OperatorMetrics
 from tidal.worker.layers.expert_exchange import PHASES, ExchangeSnapshot, ExchangeTotals
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.testing.engine_stats import idle_engine_stats
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "tidal"
@@ -89,19 +89,6 @@ def metric_names(expr: str) -> set[str]:
 _TIMED_RANK_EXCHANGES = ExchangeSnapshot(0, tuple(ExchangeTotals(p, 0, 0, 0, 0.0) for p in PHASES))
 
 
-@dataclass(frozen=True)
-class _Stats:
-    """An engine of an expert-parallel rank that times its exchanges: every family a worker can export."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_kv_blocks: int = 1
-    num_preemptions: int = 0
-    num_prefix_cache_hit_tokens: int = 0
-    expert_exchanges: ExchangeSnapshot = _TIMED_RANK_EXCHANGES
-
-
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
 
 
@@ -109,7 +96,7 @@ def exported_metric_names() -> set[str]:
     """Every sample name a worker (serving and lifecycle metrics) and the operator export, including those of
     labelled families that have no child yet (from the family's type: `_total`, `_bucket`/`_sum`/`_count`, `_info`)."""
     worker = CollectorRegistry()
-    WorkerMetrics(worker, lambda: _Stats())
+    WorkerMetrics(worker, lambda: idle_engine_stats(_TIMED_RANK_EXCHANGES))  # every family a worker can export
     LifecycleMetrics(worker)
     operator = OperatorMetrics(CollectorRegistry()).registry
     names = set()

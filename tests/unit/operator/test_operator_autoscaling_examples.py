@@ -2,7 +2,6 @@
 worker pods' port and labels, and a metric the worker really exports."""
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import yaml
@@ -12,6 +11,7 @@ from tidal.operator.api import constants as c
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders.pod import build_pod
 from tidal.worker.metrics import WorkerMetrics
+from tidal.worker.testing.engine_stats import idle_engine_stats
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 AUTOSCALING = EXAMPLES / "autoscaling"
@@ -24,16 +24,7 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def _worker_metric_names() -> set[str]:
-    stats = SimpleNamespace(
-        num_running=0,
-        num_waiting=0,
-        kv_cache_usage=0.0,
-        num_kv_blocks=1,
-        num_preemptions=0,
-        num_prefix_cache_hit_tokens=0,
-        expert_exchanges=None,  # no expert parallelism
-    )
-    metrics = WorkerMetrics(CollectorRegistry(), lambda: stats)
+    metrics = WorkerMetrics(CollectorRegistry(), idle_engine_stats)
     return {family.name for family in metrics.registry.collect()}
 
 
