@@ -10,18 +10,37 @@ token the host has not read yet (UNKNOWN_TOKEN), and its hash waits until that t
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from tidal.worker.engine.sequence import UNKNOWN_TOKEN, Sequence
 
 
-@dataclass
-class Block:
+class Block(NamedTuple):
+    """One block's bookkeeping as it stands (a snapshot: `BlockManager.blocks`)."""
+
     block_id: int
-    ref_count: int = 0
-    prefix_hash: int | None = None
+    ref_count: int
+    prefix_hash: int | None
     # The tokens the hash was computed from, compared on a hit so a hash collision can never mix sequences.
-    token_ids: tuple[int, ...] = field(default_factory=tuple)
+    token_ids: tuple[int, ...]
+
+
+class BlockView:
+    """The manager's blocks, read-only, as `Block` snapshots by id."""
+
+    def __init__(self, manager: BlockManager) -> None:
+        self._manager = manager
+
+    def __len__(self) -> int:
+        return self._manager.num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        m = self._manager
+        return Block(block_id, m._ref_counts[block_id], m._prefix_hashes[block_id], m._block_tokens[block_id])
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[b] for b in range(len(self)))
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -35,7 +54,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Per block, in lists of plain values rather than an object each: the garbage collector tracks every
+        # object that can hold references, and a full collection walks them all while no step runs. An FP8 cache
+        # on an H200 has 113k blocks of an 8B model; as objects they made each full collection that much longer.
+        self._ref_counts = [0] * num_blocks
+        self._prefix_hashes: list[int | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...]] = [()] * num_blocks
         # Unreferenced blocks in the order they were freed; values unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # prefix hash -> block id
@@ -43,6 +67,10 @@ class BlockManager:
         self.num_prefix_hit_tokens = 0  # since start
 
     # ----- queries -----
+    @property
+    def blocks(self) -> BlockView:
+        return BlockView(self)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -57,7 +85,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         """Whether blocks for all of `seq`'s tokens (prefix hits included) can be had now."""
         hits = self._prefix_hits(seq)
-        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        num_revived = sum(1 for b in hits if self._ref_counts[b] == 0)
         num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
         return num_new + num_revived <= len(self._free)
 
@@ -100,7 +128,7 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
         seq.block_table = list(hits)
-        seq.block_hashes = [self.blocks[b].prefix_hash for b in hits]  # type: ignore[misc]
+        seq.block_hashes = [self._prefix_hashes[b] for b in hits]  # type: ignore[misc]
         seq.num_computed_tokens = len(hits) * self.block_size
         self.num_prefix_hit_tokens += seq.num_computed_tokens
         for _ in range(self.num_blocks_for(seq.num_tokens) - len(hits)):
@@ -136,19 +164,19 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
             if h in self._cached:
                 continue  # another block already holds these tokens; keep the first
-            block.prefix_hash = h
-            block.token_ids = tokens
-            self._cached[h] = block.block_id
+            block_id = seq.block_table[i]
+            self._prefix_hashes[block_id] = h
+            self._block_tokens[block_id] = tokens
+            self._cached[h] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; the tail goes on the free list first so it is evicted before the prefix."""
+        ref_counts = self._ref_counts
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
                 self._free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
@@ -159,9 +187,8 @@ class BlockManager:
         Blocks in use stay in use. -> how many cached blocks were forgotten."""
         num_forgotten = len(self._cached)
         self._cached.clear()
-        for block in self.blocks:
-            block.prefix_hash = None
-            block.token_ids = ()
+        self._prefix_hashes = [None] * self.num_blocks
+        self._block_tokens = [()] * self.num_blocks
         return num_forgotten
 
     def set_num_usable(self, num_usable: int) -> None:
@@ -175,15 +202,12 @@ class BlockManager:
             self.num_usable = num_usable
             return
         dropped = range(num_usable, self.num_usable)
-        busy = [b for b in dropped if self.blocks[b].ref_count > 0]
+        busy = [b for b in dropped if self._ref_counts[b] > 0]
         if busy:
             raise RuntimeError(f"{len(busy)} blocks to take out of use are held by sequences (first: {busy[0]})")
         for block_id in dropped:
-            block = self.blocks[block_id]
             del self._free[block_id]
-            if block.prefix_hash is not None and self._cached.get(block.prefix_hash) == block_id:
-                del self._cached[block.prefix_hash]
-            block.prefix_hash, block.token_ids = None, ()
+            self._forget_prefix(block_id)
         for block_id in range(self.num_usable, num_usable):
             self._free[block_id] = None
         self.num_usable = num_usable
@@ -201,26 +225,29 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None or self._block_tokens[block_id] != tokens:
                 break
             hits.append(block_id)
             parent = h
         return hits
 
     def _take(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
+        if self._ref_counts[block_id] == 0:
             del self._free[block_id]
-        block.ref_count += 1
+        self._ref_counts[block_id] += 1
 
     def _take_fresh(self) -> int:
         if not self._free:
             raise RuntimeError("out of KV cache blocks (the scheduler should have checked)")
         block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.prefix_hash is not None and self._cached.get(block.prefix_hash) == block_id:
-            del self._cached[block.prefix_hash]
-        block.prefix_hash = None
-        block.token_ids = ()
-        block.ref_count = 1
+        self._forget_prefix(block_id)
+        self._ref_counts[block_id] = 1
         return block_id
+
+    def _forget_prefix(self, block_id: int) -> None:
+        """The block's contents are about to change (or lose their memory): its prefix can no longer be a hit."""
+        prefix_hash = self._prefix_hashes[block_id]
+        if prefix_hash is not None and self._cached.get(prefix_hash) == block_id:
+            del self._cached[prefix_hash]
+        self._prefix_hashes[block_id] = None
+        self._block_tokens[block_id] = ()
