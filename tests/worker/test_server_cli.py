@@ -143,3 +143,18 @@ def test_module_entry_point_rejects_bad_config_with_exit_2(tmp_path):
     assert "has no config.json" in result.stderr
     assert "--port / TIDAL_PORT" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_startup_objects_leave_the_collectors_view():
+    """What loading made is frozen once (the worker's entry point registers this for after the load): a full
+    collection then walks only what serving makes."""
+    import gc
+
+    from tidal.worker.cli import freeze_startup_objects
+
+    made_at_startup = [object() for _ in range(1000)]  # noqa: F841 -- alive while frozen
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() >= 1000
+    finally:
+        gc.unfreeze()  # this test process runs more workers after this one

@@ -80,6 +80,19 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
+def test_load_hooks_run_once_the_model_serves(model_dir):
+    """`on_loaded` (where the worker's entry point freezes its startup objects) runs after the load, once."""
+    servers = assemble_worker(worker_config(model_dir)).servers
+    seen: list[bool] = []
+    servers.on_loaded.append(lambda: seen.append(servers.runtime.is_ready))
+    local = BackgroundServers(servers).start().wait_ready()
+    try:
+        assert wait_until(lambda: bool(seen))
+        assert seen == [True]
+    finally:
+        assert local.stop() == 0
+
+
 def test_models_and_probes(worker):
     assert httpx.get(f"{worker.url()}/health").status_code == 200
     assert httpx.get(f"{worker.url()}/ready").status_code == 200
