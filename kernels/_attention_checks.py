@@ -33,7 +33,7 @@ def check_paged_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     check_same_device("q, k_cache, v_cache and block_tables", q, k_cache, v_cache, block_tables)
     for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
         check_last_dim_contiguous(name, t)
-    if not is_tokens_innermost(v_cache):  # the kernels follow V's strides; K's head dims must be dense
+    if not is_tokens_innermost(v_cache):  # the kernels follow V's strides: dense head dims or dense page tokens
         check_last_dim_contiguous("v_cache", v_cache)
 
 

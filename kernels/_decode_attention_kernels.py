@@ -152,7 +152,7 @@ def decode_split_kernel(
     # one split while the others idle, and a decode step would wait on that split's serial tile loop.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(seq_len, start + split_len)
+    end = tl.maximum(tl.minimum(seq_len, start + split_len), start)  # a split past the context: empty, not negative
 
     rows = tl.arange(0, GROUP_P2)  # query heads of this KV head's group (padded for the dot)
     dims = tl.arange(0, HEAD_DIM_P2)

@@ -47,8 +47,11 @@ def _attend_tile(
     """Online-softmax accumulation over keys [kv_start, kv_end); CAUSAL_MASK only for tiles crossing the diagonal."""
     # The page ids of the next tile are loaded one iteration ahead: a load whose result feeds this iteration's K/V
     # addresses would make the pipeliner wait for every copy in flight before issuing the next ones.
+    # Whole pages: a page that kv_end cuts through keeps its id in every lane, so V's page runs stay true to the
+    # hints below (its slots past kv_end are masked on load all the same).
+    num_pages = tl.cdiv(kv_end, BLOCK_SIZE)
     first_keys = kv_start + tl.arange(0, BLOCK_N)
-    pages = tl.load(table + first_keys // BLOCK_SIZE, mask=first_keys < kv_end, other=0)
+    pages = tl.load(table + first_keys // BLOCK_SIZE, mask=first_keys // BLOCK_SIZE < num_pages, other=0)
     for tile in range(kv_start, kv_end, BLOCK_N):
         keys = tl.multiple_of(tile, BLOCK_N) + tl.arange(0, BLOCK_N)  # [BLOCK_N]; both ranges start on a tile
         key_ok = keys < kv_end
@@ -62,7 +65,7 @@ def _attend_tile(
                 v_row = tl.max_contiguous(tl.multiple_of(v_row, RUN), RUN)
             v_at = v_cache_ptr + v_row[:, None] + dims[None, :] * v_stride_dim
         next_keys = keys + BLOCK_N
-        pages = tl.load(table + next_keys // BLOCK_SIZE, mask=next_keys < kv_end, other=0)
+        pages = tl.load(table + next_keys // BLOCK_SIZE, mask=next_keys // BLOCK_SIZE < num_pages, other=0)
         # Full tiles below the diagonal need no key mask (fewer predicates on the copies).
         kv_mask = key_ok[:, None] & dim_ok[None, :] if CAUSAL_MASK else dim_ok[None, :]
         # An FP8 cache's values come back in q's dtype (exactly; fp16 then, see q_for_cache), as in decode.

@@ -97,6 +97,8 @@ def paged_decode_attention_triton(
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
     if block_n is None:
         block_n = 64 if head_dim_p2 <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):  # the partial last tile goes 16 tokens at a time
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = num_heads // num_kv_heads
     tokens_inner = is_tokens_innermost(v_cache)
     if num_stages is None:

@@ -12,7 +12,7 @@ What it buys: twice the tokens in the same memory, and half the bytes a decode s
 large batch and long context is most of the step. V is stored with each block's tokens innermost
 (kernels/kv_layout.py), because the tensor cores want V's tokens in pairs and there is no 8-bit transposing
 shared-memory load: with head dims innermost Triton read V byte by byte, and decode attention was no faster than
-from bf16 (benchmarks/results/kv-cache-fp8-h200.md); with tokens innermost it is 14-20% faster than from bf16
+from bf16 (benchmarks/results/kv-cache-fp8-h200.md); with tokens innermost it is 11-20% faster than from bf16
 (kv-cache-fp8-v-layout-h200.md).
 """
 

@@ -5,7 +5,7 @@ Every cache tensor has the logical shape [num_blocks, block_size, num_kv_heads, 
 physically [num_blocks, num_kv_heads, head_dim, block_size], handed around as the permuted view with the logical
 shape. Why: V is the second operand of P @ V, whose tensor-core tiles want the tokens along the contiguous axis.
 With head dims innermost, Triton reads 8-bit V from shared memory one byte at a time (there is no 8-bit transposing
-`ldmatrix`); with tokens innermost those byte reads go away, and decode attention from an FP8 cache became 14-20%
+`ldmatrix`); with tokens innermost those byte reads go away, and decode attention from an FP8 cache became 11-20%
 faster than from bf16 instead of no faster (benchmarks/results/kv-cache-fp8-v-layout-h200.md). A 16-bit V keeps head
 dims innermost: its transposing `ldmatrix` already serves it.
 

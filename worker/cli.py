@@ -113,7 +113,7 @@ def serve(argv: Sequence[str] | None = None) -> int:
         servers = assemble_worker(config).servers
     except ValueError as exc:  # a setting only checkable when assembling (e.g. the control token)
         raise _invalid([str(exc)]) from None
-    servers.on_loaded.append(freeze_startup_objects)
+    servers.runtime.on_loaded.append(freeze_startup_objects)
     try:
         servers.bind()
     except OSError as exc:

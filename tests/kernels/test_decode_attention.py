@@ -40,6 +40,26 @@ def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_k
     assert torch.all(got[torch.tensor(seq_lens) == 0] == 0)
 
 
+@pytest.mark.parametrize("v_tokens_innermost", [False, True])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermost, block_size, num_splits):
+    """The tile width the engine launches (64 tokens at head_dim 128): whole tiles unmasked, then tails of up to
+    63 tokens 16 at a time, with pages smaller than, equal to and larger than those 16."""
+    seq_lens = [64 + 40, 128 + 17, 63, 64, 1, 200]
+    kv = make_paged_kv(seq_lens, block_size, 2, 128, torch.float32, device, v_tokens_innermost)
+    q = torch.randn(len(seq_lens), 4, 128, device=device)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
+    assert_close(paged_decode_attention_triton(*args, num_splits=num_splits), paged_decode_attention_reference(*args))
+
+
+def test_tiles_narrower_than_16_tokens_are_refused():
+    kv = make_paged_kv([6], 4, 1, 16, torch.float32, "cpu")
+    q = torch.randn(1, 1, 16)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        paged_decode_attention_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.25, block_n=8)
+
+
 def test_decode_fp16_strided_query(device):
     kv = make_paged_kv([20, 7], 4, 2, 64, torch.float16, device)
     q = torch.randn(2, 12, 64, dtype=torch.float16, device=device)[:, ::3]  # [2, 4, 64], head stride 192

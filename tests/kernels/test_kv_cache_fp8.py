@@ -146,12 +146,15 @@ def _fp8_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, device):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_attention(device, num_splits, dtype, block_size):
-    """5: pages whose tokens do not line up with the tiles (kv_layout.has_page_runs)."""
-    kv = _fp8_paged_kv([0, 5, 40, 71], block_size, 2, 64, device)
-    q = torch.randn(4, 8, 64, dtype=dtype, device=device)
+@pytest.mark.parametrize("block_n", [16, None])
+def test_decode_attention(device, num_splits, dtype, block_size, block_n):
+    """5: pages whose tokens do not line up with the tiles (kv_layout.has_page_runs); block_n None: the engine's
+    64-token tiles, with tails of more than 16 tokens after them."""
+    seq_lens = [0, 5, 40, 71, 64 + 40, 128 + 17]
+    kv = _fp8_paged_kv(seq_lens, block_size, 2, 64, device)
+    q = torch.randn(len(seq_lens), 8, 64, dtype=dtype, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 64**-0.5)
-    assert_close(paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16),
+    assert_close(paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n),
                  paged_decode_attention_reference(*args))  # fmt: skip
 
 

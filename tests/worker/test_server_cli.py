@@ -146,15 +146,26 @@ def test_module_entry_point_rejects_bad_config_with_exit_2(tmp_path):
 
 
 def test_startup_objects_leave_the_collectors_view():
-    """What loading made is frozen once (the worker's entry point registers this for after the load): a full
-    collection then walks only what serving makes."""
+    """What loading left for collection goes first; what is alive is then frozen (the worker's entry point runs
+    this once the model has loaded): a full collection walks only what serving makes."""
     import gc
+    import weakref
 
     from tidal.worker.cli import freeze_startup_objects
 
-    made_at_startup = [object() for _ in range(1000)]  # noqa: F841 -- alive while frozen
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.itself = garbage  # a cycle: only the collector frees it
+    garbage_ref = weakref.ref(garbage)
+    del garbage
+    alive = [[] for _ in range(1000)]  # lists are tracked; their count must move to the frozen generation
+    assert all(gc.is_tracked(x) for x in alive)
     try:
+        frozen_before = gc.get_freeze_count()
         freeze_startup_objects()
-        assert gc.get_freeze_count() >= 1000
+        assert garbage_ref() is None  # collected before the freeze, not frozen for good
+        assert gc.get_freeze_count() >= frozen_before + len(alive)
     finally:
         gc.unfreeze()  # this test process runs more workers after this one

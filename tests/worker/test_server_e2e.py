@@ -80,15 +80,16 @@ def wait_until(predicate, timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
-def test_load_hooks_run_once_the_model_serves(model_dir):
-    """`on_loaded` (where the worker's entry point freezes its startup objects) runs after the load, once."""
+def test_load_hooks_run_once_loaded_before_ready(model_dir):
+    """`on_loaded` (where the worker's entry point freezes its startup objects) runs once, with the engine started
+    and before the worker reports ready, so no request's objects are frozen with the startup's."""
     servers = assemble_worker(worker_config(model_dir)).servers
-    seen: list[bool] = []
-    servers.on_loaded.append(lambda: seen.append(servers.runtime.is_ready))
+    runtime = servers.runtime
+    seen: list[tuple[bool, bool]] = []
+    runtime.on_loaded.append(lambda: seen.append((runtime.is_ready, runtime.engine is None)))
     local = BackgroundServers(servers).start().wait_ready()
     try:
-        assert wait_until(lambda: bool(seen))
-        assert seen == [True]
+        assert seen == [(False, True)]
     finally:
         assert local.stop() == 0
 

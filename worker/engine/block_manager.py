@@ -36,6 +36,8 @@ class BlockView:
         return self._manager.num_blocks
 
     def __getitem__(self, block_id: int) -> Block:
+        if not 0 <= block_id < len(self):
+            raise IndexError(f"block {block_id} is not in [0, {len(self)})")
         m = self._manager
         return Block(block_id, m._ref_counts[block_id], m._prefix_hashes[block_id], m._block_tokens[block_id])
 
@@ -56,7 +58,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Per block, in lists of plain values rather than an object each: the garbage collector tracks every
         # object that can hold references, and a full collection walks them all while no step runs. An FP8 cache
-        # on an H200 has 113k blocks of an 8B model; as objects they made each full collection that much longer.
+        # on an H200 has 113k blocks of an 8B model, which as objects would each add to every full collection.
         self._ref_counts = [0] * num_blocks
         self._prefix_hashes: list[int | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...]] = [()] * num_blocks

@@ -52,9 +52,9 @@ class KVCacheRegion:
             for i, o in enumerate(self.placement.plane_offsets)
         ]
         self.caches: KVCaches = [(planes[2 * i], planes[2 * i + 1]) for i in range(num_layers)]
-        # Zeroed once, here, as a guard only: attention (kernels and references alike) reads nothing but a
-        # sequence's written context, so no result depends on it, and the memory a wake maps again is left as the
-        # driver gives it (zeroing 100+ GiB would lengthen every wake).
+        # Zeroed once, here, as a guard only: no attention result (kernels and references alike) depends on anything
+        # past a sequence's written context (decode reads its last page whole and zeroes what lies past the end), so
+        # the memory a wake maps again is left as the driver gives it (zeroing 100+ GiB would lengthen every wake).
         self.region.tensor.zero_()
 
     @property

@@ -140,8 +140,6 @@ class WorkerServers:
         self._stopping = False
         # Why `run()` ended with an error, in a line for the process's termination message (None: it did not).
         self.failure: str | None = None
-        # Called on the event loop once the model has loaded and its step loop runs, before serving goes on.
-        self.on_loaded: list[Callable[[], None]] = []
 
     def listener(self, name: str) -> Listener:
         found = [lst for lst in self.listeners if lst.name == name]
@@ -197,8 +195,6 @@ class WorkerServers:
                 exit_code = 1
                 self.failure = f"loading the model failed: {self.runtime.failure}"
             elif loading in done:
-                for callback in self.on_loaded:
-                    callback()
                 await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._stop_servers()

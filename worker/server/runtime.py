@@ -37,6 +37,8 @@ class WorkerRuntime:
         self.engine: AsyncEngine | None = None
         self.phase = Phase.LOADING
         self.failure: str | None = None
+        # Called once the engine is loaded and started, before the worker reports ready (nothing is served yet).
+        self.on_loaded: list[Callable[[], None]] = []
 
     @property
     def is_ready(self) -> bool:
@@ -56,6 +58,8 @@ class WorkerRuntime:
         try:
             engine = await asyncio.to_thread(self._load_engine)
             await engine.start()
+            for callback in self.on_loaded:
+                callback()
         except Exception as exc:
             self.phase = Phase.FAILED
             self.failure = f"{type(exc).__name__}: {exc}"

@@ -39,6 +39,10 @@ def _fake_worker(monkeypatch, assemble):
     monkeypatch.setitem(sys.modules, "tidal.worker.process", SimpleNamespace(assemble_worker=assemble))
 
 
+def _fake_runtime() -> SimpleNamespace:
+    return SimpleNamespace(on_loaded=[])
+
+
 def test_messages_fit_the_kubelets_limit_without_splitting_a_character():
     assert fit("short") == "short"
     cut = fit("é" * MAX_MESSAGE_BYTES)  # 2 bytes each: twice the limit
@@ -67,7 +71,7 @@ def test_a_model_that_fails_to_load_leaves_the_servers_reason(last_words, model_
         return 1
 
     failure = "loading the model failed: FileNotFoundError: weights directory /srv/x does not exist"
-    servers = SimpleNamespace(bind=lambda: None, listeners=[], run=run, failure=failure)
+    servers = SimpleNamespace(bind=lambda: None, listeners=[], run=run, failure=failure, runtime=_fake_runtime())
     _fake_worker(monkeypatch, lambda config: SimpleNamespace(servers=servers))
     assert cli.main(["--model", str(model_dir)]) == 1
     assert last_words.read_text() == failure
@@ -77,7 +81,8 @@ def test_a_busy_port_and_an_unexpected_error_are_written_too(last_words, model_d
     def busy() -> None:
         raise OSError("serving API cannot listen on 127.0.0.1:8000: Address already in use")
 
-    _fake_worker(monkeypatch, lambda config: SimpleNamespace(servers=SimpleNamespace(bind=busy, listeners=[])))
+    servers = SimpleNamespace(bind=busy, listeners=[], runtime=_fake_runtime())
+    _fake_worker(monkeypatch, lambda config: SimpleNamespace(servers=servers))
     assert cli.main(["--model", str(model_dir)]) == 1
     assert last_words.read_text() == "serving API cannot listen on 127.0.0.1:8000: Address already in use"
 
@@ -94,7 +99,8 @@ def test_a_clean_stop_writes_nothing(last_words, model_dir, monkeypatch):
     async def run() -> int:
         return 0
 
-    servers = SimpleNamespace(bind=lambda: None, listeners=[], run=run, failure=None)
+    servers = SimpleNamespace(bind=lambda: None, listeners=[], run=run, failure=None, runtime=_fake_runtime())
     _fake_worker(monkeypatch, lambda config: SimpleNamespace(servers=servers))
     assert cli.main(["--model", str(model_dir)]) == 0
     assert not last_words.exists()
+    assert servers.runtime.on_loaded == [cli.freeze_startup_objects]  # the entry point, and only it, freezes
