@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tidal.kernels._triton_utils import (
+    FP16_MAX,
     arrives_last,
     exact_dot,
     for_cache,
@@ -36,7 +37,11 @@ def _products(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """(a @ W[outs]^T, a @ W[outs + second_offset]^T when PAIRED), each [BLOCK_M, BLOCK_N] fp32."""
+    """(a @ W[outs]^T, a @ W[outs + second_offset]^T when PAIRED), each [BLOCK_M, BLOCK_N] fp32. An e4m3 W (FP8
+    weights, their scales left to the caller's epilogue) is multiplied in fp16 beside 16-bit activations: e4m3 converts
+    to fp16 in one packed instruction (to bf16 it takes two), fp16 holds every e4m3 value exactly and a bf16 row more
+    finely, clamped to fp16's range; in fp32 beside fp32 ones."""
+    W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
@@ -45,12 +50,38 @@ def _products(
         a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_offsets = outs[:, None] * w_stride + ks[None, :]
         w_mask = out_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        if W_FP8:
+            a = _beside_fp8(a, IS_FP32)
+        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0).to(a.dtype)  # [BLOCK_N, BLOCK_K]
         acc = exact_dot(a, tl.trans(w), IS_FP32, acc)
         if PAIRED:
-            w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0)
+            w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0).to(a.dtype)
             acc2 = exact_dot(a, tl.trans(w2), IS_FP32, acc2)
     return acc, acc2
+
+
+@triton.jit
+def _beside_fp8(a, IS_FP32: tl.constexpr):
+    """Activations a in the type their products with e4m3 weights run in (see _products)."""
+    if IS_FP32:
+        return a
+    else:
+        return tl.clamp(a.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+
+
+@triton.jit
+def _weight_scales(w_scale_ptr, outs, out_mask, second_offset, W_SCALED: tl.constexpr, PAIRED: tl.constexpr):
+    """[1, BLOCK_N] fp32 scales of the output channels `outs` (and of `outs + second_offset` when PAIRED) of FP8
+    weights; ones otherwise (never read)."""
+    if W_SCALED:
+        scale = tl.load(w_scale_ptr + outs, mask=out_mask, other=1.0)[None, :]
+        scale2 = scale
+        if PAIRED:
+            scale2 = tl.load(w_scale_ptr + second_offset + outs, mask=out_mask, other=1.0)[None, :]
+    else:
+        scale = tl.full((1, outs.shape[0]), 1.0, tl.float32)
+        scale2 = scale
+    return scale, scale2
 
 
 @triton.jit
@@ -103,7 +134,8 @@ def _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, tile, GATED: tl.c
 @triton.jit
 def linear_rows_kernel(
     a_ptr,  # [M, K]
-    w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT)
+    w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT); 16-bit, fp32 or e4m3
+    w_scale_ptr,  # [N] fp32 scales of an e4m3 W's rows (output channels)
     bias_ptr,  # [N] when HAS_BIAS
     norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
     residual_ptr,  # [M, N_OUT] when INTO_RESIDUAL
@@ -152,6 +184,8 @@ def linear_rows_kernel(
         bias = tl.load(bias_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             bias_up = tl.load(bias_ptr + n_out + outs, mask=out_mask, other=0.0).to(tl.float32)[None, :]
+    w_scale, w_scale_up = _weight_scales(w_scale_ptr, outs, out_mask, n_out, w_ptr.dtype.element_ty == tl.float8e4nv,
+                                         GATED)  # fmt: skip
     if INTO_RESIDUAL:
         res_mask = row_mask[:, None] & out_mask[None, :]
         res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=res_mask, other=0.0)
@@ -165,6 +199,9 @@ def linear_rows_kernel(
         acc, acc_up, finishes = _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, pid, GATED, SPLIT_K,
                                                  BLOCK_M, BLOCK_N)  # fmt: skip
         row_mask = row_mask & finishes  # every store below is the last split's alone
+    if w_ptr.dtype.element_ty == tl.float8e4nv:
+        acc = acc * w_scale
+        acc_up = acc_up * w_scale_up
     if ROW_SCALE:
         acc = acc * inv_rms
         acc_up = acc_up * inv_rms
@@ -203,7 +240,8 @@ def _norm_heads(x1, x2, dims, is_q, q_gamma_ptr, k_gamma_ptr, q_eps, k_eps, HEAD
 @triton.jit
 def qkv_rope_kernel(
     a_ptr,  # [M, K]
-    w_ptr,  # [(Hq + 2 Hkv) * D, K]: q heads, then k heads, then v heads
+    w_ptr,  # [(Hq + 2 Hkv) * D, K]: q heads, then k heads, then v heads; 16-bit, fp32 or e4m3
+    w_scale_ptr,  # [(Hq + 2 Hkv) * D] fp32 scales of an e4m3 W's rows
     bias_ptr,  # [(Hq + 2 Hkv) * D] when HAS_BIAS
     norm_partials_ptr,  # [P_IN, M] fp32 when ROW_SCALE
     positions_ptr,  # [M]
@@ -272,6 +310,8 @@ def qkv_rope_kernel(
     cos = tl.load(angles, mask=row_mask[:, None] & dim_ok[None, :], other=1.0).to(tl.float32)
     sin = tl.load(angles + HALF, mask=row_mask[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
     slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    w_scale1, w_scale2 = _weight_scales(w_scale_ptr, outs, dim_ok, HALF, w_ptr.dtype.element_ty == tl.float8e4nv,
+                                        True)  # fmt: skip
     x1, x2 = _products(
         a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
         IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -281,6 +321,9 @@ def qkv_rope_kernel(
         x1, x2, finishes = _sum_splits_last(x1, x2, workspace_ptr, counters_ptr, pid, True, SPLIT_K, BLOCK_M,
                                             BLOCK_N)  # fmt: skip
         row_mask = row_mask & finishes  # every store below is the last split's alone
+    if w_ptr.dtype.element_ty == tl.float8e4nv:
+        x1 = x1 * w_scale1
+        x2 = x2 * w_scale2
     if ROW_SCALE:
         x1 = x1 * inv_rms
         x2 = x2 * inv_rms

@@ -10,7 +10,7 @@ from tidal.kernels.kv_cache_dtype import FP8_E4M3_MAX
 
 # A @triton.jit function reads a module global only if it is a tl.constexpr instance (an annotation is not enough).
 _E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
-_FP16_MAX = tl.constexpr(65504.0)  # torch.finfo(torch.float16).max
+FP16_MAX = tl.constexpr(65504.0)  # torch.finfo(torch.float16).max
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def let_next_kernel_launch(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _round_to_e4m3(x):
+def round_to_e4m3(x):
     """fp32 x -> the nearest FP8 e4m3 value (ties to even), clamped to +-448, still in fp32. Rounding here, in fp32
     arithmetic, makes the cast that follows exact: the compiled kernels and the interpreter (whose own fp32 -> e4m3
     cast mishandles a rounding carry: 127.5 -> 64) then store the same bits as torch's cast."""
@@ -62,7 +62,7 @@ def for_cache(x, cache_ptr, act_ptr):
     """fp32 x as the KV cache at `cache_ptr` stores it: in the activations' dtype (that of `act_ptr`), or for an
     FP8 cache that value rounded to e4m3 (kernels/kv_cache_dtype.py)."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        return _round_to_e4m3(x.to(act_ptr.dtype.element_ty).to(tl.float32)).to(tl.float8e4nv)
+        return round_to_e4m3(x.to(act_ptr.dtype.element_ty).to(tl.float32)).to(tl.float8e4nv)
     else:
         return x.to(cache_ptr.dtype.element_ty)
 
@@ -82,7 +82,7 @@ def q_for_cache(q, cache_ptr, IS_FP32: tl.constexpr):
     bf16 cache (benchmarks/results/kv-cache-fp8-h200.md). fp16 holds every e4m3 value exactly and the probabilities
     P more finely than bf16; sums stay fp32."""
     if cache_ptr.dtype.element_ty == tl.float8e4nv and not IS_FP32:
-        return tl.clamp(q.to(tl.float32), -_FP16_MAX, _FP16_MAX).to(tl.float16)
+        return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
     else:
         return q
 

@@ -36,6 +36,7 @@ from tidal.kernels._validate import (
     check_same_dtype,
     check_shape,
 )
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
 
 # Rows are padded to one tensor-core tile of 16; beyond that a real GEMM wins.
 MAX_ROWS = 16
@@ -91,13 +92,15 @@ def choose_config(n_out: int, k_in: int, gated: bool = False) -> LaunchConfig:
     return LaunchConfig(block_n, min(block_k, max(16, triton.next_power_of_2(k_in))), num_warps=4, num_stages=stages)
 
 
-def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+def _check(
+    a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_out: int, weight_scale: torch.Tensor | None
+) -> None:
     check_ndim("a", a, 2)
     check_dtype("a", a, (*HALF_DTYPES, torch.float32))
     check_ndim("weight", weight, 2)
     if weight.shape[1] != a.shape[1]:
         raise ValueError(f"weight must have {a.shape[1]} input features, got shape {tuple(weight.shape)}")
-    check_same_dtype("a and weight", a, weight)
+    check_weight_scale(a, weight, weight_scale)
     check_last_dim_contiguous("a", a)
     check_last_dim_contiguous("weight", weight)
     if bias is not None:
@@ -105,6 +108,28 @@ def _check(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_o
         check_contiguous("bias", bias)
     if a.shape[0] > MAX_ROWS:
         raise ValueError(f"at most {MAX_ROWS} rows, got {a.shape[0]}: use a GEMM")
+
+
+def check_weight_scale(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """A weight is in the activations' dtype without a scale, or e4m3 (FP8 weights, kernels/fp8_linear.py) with one
+    fp32 scale per row."""
+    if weight.dtype != FP8_E4M3:
+        check_same_dtype("a and weight", a, weight)
+        if weight_scale is not None:
+            raise ValueError(f"weight_scale is for e4m3 weights; this weight is {weight.dtype}")
+        return
+    if weight_scale is None:
+        raise ValueError("an e4m3 weight needs its weight_scale (one per row)")
+    check_shape("weight_scale", weight_scale, (weight.shape[0],))
+    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    check_contiguous("weight_scale", weight_scale)
+
+
+def weight_products(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> torch.Tensor:
+    """a [M, K] @ weight [N, K]^T in fp32, an e4m3 weight's products then scaled per output channel (as the kernels
+    scale their sums)."""
+    y = a.float() @ weight.float().T
+    return y if weight_scale is None else y * weight_scale[None, :]
 
 
 def _check_partials(partial_sq: torch.Tensor, num_rows: int) -> None:
@@ -131,11 +156,13 @@ def linear_rows_reference(
     norm_partials: torch.Tensor | None = None,
     eps: float = 0.0,
     gated: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """a [M, K] @ weight [N, K]^T -> [M, N] (gated: [M, N / 2]); see the module docstring."""
+    """a [M, K] @ weight [N, K]^T -> [M, N] (gated: [M, N / 2]); see the module docstring. `weight_scale`: an e4m3
+    weight's per-row scales."""
     n_out = weight.shape[0]
-    _check(a, weight, bias, n_out)
-    y = a.float() @ weight.float().T  # [M, N]
+    _check(a, weight, bias, n_out, weight_scale)
+    y = weight_products(a, weight, weight_scale)  # [M, N]
     if norm_partials is not None:
         _check_partials(norm_partials, a.shape[0])
         y = y * torch.rsqrt(norm_partials.sum(dim=0) / a.shape[1] + eps)[:, None]
@@ -154,14 +181,15 @@ def linear_rows_into_residual_reference(
     gamma: torch.Tensor,
     bias: torch.Tensor | None = None,
     block_n: int = 32,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
     """-> (h = residual + linear(a), NormInput of h for the RMSNorm with weight `gamma`); partial sums over
     `block_n` columns each, as the kernel's programs make them."""
     n_out = weight.shape[0]
-    _check(a, weight, bias, n_out)
+    _check(a, weight, bias, n_out, weight_scale)
     check_shape("residual", residual, (a.shape[0], n_out))
     check_shape("gamma", gamma, (n_out,))
-    y = (a.float() @ weight.float().T + (bias.float() if bias is not None else 0.0)).to(a.dtype)  # [M, N]
+    y = (weight_products(a, weight, weight_scale) + (bias.float() if bias is not None else 0.0)).to(a.dtype)  # [M, N]
     h = (y.float() + residual.float()).to(a.dtype)  # rounded as the unfused residual add rounds it
     hf = h.float()
     scaled = (hf * gamma.float()).to(a.dtype)
@@ -180,6 +208,7 @@ def _launch(
     residual: torch.Tensor | None,
     gamma: torch.Tensor | None,
     config: LaunchConfig | None,
+    weight_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
     num_rows, k_in = a.shape
@@ -200,6 +229,7 @@ def _launch(
     linear_rows_kernel[(num_programs, config.split_k)](
         a,
         weight,
+        weight_scale if weight_scale is not None else partial_sq,  # never read without FP8 weights
         bias if bias is not None else weight,
         norm_partials if norm_partials is not None else a,
         residual if residual is not None else a,
@@ -242,16 +272,17 @@ def linear_rows_triton(
     eps: float = 0.0,
     gated: bool = False,
     config: LaunchConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `linear_rows_reference`."""
     n_total = weight.shape[0]
     if gated and n_total % 2 != 0:
         raise ValueError(f"a gated weight stacks gate and up: its rows must be even, got {n_total}")
-    _check(a, weight, bias, n_total)
+    _check(a, weight, bias, n_total, weight_scale)
     if norm_partials is not None:
         _check_partials(norm_partials, a.shape[0])
     n_out = n_total // 2 if gated else n_total
-    return _launch(a, weight, bias, n_out, norm_partials, eps, gated, None, None, config)[0]
+    return _launch(a, weight, bias, n_out, norm_partials, eps, gated, None, None, config, weight_scale)[0]
 
 
 def linear_rows_into_residual_triton(
@@ -261,16 +292,17 @@ def linear_rows_into_residual_triton(
     gamma: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
     """The Triton kernel; same contract as `linear_rows_into_residual_reference` with block_n = config.block_n."""
     n_out = weight.shape[0]
-    _check(a, weight, bias, n_out)
+    _check(a, weight, bias, n_out, weight_scale)
     check_shape("residual", residual, (a.shape[0], n_out))
     check_same_dtype("a and residual", a, residual)
     check_last_dim_contiguous("residual", residual)
     check_shape("gamma", gamma, (n_out,))
     check_contiguous("gamma", gamma)
-    h, scaled, partial_sq = _launch(a, weight, bias, n_out, None, 0.0, False, residual, gamma, config)
+    h, scaled, partial_sq = _launch(a, weight, bias, n_out, None, 0.0, False, residual, gamma, config, weight_scale)
     return h, NormInput(scaled, partial_sq)
 
 

@@ -23,7 +23,7 @@ from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype,
 from tidal.kernels.kv_cache_dtype import check_cache_dtype
 from tidal.kernels.kv_layout import cache_strides, check_kv_layouts
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
-from tidal.kernels.small_batch_linear import MAX_ROWS, linear_rows_reference
+from tidal.kernels.small_batch_linear import MAX_ROWS, check_weight_scale, linear_rows_reference
 
 # Half-head widths a whole-head program takes as one tile: a tensor-core tile is a power of two of at least 16; wider
 # than 128, its two fp32 accumulators of 16 rows would crowd the registers (no supported family has such heads).
@@ -69,6 +69,7 @@ def _check(
     slot_mapping: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    weight_scale: torch.Tensor | None,
 ) -> int:
     """-> head_dim."""
     if a.dim() != 2 or a.shape[0] > MAX_ROWS:
@@ -79,6 +80,7 @@ def _check(
     check_kv_layouts(k_cache, v_cache)
     check_cache_dtype("k_cache and v_cache", a.dtype, k_cache, v_cache)
     check_shape("weight", weight, ((num_q_heads + 2 * num_kv_heads) * head_dim, a.shape[1]))
+    check_weight_scale(a, weight, weight_scale)
     check_shape("cos_sin_cache", cos_sin_cache, (None, head_dim))
     check_contiguous("cos_sin_cache", cos_sin_cache)
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
@@ -102,12 +104,16 @@ def qkv_rope_store_reference(
     num_kv_heads: int,
     q_norm: HeadNorm | None = None,
     k_norm: HeadNorm | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> q [M, Hq, D] (normalised per head with q_norm, then) rotated; k (normalised with k_norm, then rotated) and
     v written into the caches at slot_mapping (-1: not written). The projection is `linear_rows` (RMSNorm folded in
-    when norm_partials is given), its output rounded to a's dtype as the unfused layer's is."""
-    head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
-    qkv = linear_rows_reference(a, weight, bias, norm_partials, eps)  # [M, (Hq + 2 Hkv) * D]
+    when norm_partials is given), its output rounded to a's dtype as the unfused layer's is. `weight_scale`: an e4m3
+    weight's per-row scales."""
+    head_dim = _check(
+        a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
+    )
+    qkv = linear_rows_reference(a, weight, bias, norm_partials, eps, weight_scale=weight_scale)  # [M, (Hq+2Hkv)*D]
     q, k, v = torch.split(qkv, [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     q = q.reshape(-1, num_q_heads, head_dim).clone()
     k = k.reshape(-1, num_kv_heads, head_dim).clone()
@@ -136,11 +142,14 @@ def qkv_rope_store_triton(
     block_k: int | None = None,
     num_stages: int = 4,
     num_warps: int | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
     tile at 4 warps)."""
-    head_dim = _check(a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    head_dim = _check(
+        a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
+    )
     qk_norm = check_head_norms(head_dim, q_norm, k_norm)
     half = head_dim // 2
     if qk_norm and half not in WHOLE_HEAD_HALVES:
@@ -168,7 +177,8 @@ def qkv_rope_store_triton(
     q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
     k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
     qkv_rope_kernel[(num_tiles, split_k)](
-        a, weight, bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
+        a, weight, weight_scale if weight_scale is not None else cos_sin_cache,  # the scales: never read without FP8
+        bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
         positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
         num_rows, k_in, a.stride(0), weight.stride(0), norm_partials.shape[0] if norm_partials is not None else 0,
         eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache),
