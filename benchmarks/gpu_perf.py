@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["moe_path"] = "grouped"
     stem = result_stem(preset.name, env, args.smoke) + ("-grouped" if args.moe_path == "grouped" else "")
     stem += "" if args.kv_cache_dtype == "auto" else "-kv-fp8"  # never over the bf16 cache's record
+    stem += "" if args.weight_dtype == "auto" else "-w-fp8"
     outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="tidal-perf-") as tmp:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
-        loaded = build_random_model(model_dir, dtype, device, args.seed)
+        loaded = build_random_model(model_dir, dtype, device, args.seed, args.weight_dtype)
         report["model"] = model_facts(loaded, args.seed)
         step = moe.step_bytes(loaded.model)
         if step is not None:
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         config = engine_side.engine_config(
             model_dir, loaded, device, workload, args.gpu_memory_fraction, not args.no_async_scheduling,
-            args.kv_cache_dtype,
+            args.kv_cache_dtype, args.weight_dtype,
         )  # fmt: skip
         engine, report["engine"]["setup"] = engine_side.build_engine(config, loaded)
         if device.type == "cuda":

@@ -31,7 +31,7 @@ from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
 from perf.step_counts import model_shape
 from torch.profiler import ProfilerActivity, profile
 
-from tidal.worker.engine.config import KVCacheDType
+from tidal.worker.engine.config import KVCacheDType, WeightDType
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
@@ -183,14 +183,17 @@ def main() -> None:
     parser.add_argument("--gemm", action="store_true")
     parser.add_argument("--offline", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
+    parser.add_argument("--weight-dtype", choices=get_args(WeightDType), default="auto")
     args = parser.parse_args()
     device = torch.device("cuda:0")
     preset = PRESETS[args.preset]
     workload = default_workload(preset, "cuda", smoke=False)
     with tempfile.TemporaryDirectory(prefix="tidal-profile-") as tmp:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
-        loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0)
-        config = engine_config(model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype)
+        loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0, weight_dtype=args.weight_dtype)
+        config = engine_config(
+            model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype
+        )
         engine, facts = build_engine(config, loaded)
         print(f"engine: {facts}", flush=True)
         shape = model_shape(loaded.model, loaded.hf_config, engine.runner.kv_cache_dtype)

@@ -20,14 +20,29 @@ compute capability 8.9+. Elsewhere (CPU, or fp32 activations) the reference comp
 import torch
 import triton
 
+from tidal.kernels._device import cuda_capability
 from tidal.kernels._fp8_linear_kernels import quantize_rows_kernel
 from tidal.kernels._validate import check_dtype, check_last_dim_contiguous, check_ndim, check_shape
-from tidal.kernels.kv_cache_dtype import FP8_E4M3, FP8_E4M3_MAX
+from tidal.kernels.kv_cache_dtype import FP8_E4M3, FP8_E4M3_MAX, FP8_MIN_CAPABILITY
 
 MIN_SCALE = 2.0**-64
 # _scaled_mm needs both GEMM dimensions it reduces or emits per operand row to be multiples of 16.
 FP8_GEMM_ALIGNMENT = 16
 _QUANTIZE_BLOCK_K = 1024
+
+
+def check_fp8_weights_fit(device: torch.device) -> None:
+    """Refuses FP8 weights on a GPU older than compute capability 8.9 (no FP8 tensor cores, and Triton cannot convert
+    e4m3 there), before anything is allocated. CPUs take them (the references)."""
+    if device.type != "cuda":
+        return
+    capability = cuda_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        wanted = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ValueError(
+            f"FP8 weights need a GPU of compute capability {wanted} or newer (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use weight_dtype 'auto'"
+        )
 
 
 def can_quantize(out_features: int, in_features: int) -> bool:
@@ -101,7 +116,7 @@ def uses_fp8_gemm(x: torch.Tensor) -> bool:
     """Whether `fp8_linear` runs the FP8 GEMM for `x` (else the fp32 reference): CUDA 8.9+, 16-bit activations."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return cuda_capability(x.device) >= FP8_MIN_CAPABILITY
 
 
 def fp8_linear(

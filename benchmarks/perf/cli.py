@@ -11,7 +11,7 @@ from typing import get_args
 import torch
 
 from perf.presets import PRESETS
-from tidal.worker.engine.config import KVCacheDType
+from tidal.worker.engine.config import KVCacheDType, WeightDType
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -33,6 +33,9 @@ def engine_benchmark_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto", help="fp8: an e4m3 cache")
+    parser.add_argument(
+        "--weight-dtype", choices=get_args(WeightDType), default="auto", help="fp8: e4m3 projection weights"
+    )
     return parser
 
 
@@ -40,4 +43,6 @@ def parse_checked(parser: argparse.ArgumentParser, argv: list[str] | None) -> ar
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
+    if args.weight_dtype != "auto" and not getattr(args, "skip_transformers", True):
+        parser.error("--weight-dtype fp8 needs --skip-transformers (transformers would run the unquantized weights)")
     return args

@@ -15,7 +15,7 @@ import torch
 
 from perf.presets import Workload, random_prompts
 from perf.timing import DecodeRun, OfflineRun, now, steady_ms_per_step
-from tidal.worker.engine.config import EngineConfig, KVCacheDType
+from tidal.worker.engine.config import EngineConfig, KVCacheDType, WeightDType
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import StepPlan
@@ -34,6 +34,7 @@ def engine_config(
     gpu_memory_fraction: float,
     async_scheduling: bool = True,
     kv_cache_dtype: KVCacheDType = "auto",
+    weight_dtype: WeightDType = "auto",
 ) -> EngineConfig:
     """Every decode batch's prompts fit one step (so its rows decode in lock step), and no prefix cache: a
     repeated prompt must cost a full prefill every time."""
@@ -49,6 +50,7 @@ def engine_config(
         gpu_memory_fraction=gpu_memory_fraction,
         async_scheduling=async_scheduling,
         kv_cache_dtype=kv_cache_dtype,
+        weight_dtype=weight_dtype,
     )
 
 

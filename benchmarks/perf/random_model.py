@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tidal.kernels.fp8_linear import quantize_rows_into_
+from tidal.worker.checkpoint.fp8_targets import fp8_weight_scales
 from tidal.worker.checkpoint.reader import LoadReport
+from tidal.worker.engine.config import WeightDType
 from tidal.worker.loader.hf_config import load_hf_config
 from tidal.worker.loader.model_loader import LoadedModel, build_model
 from tidal.worker.memory.provider import TorchMemory
@@ -41,12 +44,19 @@ def _draw_(name: str, t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 @torch.no_grad()
-def fill_random_(weights: dict[str, torch.Tensor], seed: int) -> None:
-    """Draw every checkpoint tensor in place, in name order, from one generator on the tensors' device."""
+def fill_random_(weights: dict[str, torch.Tensor], seed: int, dtype: torch.dtype | None = None) -> None:
+    """Draw every checkpoint tensor in place, in name order, from one generator on the tensors' device. An FP8
+    weight (and its scale) gets the values a `dtype` weight would, quantized as loading a checkpoint would."""
     device = next(iter(weights.values())).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name in sorted(weights):
-        _draw_(name, weights[name], gen)
+    scales = fp8_weight_scales(weights)
+    for name in sorted(set(weights) - set(scales.values())):
+        if name in scales:
+            drawn = torch.empty(weights[name].shape, dtype=dtype or torch.bfloat16, device=device)
+            _draw_(name, drawn, gen)
+            quantize_rows_into_(drawn, weights[name], weights[scales[name]])
+        else:
+            _draw_(name, weights[name], gen)
 
 
 @torch.no_grad()
@@ -100,15 +110,18 @@ def save_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_by
 
 
 @torch.no_grad()
-def build_random_model(model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def build_random_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int, weight_dtype: WeightDType = "auto"
+) -> LoadedModel:
     """Our implementation of the architecture in `model_dir`/config.json, weights drawn on `device` (plain torch
-    memory, as `LLMEngine.from_config` uses by default)."""
+    memory, as `LLMEngine.from_config` uses by default). `weight_dtype` "fp8": the same draws, the projections'
+    quantized (tidal.worker.layers.fp8_weights)."""
     start = time.monotonic()
     hf_config = load_hf_config(model_dir)
     memory = TorchMemory()
-    model, region = build_model(hf_config, dtype, device, memory)
+    model, region = build_model(hf_config, dtype, device, memory, weight_dtype=weight_dtype)
     weights = model.checkpoint_weights()
-    fill_random_(weights, seed)
+    fill_random_(weights, seed, dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     report = LoadReport(len(weights), weight_bytes(model), time.monotonic() - start)

@@ -81,6 +81,8 @@ def worker_env(
     # Set only when asked for, so that a pod of a model that does not ask keeps the spec hash it had before the field.
     if spec.model.kv_cache_dtype != "auto":
         out.insert(5, _value(env.KV_CACHE_DTYPE, spec.model.kv_cache_dtype))
+    if spec.model.weight_dtype != "auto":
+        out.insert(5, _value(env.WEIGHT_DTYPE, spec.model.weight_dtype))
     # Only groups get the group's settings: a pod of expertParallel 1 stays exactly as it was before groups existed
     # (same spec hash, so upgrading the operator replaces no pod), and its worker would ignore them anyway.
     if spec.is_expert_parallel:

@@ -3,7 +3,8 @@
 A destination that is a contiguous CPU tensor of the stored dtype (a pinned host buffer's view, a CPU model's
 weight) receives the file's bytes directly. Any other (another dtype, a device tensor, a strided view) goes through
 two staging buffers in turn (pinned when a destination is on a GPU): while `copy_` converts and moves what one holds
-(asynchronously to a GPU), the next part of the checkpoint is read into the other.
+(asynchronously to a GPU), the next part of the checkpoint is read into the other. A `QuantizeInto` destination (an
+FP8 weight, tidal.worker.checkpoint.fp8_targets) is staged too, in whole rows, and quantized on its device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
+from tidal.worker.checkpoint.fp8_targets import Destination, QuantizeInto
 from tidal.worker.checkpoint.header import StoredTensor
 from tidal.worker.checkpoint.host_bytes import byte_view
 
@@ -43,7 +45,7 @@ class LoadReport:
 
 def read_tensors(
     tensors: Sequence[StoredTensor],
-    destinations: Mapping[str, torch.Tensor],
+    destinations: Mapping[str, Destination],
     num_threads: int | None = None,
     deadline: float | None = None,
 ) -> LoadReport:
@@ -55,8 +57,8 @@ def read_tensors(
     for tensor, dest in jobs:
         if tuple(dest.shape) != tensor.shape:
             raise ValueError(f"{tensor.name}: destination shape {list(dest.shape)}, stored {list(tensor.shape)}")
-    direct = [(t, dest) for t, dest in jobs if _takes_bytes(t, dest)]
-    staged = [(t, dest) for t, dest in jobs if not _takes_bytes(t, dest)]
+    direct = [(t, dest) for t, dest in jobs if isinstance(dest, torch.Tensor) and _takes_bytes(t, dest)]
+    staged = [(t, dest) for t, dest in jobs if not (isinstance(dest, torch.Tensor) and _takes_bytes(t, dest))]
     try:
         num_bytes = read_into(direct, num_threads, deadline) + _read_staged(staged, num_threads, deadline)
     except OSError as err:
@@ -82,7 +84,7 @@ class _Part:
     """Elements [begin, end) of a tensor, read through a staging buffer."""
 
     tensor: StoredTensor
-    dest: torch.Tensor
+    dest: Destination
     begin: int
     end: int
 
@@ -91,7 +93,7 @@ class _Part:
         return (self.end - self.begin) * self.tensor.dtype.itemsize
 
 
-def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int | None, deadline: float | None) -> int:
+def _read_staged(jobs: list[tuple[StoredTensor, Destination]], num_threads: int | None, deadline: float | None) -> int:
     if not jobs:
         return 0
     on_gpu = any(dest.device.type == "cuda" for _, dest in jobs)
@@ -119,7 +121,11 @@ def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int
         num_bytes += _read_pieces(pieces, [buffer], num_threads, deadline)
         for part, offset in zip(fill, offsets, strict=False):
             staged = buffer[offset : offset + part.nbytes].view(part.tensor.dtype)  # [end - begin]
-            _destination(part).copy_(staged.view(_shape(part)), non_blocking=True)
+            if isinstance(part.dest, QuantizeInto):  # whole rows (see _parts)
+                row_length = part.dest.row_length()
+                part.dest.write_rows(part.begin // row_length, staged.view(-1, row_length))
+            else:
+                _destination(part.dest, part).copy_(staged.view(_shape(part)), non_blocking=True)
         # Each device's copies run on its current stream; an event there says when the buffer may be refilled.
         devices = {part.dest.device for part in fill if part.dest.device.type == "cuda"}
         copied[i % 2] = [torch.cuda.current_stream(device).record_event() for device in devices]
@@ -128,13 +134,17 @@ def _read_staged(jobs: list[tuple[StoredTensor, torch.Tensor]], num_threads: int
     return num_bytes
 
 
-def _parts(jobs: list[tuple[StoredTensor, torch.Tensor]]) -> list[_Part]:
+def _parts(jobs: list[tuple[StoredTensor, Destination]]) -> list[_Part]:
     """Each tensor whole, or, when it is bigger than a staging buffer and its destination is contiguous, in slices
-    of whole elements that fit one."""
+    of whole elements that fit one; a quantizing destination's slices are whole rows."""
     parts = []
     for tensor, dest in jobs:
         numel = math.prod(tensor.shape)
-        step = max(1, STAGING_BYTES // tensor.dtype.itemsize) if dest.is_contiguous() else max(numel, 1)
+        if isinstance(dest, QuantizeInto):
+            row_length = max(dest.row_length(), 1)
+            step = max(1, STAGING_BYTES // (row_length * tensor.dtype.itemsize)) * row_length
+        else:
+            step = max(1, STAGING_BYTES // tensor.dtype.itemsize) if dest.is_contiguous() else max(numel, 1)
         parts += [_Part(tensor, dest, begin, min(begin + step, numel)) for begin in range(0, numel, step)]
     return parts
 
@@ -159,14 +169,15 @@ def _fills(parts: list[_Part], size: int) -> Iterator[list[_Part]]:
         yield fill
 
 
-def _destination(part: _Part) -> torch.Tensor:
-    if part.begin == 0 and part.end == part.dest.numel():
-        return part.dest
-    return part.dest.view(-1)[part.begin : part.end]
+def _destination(dest: torch.Tensor, part: _Part) -> torch.Tensor:
+    if part.begin == 0 and part.end == dest.numel():
+        return dest
+    return dest.view(-1)[part.begin : part.end]
 
 
 def _shape(part: _Part) -> tuple[int, ...]:
-    return part.tensor.shape if part.begin == 0 and part.end == part.dest.numel() else (part.end - part.begin,)
+    numel = math.prod(part.tensor.shape)
+    return part.tensor.shape if part.begin == 0 and part.end == numel else (part.end - part.begin,)
 
 
 def _pieces(path: Path, start: int, buf: memoryview, piece_bytes: int) -> list[tuple[Path, int, memoryview]]:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 # "auto": the activations' dtype; the others name FP8 e4m3 (kernels/kv_cache_dtype.py: FP8_NAMES, checked by a test).
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3"]
+# "auto": the model dtype; "fp8": e4m3 projections (worker/layers/fp8_weights.py: WEIGHT_DTYPES, kept equal by a test).
+WeightDType = Literal["auto", "fp8"]
 
 
 class EngineConfig(BaseModel):
@@ -35,6 +37,15 @@ class EngineConfig(BaseModel):
         description=(
             "KV cache element type: 'auto' (the activations' dtype) or 'fp8' / 'fp8_e4m3' (FP8 e4m3 without a scale:"
             " twice the tokens, half the bytes decode attention reads)."
+        ),
+    )
+    weight_dtype: WeightDType = Field(
+        default="auto",
+        description=(
+            "Weights of the attention and MLP projections: 'auto' (the model dtype) or 'fp8' (e4m3 with a scale per"
+            " output channel, quantized as the checkpoint is read; activations quantized per token for the FP8 GEMMs"
+            " above 16 rows): half the bytes, twice the tensor-core rate, for some precision. GPUs of compute"
+            " capability 8.9+ (and CPUs)."
         ),
     )
     num_kv_blocks: int | None = Field(default=None, ge=1, description="Fixed number of KV cache blocks.")

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Self
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from tidal.kernels.fp8_linear import check_fp8_weights_fit
 from tidal.kernels.kv_cache_dtype import check_device_holds, kv_cache_dtype
 from tidal.worker.engine.block_manager import BlockManager
 from tidal.worker.engine.config import EngineConfig
@@ -117,7 +118,13 @@ class LLMEngine:
             config.expert_slots_per_rank,
             config.time_expert_exchanges,
         )
-        return cls.from_loaded_model(config, load_model(config.model_path, config.dtype, device, memory, group))
+        if config.weight_dtype == "fp8":
+            try:
+                check_fp8_weights_fit(device)
+            except ValueError as error:
+                raise EngineConfigError(str(error)) from None
+        loaded = load_model(config.model_path, config.dtype, device, memory, group, config.weight_dtype)
+        return cls.from_loaded_model(config, loaded)
 
     @classmethod
     def from_loaded_model(cls, config: EngineConfig, loaded: LoadedModel) -> Self:

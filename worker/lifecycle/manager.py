@@ -36,6 +36,7 @@ from tidal.contract.control_api import (
     WeightsUpdateResult,
     WorkerState,
 )
+from tidal.worker.checkpoint.fp8_targets import plan_expected
 from tidal.worker.checkpoint.judge import Candidate, find_problems
 from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.engine.async_engine import AsyncEngine, EngineNotRunningError
@@ -369,8 +370,9 @@ class LifecycleManager:
     async def update_collective(self, request: CollectiveUpdateRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
             candidate = {t.name: Candidate(tuple(t.shape), t.dtype) for t in request.tensors}
+            expected = plan_expected(r.expected, r.fp8_scales, {t.name: t.dtype for t in request.tensors})
             problems = find_problems(
-                r.expected, candidate, allow_extra=request.allow_extra_tensors, is_ignored=r.is_ignored,
+                expected, candidate, allow_extra=request.allow_extra_tensors, is_ignored=r.is_ignored,
                 extras_hint=EXTRAS_HINT,
             )  # fmt: skip
             if len(candidate) != len(request.tensors):

@@ -22,6 +22,7 @@ import torch
 from tidal.contract.control_api import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
 from tidal.worker.checkpoint.directory import stored_tensors
 from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
+from tidal.worker.checkpoint.fp8_targets import Destination, QuantizeInto, fp8_weight_scales, plan_destinations
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected
 from tidal.worker.checkpoint.reader import LoadReport
@@ -58,6 +59,8 @@ class Residency:
         self.kv = runner.kv_cache_region
         self._model_path = model_path
         self.expected = expected_tensors(self.weights, model_path)
+        # Served FP8 weights -> their scales: an update may give such a weight in a float dtype (quantized on staging).
+        self.fp8_scales = fp8_weight_scales(self.weights.slots)
         self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
         self.version = version
         self.version_source: Path | None = model_path  # where the served version can be re-read (None: not on disk)
@@ -190,13 +193,13 @@ class Residency:
         """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched).
         `deadline` (time.monotonic()): the reads' (see StrayReads for one that is blocked past it)."""
         self.stray_reads.check("stage an update")
-        tensors = check_directory(source, self.expected, allow_extra, self.is_ignored)
+        tensors = check_directory(source, self.expected, allow_extra, self.is_ignored, self.fp8_scales)
         if deadline is not None and time.monotonic() > deadline:
             # The caller gave up while the headers were read; nothing may be written now.
             raise CheckpointRejectedError(["reading the checkpoint's headers did not finish in time"])
         with self._staging_target() as views:
             try:
-                return stage_tensors(tensors, views, deadline)
+                return stage_tensors(tensors, views, deadline, self.fp8_scales)
             except CheckpointRejectedError as err:
                 if isinstance(err.__cause__, ReadTimeoutError):
                     self.stray_reads.add(err.__cause__.settled)
@@ -211,13 +214,15 @@ class Residency:
         return LoadReport(len(request.tensors), num_bytes, time.monotonic() - start)
 
     def _receive_broadcast(self, request: CollectiveUpdateRequest, views: dict[str, torch.Tensor]) -> int:
-        converted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        converted: list[tuple[Destination, torch.Tensor]] = []
+        # An FP8 weight sent in a float dtype (its scale not sent) is quantized into its view and its scale's.
+        planned = plan_destinations(views, self.fp8_scales, {spec.name: spec.dtype for spec in request.tensors})
 
         def destinations() -> Iterator[tuple[str, torch.Tensor]]:
             for spec in request.tensors:
                 dtype = getattr(torch, spec.dtype)
-                view = views.get(spec.name)
-                if view is not None and view.dtype == dtype:
+                view = planned.get(spec.name)
+                if isinstance(view, torch.Tensor) and view.dtype == dtype:
                     yield spec.name, view
                     continue
                 scratch = torch.empty(spec.shape, dtype=dtype)  # an extra, or a dtype converted afterwards
@@ -235,7 +240,10 @@ class Residency:
         finally:
             collective.leave_group(group)
         for view, scratch in converted:
-            view.copy_(scratch)
+            if isinstance(view, QuantizeInto):
+                view.write_rows(0, scratch)
+            else:
+                view.copy_(scratch)
         return num_bytes
 
     @contextlib.contextmanager

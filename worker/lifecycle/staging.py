@@ -14,6 +14,7 @@ import torch
 
 from tidal.worker.checkpoint.directory import stored_tensors
 from tidal.worker.checkpoint.errors import CheckpointError
+from tidal.worker.checkpoint.fp8_targets import plan_destinations, plan_expected, stored_dtypes
 from tidal.worker.checkpoint.header import StoredTensor
 from tidal.worker.checkpoint.judge import Expected, tensors_to_read
 from tidal.worker.checkpoint.reader import LoadReport, read_tensors
@@ -27,22 +28,35 @@ EXTRAS_HINT = "allow_extra_tensors skips them"
 
 
 def check_directory(
-    source: Path, expected: Mapping[str, Expected], allow_extra: bool, is_ignored: Callable[[str], bool]
+    source: Path,
+    expected: Mapping[str, Expected],
+    allow_extra: bool,
+    is_ignored: Callable[[str], bool],
+    fp8_scales: Mapping[str, str] | None = None,
 ) -> list[StoredTensor]:
-    """-> the tensors of the checkpoint in `source` to stage, or CheckpointRejectedError with every problem."""
+    """-> the tensors of the checkpoint in `source` to stage, or CheckpointRejectedError with every problem.
+    `fp8_scales`: the served FP8 weights' scale names (fp8_targets.fp8_weight_scales), which a checkpoint may give in
+    a float dtype (quantized on staging) or in e4m3 with their scales."""
     with _rejected_on_problems():
+        stored = stored_tensors(source)
+        expected = plan_expected(expected, fp8_scales or {}, stored_dtypes(stored))
         return tensors_to_read(
-            stored_tensors(source), expected, allow_extra=allow_extra, is_ignored=is_ignored, extras_hint=EXTRAS_HINT
+            stored, expected, allow_extra=allow_extra, is_ignored=is_ignored, extras_hint=EXTRAS_HINT
         )
 
 
 def stage_tensors(
-    tensors: list[StoredTensor], host_views: dict[str, torch.Tensor], deadline: float | None = None
+    tensors: list[StoredTensor],
+    host_views: dict[str, torch.Tensor],
+    deadline: float | None = None,
+    fp8_scales: Mapping[str, str] | None = None,
 ) -> LoadReport:
-    """Read each tensor into its host view. A file that cannot be read to the end, or by `deadline`, is a
-    CheckpointRejectedError (caused by the CheckpointError); the views may then hold part of the new checkpoint."""
+    """Read each tensor into its host view (an FP8 weight stored in a float dtype: quantized into its view and its
+    scale's). A file that cannot be read to the end, or by `deadline`, is a CheckpointRejectedError (caused by the
+    CheckpointError); the views may then hold part of the new checkpoint."""
+    destinations = plan_destinations(host_views, fp8_scales or {}, {t.name: t.dtype_name for t in tensors})
     with _rejected_on_problems():
-        report = read_tensors(tensors, host_views, deadline=deadline)
+        report = read_tensors(tensors, destinations, deadline=deadline)
     log.info("staged %d tensors (%.2f GiB) in %.2fs", report.num_tensors, report.num_bytes / 2**30, report.seconds)
     return report
 

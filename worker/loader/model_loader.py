@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from tidal.kernels.fp8_linear import check_fp8_weights_fit
 from tidal.worker.checkpoint.reader import LoadReport
 from tidal.worker.layers.expert_parallel import ExpertParallelSettings
+from tidal.worker.layers.fp8_weights import WEIGHT_DTYPES, hold_fp8_weights
 from tidal.worker.loader.errors import MissingModelFileError, ModelLoadError
 from tidal.worker.loader.hf_config import load_hf_config, resolve_dtype
 from tidal.worker.loader.model_weights import find_checkpoint, load_weights
@@ -44,15 +46,21 @@ def build_model(
     device: torch.device,
     memory: MemoryProvider,
     expert_parallel: ExpertParallelSettings | None = None,
+    weight_dtype: str = "auto",
 ) -> tuple[CausalLM, DeviceRegion]:
     """Our implementation of `hf_config`'s architecture, its parameters placed (uninitialised) in one region from
     `memory`, its buffers computed on `device`. -> the model (in eval mode) and the weights' region.
     `expert_parallel`: this process's place in its expert-parallel group (a model with experts then holds only its
-    rank's)."""
+    rank's). `weight_dtype` "fp8": its projections hold FP8 weights (tidal.worker.layers.fp8_weights)."""
     model_cls = resolve_model_class(getattr(hf_config, "architectures", None))
-    log.info("building %s (%s) on %s", model_cls.__name__, dtype, device)
+    log.info("building %s (%s, weights %s) on %s", model_cls.__name__, dtype, weight_dtype, device)
     with torch.no_grad():
         model = model_cls.from_hf_config(hf_config, dtype, torch.device("meta"), expert_parallel)
+        if weight_dtype == "fp8":
+            check_fp8_weights_fit(device)
+            log.info("%d projections hold FP8 weights", hold_fp8_weights(model))
+        elif weight_dtype != "auto":
+            raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
         weights = place_parameters(model, memory, device)
         model.materialize_buffers(device)
     return model.eval(), weights
@@ -64,14 +72,15 @@ def load_model(
     device: torch.device,
     memory: MemoryProvider | None = None,
     expert_parallel: ExpertParallelSettings | None = None,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     """`memory`: where the weights go (default: plain torch storage). `expert_parallel`: see `build_model`; only the
-    experts this rank holds are read."""
+    experts this rank holds are read. `weight_dtype`: see `build_model`."""
     memory = memory or TorchMemory()
     hf_config = load_hf_config(model_path)
     stored = find_checkpoint(model_path)
     torch_dtype = resolve_dtype(dtype, hf_config)
-    model, weights = build_model(hf_config, torch_dtype, device, memory, expert_parallel)
+    model, weights = build_model(hf_config, torch_dtype, device, memory, expert_parallel, weight_dtype)
     log.info("loading %s into %.2f GiB (%s)", model_path, weights.nbytes / 2**30, type(weights).__name__)
     report = load_weights(model_path, stored, model)
     log.info(

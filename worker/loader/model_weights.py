@@ -1,7 +1,8 @@
 """Filling a freshly built model from its checkpoint (tidal.worker.checkpoint), with start-up's errors.
 
 Every name, shape and dtype is checked before the first tensor is copied. The model may be built in another float
-dtype than the checkpoint stores (`--dtype`): the reader converts.
+dtype than the checkpoint stores (`--dtype`): the reader converts, and quantizes into FP8 weights
+(tidal.worker.checkpoint.fp8_targets).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from tidal.worker.checkpoint.directory import stored_tensors
 from tidal.worker.checkpoint.errors import CheckpointError, CheckpointFilesMissingError, CheckpointUnfitError
+from tidal.worker.checkpoint.fp8_targets import plan_reads
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected, tensors_to_read
 from tidal.worker.checkpoint.reader import CONVERTIBLE_DTYPES, LoadReport, read_tensors
@@ -33,10 +35,11 @@ def load_weights(model_path: Path, stored: dict[str, StoredTensor], model: Causa
     expected = {
         name: Expected(tuple(t.shape), CONVERTIBLE_DTYPES | {dtype_name(t.dtype)}) for name, t in targets.items()
     }
+    expected, destinations = plan_reads(expected, targets, stored)  # FP8 weights from a 16-bit checkpoint
     with _as_load_error(model_path):
         tensors = tensors_to_read(stored, expected, allow_extra=False, is_ignored=model.ignored_checkpoint_tensor)
         with torch.no_grad():
-            return read_tensors(tensors, targets)
+            return read_tensors(tensors, destinations)
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ class DecoderAttention(nn.Module):
             q = qkv_rope_store_triton(
                 x.scaled, self.qkv_proj.weight, self.qkv_proj.bias, x.partial_sq, eps, positions,
                 self.rotary_emb.cos_sin_cache, k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
-                q_norm, k_norm,
+                q_norm, k_norm, weight_scale=self.qkv_proj.weight_scale,
             )  # fmt: skip
             out = self.attn.attend(q, batch).reshape(q.shape[0], self.q_size)  # [T, q_size]
         else:

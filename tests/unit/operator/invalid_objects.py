@@ -71,6 +71,14 @@ CASES: list[InvalidCase] = [
         "spec.model.kvCacheDtype",
     ),
     InvalidCase(
+        "bad-weight-dtype",
+        "the weights' dtype is an enum",
+        {"spec.model.weightDtype": "int4"},
+        "Input should be 'auto' or 'fp8'",
+        'Unsupported value: "int4"',
+        "spec.model.weightDtype",
+    ),
+    InvalidCase(
         "negative-replicas",
         "replicas cannot be negative",
         {"spec.replicas": -1},

@@ -109,6 +109,16 @@ def test_kv_cache_dtype_reaches_the_worker_only_when_asked_for():
     assert _hash(fp8) != _hash(base)
 
 
+def test_weight_dtype_reaches_the_worker_only_when_asked_for():
+    """`auto` sets no variable (a model that does not ask keeps its pods' hash); fp8 does, and is a new pod."""
+    base = build_pod(make_model(), 0, 0)
+    assert "TIDAL_WEIGHT_DTYPE" not in _env(base)
+    source = {"volume": {"hostPath": {"path": "/srv/models"}}, "path": "tiny-llama", "weightDtype": "fp8"}
+    fp8 = build_pod(make_model({"model": source}), 0, 0)
+    assert _env(fp8)["TIDAL_WEIGHT_DTYPE"] == "fp8"
+    assert _hash(fp8) != _hash(base)
+
+
 def test_hash_ignores_in_place_changes_and_catches_the_rest():
     base = _hash(build_pod(make_model(), 0, 0))
     assert _hash(build_pod(make_model({"weights": {"version": "v2", "source": "x"}}), 0, 0)) == base

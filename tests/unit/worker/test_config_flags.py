@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -69,6 +70,16 @@ def test_names_the_operator_sets_are_worker_options():
     }
     env_names = {n for o in WORKER_OPTIONS.options.values() for n in o.env_names}
     assert set(worker_env.RESERVED_ENV_NAMES) - not_options <= env_names
+
+
+def test_the_crds_weight_dtypes_are_the_workers():
+    """`spec.model.weightDtype` reaches the worker as TIDAL_WEIGHT_DTYPE: one set of names on both sides."""
+    from tidal.operator.api.spec import WeightDtype
+    from tidal.worker.engine.config import EngineConfig, WeightDType
+    from tidal.worker.layers.fp8_weights import WEIGHT_DTYPES
+
+    assert get_args(WeightDtype) == get_args(WeightDType) == WEIGHT_DTYPES == ("auto", "fp8")
+    assert EngineConfig.model_fields["weight_dtype"].default == "auto"
 
 
 def test_nest_fills_every_component_and_leaves_unknown_names_on_top():
