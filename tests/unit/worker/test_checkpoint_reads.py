@@ -11,9 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tidal.kernels.fp8_linear import quantize_rows_reference
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.worker.checkpoint import reader
 from tidal.worker.checkpoint.directory import stored_tensors
 from tidal.worker.checkpoint.errors import CheckpointError, CheckpointUnfitError, ReadTimeoutError
+from tidal.worker.checkpoint.fp8_targets import QuantizeInto, fp8_weight_scales, plan_reads
+from tidal.worker.checkpoint.header import dtype_name
 from tidal.worker.checkpoint.judge import Candidate, Expected, find_problems, tensors_to_read
 from tidal.worker.checkpoint.reader import read_into, read_tensors
 
@@ -145,3 +149,32 @@ def test_a_read_blocked_past_the_deadline_fails_it_and_is_left_to_settle(tmp_pat
     assert time.monotonic() - start < 5 and not err.value.settled.is_set()
     unblock.set()  # the read returns at last: its thread ends and its file is closed
     assert err.value.settled.wait(5)
+
+
+def test_quantizing_reads_take_whole_rows_and_plan_the_scales(tmp_path, monkeypatch):
+    """An FP8 destination receives a float tensor a few rows per fill (never a row cut in two), quantized as the
+    reference quantizes; a checkpoint that stores the e4m3 weight and its scale is read as it is."""
+    monkeypatch.setattr(reader, "STAGING_BYTES", 5 * 24 * 2)  # five bf16 rows of 24 per fill
+    weight = (torch.randn(17, 24) * torch.linspace(0.1, 10, 17)[:, None]).to(torch.bfloat16)
+    stored = stored_tensors(checkpoint(tmp_path / "f", {"p.weight": weight, "n.weight": torch.ones(3)}))
+    served = {
+        "p.weight": torch.zeros(17, 24, dtype=FP8_E4M3),
+        "p.weight_scale": torch.zeros(17),
+        "n.weight": torch.zeros(3),
+    }
+    expected = {name: Expected(tuple(t.shape), frozenset({dtype_name(t.dtype)})) for name, t in served.items()}
+    assert fp8_weight_scales(served) == {"p.weight": "p.weight_scale"}
+    planned, destinations = plan_reads(expected, served, stored)
+    assert planned.keys() == {"p.weight", "n.weight"} and "bfloat16" in planned["p.weight"].dtypes
+    assert isinstance(destinations["p.weight"], QuantizeInto) and "p.weight_scale" not in destinations
+    read_tensors(tensors_to_read(stored, planned, allow_extra=False), destinations)
+    q, scale = quantize_rows_reference(weight)
+    assert torch.equal(served["p.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(served["p.weight_scale"], scale) and torch.equal(served["n.weight"], torch.ones(3))
+    # The served tensors written as a checkpoint: e4m3 and the scale, read byte for byte.
+    again = stored_tensors(checkpoint(tmp_path / "q", {n: t.clone() for n, t in served.items()}))
+    copies = {n: torch.empty_like(t) for n, t in served.items()}
+    planned, destinations = plan_reads(expected, copies, again)
+    assert planned == expected and all(isinstance(d, torch.Tensor) for d in destinations.values())
+    read_tensors(tensors_to_read(again, planned, allow_extra=False), destinations)
+    assert all(torch.equal(copies[n].view(torch.uint8), t.view(torch.uint8)) for n, t in served.items())
