@@ -88,6 +88,11 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel for CUDA tensors, the reference otherwise."""
+    return quantize_rows_triton(x) if x.is_cuda else quantize_rows_reference(x)
+
+
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_ndim("x", x, 2)
     check_dtype("weight", weight, (FP8_E4M3,))
@@ -126,7 +131,7 @@ def fp8_linear(
     if not uses_fp8_gemm(x):
         return fp8_linear_reference(x, weight, weight_scale, bias)
     _check_linear(x, weight, weight_scale, bias)
-    q, scale = quantize_rows_triton(x.contiguous())
+    q, scale = quantize_rows(x.contiguous())
     # The second operand column-major, as cuBLASLt's FP8 kernels take it: weight [N, K] row-major is exactly that.
     y = torch._scaled_mm(q, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :], out_dtype=x.dtype)
     return y if bias is None else y + bias
