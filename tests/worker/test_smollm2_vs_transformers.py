@@ -90,3 +90,20 @@ def test_chat_api_answers_as_transformers(model_dir, chats):
     choice = response.json()["choices"][0]
     assert choice["message"]["content"] == tokenizer.decode(expected[0], skip_special_tokens=True)
     assert choice["finish_reason"] == "stop"
+
+
+def test_fp8_weights_keep_the_answers(model_dir, chats):
+    """Real weights quantized to FP8 (`weight_dtype` "fp8", on the CPU's fp32 reference path): the short factual
+    answer stays transformers' token for token, and the facts and the start of the others stay right (a 135M model
+    is sensitive: the haiku goes its own way from the first token, as a near-tie may)."""
+    prompts, expected = chats
+    engine = LLMEngine.from_config(
+        EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=64, weight_dtype="fp8")
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    answers = [r.output_token_ids for r in engine.generate(prompts, greedy)]
+    assert answers[0] == expected[0]
+    assert answers[3][:8] == expected[3][:8]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert "Paris" in tokenizer.decode(answers[0]) and "4" in tokenizer.decode(answers[2])
+    assert "Red" in tokenizer.decode(answers[3])
