@@ -40,3 +40,13 @@ def quantize_rows_kernel(
         x = tl.load(x_ptr + row * x_stride + ks, mask=mask, other=0.0).to(tl.float32)
         q = round_to_e4m3(tl.math.div_rn(x, scale))
         tl.store(q_ptr + row * q_stride + ks, q.to(tl.float8e4nv), mask=mask)
+
+
+@triton.jit
+def store_quantized_row(y, q_row_ptr, scale_ptr, row, cols, mask, min_scale):
+    """One row y [BLOCK] (fp32 holding values of the activations' dtype, zeros past `mask`), quantized as
+    quantize_rows_kernel quantizes it, into q_row_ptr + cols and its scale into scale_ptr + row: for a kernel that
+    holds whole rows (RMSNorm, SiLU-and-mul) and feeds an FP8 GEMM."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), _E4M3_MAX), min_scale)
+    tl.store(scale_ptr + row, scale)
+    tl.store(q_row_ptr + cols, round_to_e4m3(tl.math.div_rn(y, scale)).to(tl.float8e4nv), mask=mask)

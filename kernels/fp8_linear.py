@@ -17,6 +17,8 @@ quantization here, then torch._scaled_mm (cuBLASLt's FP8 GEMM with a scale per r
 compute capability 8.9+. Elsewhere (CPU, or fp32 activations) the reference computes the same numbers in fp32.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -43,6 +45,25 @@ def check_fp8_weights_fit(device: torch.device) -> None:
             f"FP8 weights need a GPU of compute capability {wanted} or newer (Ada, Hopper); "
             f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use weight_dtype 'auto'"
         )
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per row by the kernel that made them (RMSNorm, SiLU-and-mul with `quantize`):
+    the bits `quantize_rows` would give for the rows in `dtype`, which the projection's output then takes."""
+
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M] fp32
+    dtype: torch.dtype  # the activations' dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quantized_rows_reference(x: torch.Tensor) -> QuantizedRows:
+    """x's rows quantized (the reference of the fused producers)."""
+    q, scale = quantize_rows_reference(x)
+    return QuantizedRows(q, scale, x.dtype)
 
 
 def can_quantize(out_features: int, in_features: int) -> bool:
@@ -93,7 +114,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_triton(x) if x.is_cuda else quantize_rows_reference(x)
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_linear(
+    x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    if isinstance(x, QuantizedRows):
+        check_dtype("x.q", x.q, (FP8_E4M3,))
+        check_shape("x.scale", x.scale, (x.q.shape[0],))
+        x = x.q
     check_ndim("x", x, 2)
     check_dtype("weight", weight, (FP8_E4M3,))
     check_ndim("weight", weight, 2)
@@ -106,32 +133,44 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ dequantized weight [N, K]^T (+ bias) -> [M, N] in x's dtype, the rows of x quantized first."""
+    """x [M, K] @ dequantized weight [N, K]^T (+ bias) -> [M, N] in x's dtype, the rows of x quantized first (or
+    given quantized)."""
     _check_linear(x, weight, weight_scale, bias)
-    q, scale = quantize_rows_reference(x)
-    y = (q.float() @ weight.float().T) * scale[:, None] * weight_scale[None, :]
+    rows = x if isinstance(x, QuantizedRows) else quantized_rows_reference(x)
+    y = (rows.q.float() @ weight.float().T) * rows.scale[:, None] * weight_scale[None, :]
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(rows.dtype)
 
 
-def uses_fp8_gemm(x: torch.Tensor) -> bool:
+def uses_fp8_gemm(x: torch.Tensor | QuantizedRows) -> bool:
     """Whether `fp8_linear` runs the FP8 GEMM for `x` (else the fp32 reference): CUDA 8.9+, 16-bit activations."""
-    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    tensor, dtype = (x.q, x.dtype) if isinstance(x, QuantizedRows) else (x, x.dtype)
+    if not tensor.is_cuda or dtype not in (torch.bfloat16, torch.float16):
         return False
-    return cuda_capability(x.device) >= FP8_MIN_CAPABILITY
+    return cuda_capability(tensor.device) >= FP8_MIN_CAPABILITY
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The FP8 GEMM where `uses_fp8_gemm`, else the reference; the same numbers up to the order of the sums."""
+    """The FP8 GEMM where `uses_fp8_gemm`, else the reference; the same numbers up to the order of the sums. `x`
+    given as QuantizedRows skips the quantization launch."""
     if not uses_fp8_gemm(x):
         return fp8_linear_reference(x, weight, weight_scale, bias)
     _check_linear(x, weight, weight_scale, bias)
-    q, scale = quantize_rows(x.contiguous())
+    if isinstance(x, QuantizedRows):
+        q, scale, dtype = x
+    else:
+        (q, scale), dtype = quantize_rows(x.contiguous()), x.dtype
     # The second operand column-major, as cuBLASLt's FP8 kernels take it: weight [N, K] row-major is exactly that.
-    y = torch._scaled_mm(q, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :], out_dtype=x.dtype)
+    y = torch._scaled_mm(q, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :], out_dtype=dtype)
     return y if bias is None else y + bias

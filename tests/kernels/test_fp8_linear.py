@@ -6,17 +6,21 @@ import torch
 import torch.nn.functional as F
 from tolerances import DOT_DTYPES, assert_close
 
+from tidal.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from tidal.kernels.fp8_linear import (
     MIN_SCALE,
+    QuantizedRows,
     can_quantize,
     fp8_linear,
     fp8_linear_reference,
     quantize_rows_into_,
     quantize_rows_reference,
     quantize_rows_triton,
+    quantized_rows_reference,
     uses_fp8_gemm,
 )
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from tidal.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from tidal.kernels.rotary import build_cos_sin_cache
 from tidal.kernels.small_batch_linear import (
     LaunchConfig,
@@ -161,3 +165,41 @@ def test_fp8_weights_need_their_scales():
         linear_rows_reference(a, torch.randn(16, 32), weight_scale=ws)
     with pytest.raises(ValueError, match="weight_scale"):
         linear_rows_reference(a, w8, weight_scale=ws[:8])
+
+
+# The interpreter has no bf16 arithmetic (tolerances.py); a GPU runs bf16 too.
+PRODUCER_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", PRODUCER_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantizes_its_rows_as_quantize_rows_does(device, dtype, with_residual):
+    """The fused output is exactly the unfused kernel's rows quantized; the references agree the same way."""
+    x = (torch.randn(5, 96, device=device) * torch.logspace(-2, 2, 5, device=device)[:, None]).to(dtype)
+    weight = (torch.rand(96, device=device) + 0.5).to(dtype)
+    residual = torch.randn(5, 96, device=device).to(dtype) if with_residual else None
+    for norm in (rms_norm_triton, rms_norm_reference):
+        fused, plain = norm(x, weight, 1e-6, residual, quantize=True), norm(x, weight, 1e-6, residual)
+        if with_residual:
+            assert torch.equal(fused[1], plain[1])
+            fused, plain = fused[0], plain[0]
+        assert isinstance(fused, QuantizedRows) and fused.dtype == dtype
+        q, scale = quantize_rows_reference(plain)
+        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(fused.scale, scale)
+
+
+@pytest.mark.parametrize("dtype", PRODUCER_DTYPES)
+def test_silu_and_mul_quantizes_its_rows_as_quantize_rows_does(device, dtype):
+    x = (torch.randn(4, 2 * 200, device=device) * 3).to(dtype)
+    for act in (silu_and_mul_triton, silu_and_mul_reference):
+        fused = act(x, quantize=True)
+        q, scale = quantize_rows_reference(act(x))
+        assert isinstance(fused, QuantizedRows) and fused.dtype == dtype
+        assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(fused.scale, scale)
+
+
+def test_fp8_linear_takes_quantized_rows():
+    x = torch.randn(6, 64)
+    w8, ws = _fp8_weight(32, 64, "cpu")
+    rows = quantized_rows_reference(x)
+    assert torch.equal(fp8_linear(rows, w8, ws), fp8_linear(x, w8, ws))

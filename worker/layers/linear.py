@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.kernels.fp8_linear import fp8_linear
+from tidal.kernels.fp8_linear import QuantizedRows, fp8_linear
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.small_batch_linear import NormInput, linear_rows_into_residual_triton, linear_rows_triton
 from tidal.worker.layers.checkpoint import new_weight
@@ -39,9 +39,17 @@ class Linear(nn.Module):
         self.weight = new_weight((out_features, in_features), FP8_E4M3, self.weight.device)
         self.weight_scale = new_weight((out_features,), torch.float32, self.weight.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """Whether `forward` takes its input as QuantizedRows (FP8 weights): the kernel making the input then
+        quantizes it, and no launch of its own does."""
+        return self.weight_scale is not None
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if isinstance(x, QuantizedRows):
+            raise TypeError("quantized rows reach only a projection with FP8 weights")
         return F.linear(x, self.weight, self.bias)
 
     def forward_normed_rows(self, x: NormInput, eps: float, gated: bool = False) -> torch.Tensor:

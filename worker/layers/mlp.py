@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.kernels.fp8_linear import QuantizedRows
 from tidal.kernels.small_batch_linear import NormInput
 from tidal.worker.layers.activation import SiluAndMul
 from tidal.worker.layers.linear import Linear, MergedLinear
@@ -20,8 +21,14 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))  # via [T, 2*I] and [T, I]
+    @property
+    def takes_quantized_rows(self) -> bool:
+        """Whether `forward` takes its input as QuantizedRows (FP8 gate/up weights; see Linear)."""
+        return self.gate_up_proj.takes_quantized_rows
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [T, H] -> [T, H]
+        act = self.act(self.gate_up_proj(x), quantize=self.down_proj.takes_quantized_rows)  # [T, I]
+        out: torch.Tensor = self.down_proj(act)
         return out
 
     def forward_small_batch(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.kernels.rms_norm import rms_norm
+from tidal.kernels.rms_norm import Normed, rms_norm
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput, norm_input_reference
 from tidal.worker.layers.checkpoint import new_weight
@@ -24,10 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = new_weight((hidden_size,), dtype, device)  # [H]
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H]. With `residual`: returns (norm(x + residual), x + residual), the latter the new residual."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        """x [T, H]. With `residual`: returns (norm(x + residual), x + residual), the latter the new residual.
+        `quantize`: the normed rows as QuantizedRows, for a projection with FP8 weights."""
+        return rms_norm(x, self.weight, self.eps, residual, quantize)
 
     def head_norm(self) -> HeadNorm:
         """This norm applied to each head of q or k (Qwen3's q/k norm; the weight [head_dim]): the kernel that rotates

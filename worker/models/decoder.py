@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tidal.kernels.fp8_linear import QuantizedRows
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput, uses_small_batch_kernels
 from tidal.kernels.small_batch_qkv import can_fuse_rotary, qkv_rope_store_triton
@@ -110,7 +111,9 @@ class DecoderAttention(nn.Module):
             spec.head_dim, self.rotary_emb.rotary_dim, self.rotary_emb.is_neox, self.q_norm is not None
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor | QuantizedRows, batch: AttentionBatch
+    ) -> torch.Tensor:
         out: torch.Tensor = self.o_proj(self._attend_qkv(positions, self.qkv_proj(hidden), batch))
         return out
 
@@ -181,12 +184,15 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream before it), both [T, H]; the next norm adds them."""
+        # A projection with FP8 weights takes its input quantized by the norm before it (no launch of its own).
+        quantize_qkv = self.self_attn.qkv_proj.takes_quantized_rows
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, quantize=quantize_qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quantize=quantize_qkv)
         hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        quantize_mlp = isinstance(self.mlp, GatedMLP) and self.mlp.takes_quantized_rows
+        hidden, residual = self.post_attention_layernorm(hidden, residual, quantize=quantize_mlp)
         return self.mlp(hidden), residual
 
     def forward_small_batch(
