@@ -201,7 +201,7 @@ def test_a_transfer_that_fails_while_asleep_leaves_the_served_copy_and_its_check
             served = (await manager.checksum()).overall
             await manager.sleep(SleepRequest(level=1))  # the host buffer now holds the only copy
 
-            def read_fails_half_way(tensors, host_views, deadline=None):
+            def read_fails_half_way(tensors, host_views, deadline=None, fp8_scales=None):
                 next(iter(host_views.values())).fill_(0)  # some bytes already written where it stages
                 raise OSError("disk went away")
 
