@@ -25,7 +25,7 @@ import triton
 from tidal.kernels._device import cuda_capability
 from tidal.kernels._fp8_linear_kernels import quantize_rows_kernel
 from tidal.kernels._validate import check_dtype, check_last_dim_contiguous, check_ndim, check_shape
-from tidal.kernels.kv_cache_dtype import FP8_E4M3, FP8_E4M3_MAX, FP8_MIN_CAPABILITY
+from tidal.kernels.kv_cache_dtype import FP8_E4M3, FP8_E4M3_MAX, FP8_MIN_CAPABILITY, require_fp8_device
 
 MIN_SCALE = 2.0**-64
 # _scaled_mm needs both GEMM dimensions it reduces or emits per operand row to be multiples of 16.
@@ -36,15 +36,7 @@ _QUANTIZE_BLOCK_K = 1024
 def check_fp8_weights_fit(device: torch.device) -> None:
     """Refuses FP8 weights on a GPU older than compute capability 8.9 (no FP8 tensor cores, and Triton cannot convert
     e4m3 there), before anything is allocated. CPUs take them (the references)."""
-    if device.type != "cuda":
-        return
-    capability = cuda_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
-        wanted = ".".join(map(str, FP8_MIN_CAPABILITY))
-        raise ValueError(
-            f"FP8 weights need a GPU of compute capability {wanted} or newer (Ada, Hopper); "
-            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use weight_dtype 'auto'"
-        )
+    require_fp8_device(device, "FP8 weights need", "weight_dtype")
 
 
 class QuantizedRows(NamedTuple):

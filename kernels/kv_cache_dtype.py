@@ -43,14 +43,21 @@ FP8_MIN_CAPABILITY = (8, 9)
 def check_device_holds(cache_dtype: torch.dtype, device: torch.device) -> None:
     """Refuses an FP8 cache on a GPU older than FP8_MIN_CAPABILITY, before any kernel is compiled for it (Triton's
     own error would come from deep inside the first compile). CPUs take every dtype (the references)."""
-    if cache_dtype != FP8_E4M3 or device.type != "cuda":
+    if cache_dtype == FP8_E4M3:
+        require_fp8_device(device, "an FP8 KV cache needs", "kv_cache_dtype")
+
+
+def require_fp8_device(device: torch.device, what_needs: str, option: str) -> None:
+    """ValueError, naming the GPU and `option` (the setting to turn back to 'auto'), on a GPU older than
+    FP8_MIN_CAPABILITY; CPUs and newer GPUs pass. `what_needs`: the sentence's start, e.g. "FP8 weights need"."""
+    if device.type != "cuda":
         return
     capability = cuda_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         wanted = ".".join(map(str, FP8_MIN_CAPABILITY))
         raise ValueError(
-            f"an FP8 KV cache needs a GPU of compute capability {wanted} or newer (Ada, Hopper); "
-            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'"
+            f"{what_needs} a GPU of compute capability {wanted} or newer (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}: use {option} 'auto'"
         )
 
 

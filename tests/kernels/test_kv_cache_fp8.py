@@ -196,6 +196,19 @@ def test_an_fp8_cache_needs_ada_or_newer(monkeypatch, set_capability):
     check_device_holds(FP8_E4M3, torch.device("cuda", 0))
 
 
+def test_fp8_weights_need_ada_or_newer(monkeypatch, set_capability):
+    """The same refusal for FP8 weights, naming their own setting; the engine turns it into a config error."""
+    from tidal.kernels.fp8_linear import check_fp8_weights_fit
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    set_capability((8, 0))
+    with pytest.raises(ValueError, match=r"FP8 weights need .* NVIDIA A100 is 8.0: use weight_dtype 'auto'"):
+        check_fp8_weights_fit(torch.device("cuda", 0))
+    check_fp8_weights_fit(torch.device("cpu"))
+    set_capability((9, 0))
+    check_fp8_weights_fit(torch.device("cuda", 0))
+
+
 def test_names_and_refusals():
     assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_cache_dtype("fp8", torch.bfloat16) == kv_cache_dtype("fp8_e4m3", torch.float16) == FP8_E4M3
