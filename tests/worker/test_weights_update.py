@@ -126,9 +126,11 @@ def test_requests_during_an_update_finish_wholly_on_one_version(tiny_model, vers
                 assert future.result().json()["choices"][0]["text"] == text_b
 
 
-def test_streamed_and_collective_updates_reach_the_disk_checksum(tiny_model, version_b, tmp_path):
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])  # fp8: each path quantizes as the disk path does
+def test_streamed_and_collective_updates_reach_the_disk_checksum(tiny_model, version_b, tmp_path, weight_dtype):
     model_dir = tiny_model("llama")
-    with ControlledWorker(model_path=model_dir, num_kv_blocks=64) as worker:
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64, weight_dtype=weight_dtype) as worker:
+        assert any(n.endswith(".weight_scale") for n in worker.checksum()["tensors"]) == (weight_dtype == "fp8")
         disk = worker.post("/weights/update", {"source": str(version_b), "version": "b"}).json()["checksum"]
         text_b = worker.text("Hello")
         worker.post("/weights/update", {"source": str(model_dir), "version": "a"})
