@@ -43,9 +43,6 @@ class QuantizeInto:
     def device(self) -> torch.device:
         return self.weight.device
 
-    def rows(self) -> int:
-        return int(self.weight.shape[0])
-
     def row_length(self) -> int:
         return int(self.weight.shape[1])
 
