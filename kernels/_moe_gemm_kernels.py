@@ -6,6 +6,9 @@
 (GATE_UP=True) gathers the tokens' hidden rows and produces silu(gate) * up directly, so the [rows, 2I] product never
 reaches memory; pass 2 multiplies by W2 and scales each row by its routing weight. `combine_kernel` then sums each
 token's top_k rows in a fixed order (deterministic, no atomics).
+
+With W_SCALED the weights are e4m3 (moe_expert_scales.py): each tile is widened to the activations' dtype before the
+dot, and the fp32 accumulators are multiplied by their columns' scales once, after the K loop.
 """
 
 import triton
@@ -20,6 +23,7 @@ from tidal.kernels._triton_utils import exact_dot
 def grouped_gemm_kernel(
     a_ptr,  # pass 1: hidden [T, K]; pass 2: intermediate [max_rows, K] in sorted order
     w_ptr,  # pass 1: w13 [E, 2N, K]; pass 2: w2 [E, N, K]
+    w_scale_ptr,  # W_SCALED: pass 1 [E, 2N], pass 2 [E, N] fp32
     c_ptr,  # pass 1: intermediate [max_rows, N]; pass 2: expert outputs [max_rows, N] fp32
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -32,8 +36,10 @@ def grouped_gemm_kernel(
     w_stride_e,
     w_stride_n,
     c_stride,
+    w_scale_stride_e,
     TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -71,14 +77,23 @@ def grouped_gemm_kernel(
         k_ok = k + ks < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if W_SCALED:
+            w = w.to(a.dtype)  # exact: e4m3 values are 16-bit values
         acc += exact_dot(a, w, IS_FP32)
         if GATE_UP:
             w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W_SCALED:
+                w_up = w_up.to(a.dtype)
             acc_up += exact_dot(a, w_up, IS_FP32)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if W_SCALED:
+        scale_ptrs = w_scale_ptr + expert.to(tl.int64) * w_scale_stride_e + cols
+        acc *= tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
+        if GATE_UP:
+            acc_up *= tl.load(scale_ptrs + N, mask=col_ok, other=0.0)[None, :]
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * c_stride + cols[None, :]
     if GATE_UP:
         act = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up; padding rows stay 0

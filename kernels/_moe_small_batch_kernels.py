@@ -18,6 +18,9 @@ small_batch_linear.NormInput) and scales its products by each token's 1/rms; wit
 writes the layer's output adds it to the residual stream and writes the next norm's NormInput instead. A decoder
 layer's MoE then needs no RMSNorm launch before or after it (`fused_moe_small_batch.small_batch_moe_into_residual`).
 
+With W_SCALED the weights are e4m3 (moe_expert_scales.py), read as they are (half the bytes), widened to fp32 like
+16-bit ones, and each output column's sum multiplied by its scale after the K loop.
+
 Pairs (tokens) are grid axis 0, the fastest-varying, so programs reading the same N-tile of an expert two tokens
 chose run at about the same time and the second read tends to come from L2.
 """
@@ -86,6 +89,7 @@ def sum_splits_last(part, workspace_ptr, counters_ptr, tile, split, SPLITS: tl.c
 def pair_gate_up_kernel(
     hidden_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]: gate rows, then up rows
+    w13_scale_ptr,  # W_SCALED: [E, 2I] fp32
     inter_ptr,  # [T * TOP_K, I] out, hidden's dtype
     logits_ptr,  # [T, E] router logits (ROUTE)
     weights_ptr,  # [T * TOP_K] fp32: written by N-tile 0 when ROUTE, else unused
@@ -104,6 +108,7 @@ def pair_gate_up_kernel(
     RENORMALIZE: tl.constexpr,
     ROUTE: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -150,6 +155,10 @@ def pair_gate_up_kernel(
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
+    if W_SCALED:
+        scale_ptrs = w13_scale_ptr + expert.to(tl.int64) * (2 * inter_size) + cols
+        gate = gate * tl.load(scale_ptrs, mask=col_ok, other=0.0)
+        up = up * tl.load(scale_ptrs + inter_size, mask=col_ok, other=0.0)
     if ROW_SCALE:
         gate = gate * inv_rms
         up = up * inv_rms
@@ -161,6 +170,7 @@ def pair_gate_up_kernel(
 def token_down_kernel(
     inter_ptr,  # [T * TOP_K, I]
     w2_ptr,  # [E, H, I]
+    w2_scale_ptr,  # W_SCALED: [E, H] fp32
     weights_ptr,  # [T * TOP_K] fp32 routing weights
     ids_ptr,  # [T * TOP_K] int32 experts
     out_ptr,  # [T, H] in the output dtype
@@ -177,6 +187,7 @@ def token_down_kernel(
     PAIRS_P2: tl.constexpr,
     SPLITS: tl.constexpr,
     INTO_RESIDUAL: tl.constexpr,
+    W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the K loop (GemvTiles.stages)
@@ -213,6 +224,8 @@ def token_down_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
+    if W_SCALED:
+        acc *= tl.load(w2_scale_ptr + w_rows, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)  # [PAIRS_P2, N]
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
     writes = True
     if SPLITS > 1:

@@ -4,6 +4,7 @@ A few (token, k) pairs take the small-batch path instead (`fused_moe_small_batch
 (`_moe_small_batch_config`); TIDAL_MOE_SMALL_BATCH=0 turns it off (A/B timing against the grouped GEMMs).
 
 Weights: w13 [E, 2*I, H] (gate rows, then up rows), w2 [E, H, I]. out [T, H] = sum_k w_k * W2_e(silu(W1_e x) * W3_e x).
+FP8 experts: e4m3 stacks with their `ExpertScales` (moe_expert_scales.py), which every entry point takes as `scales`.
 """
 
 import os
@@ -27,7 +28,6 @@ from tidal.kernels._validate import (
     check_dtype,
     check_ndim,
     check_same_device,
-    check_same_dtype,
     check_shape,
 )
 from tidal.kernels.fused_moe_small_batch import (
@@ -37,6 +37,7 @@ from tidal.kernels.fused_moe_small_batch import (
     small_batch_moe_into_residual,
     small_batch_moe_routed,
 )
+from tidal.kernels.moe_expert_scales import ExpertScales, check_expert_weights
 from tidal.kernels.small_batch_linear import NormInput
 
 # Either path's tiles; None picks the path and its tiles from the shapes.
@@ -94,7 +95,12 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 def _check_inputs(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    scales: ExpertScales | None = None,
 ) -> None:
     check_ndim("hidden", hidden, 2)
     check_dtype("hidden", hidden, FLOAT_DTYPES)
@@ -106,16 +112,22 @@ def _check_inputs(
         raise ValueError(f"w13 hidden size {hidden_size} != hidden's {hidden.shape[1]}")
     check_shape("w2", w2, (num_experts, hidden_size, two_i // 2))
     check_shape("router_logits", router_logits, (hidden.shape[0], num_experts))
-    check_same_dtype("hidden, w13 and w2", hidden, w13, w2)
+    check_expert_weights(hidden, w13, w2, scales)
     check_same_device("hidden, w13, w2 and router_logits", hidden, w13, w2, router_logits)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
 
 
 def fused_moe_experts_reference(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """The expert computation for given routing: hidden [T, H], topk_weights/ids [T, k] -> [T, H]."""
+    """The expert computation for given routing: hidden [T, H], topk_weights/ids [T, k] -> [T, H]. FP8 stacks'
+    products are scaled per output channel after the product, in the kernels' order."""
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     flat_ids = topk_ids.reshape(-1).long()  # [T * k]
@@ -124,8 +136,12 @@ def fused_moe_experts_reference(
         picks = (flat_ids == expert).nonzero().squeeze(1)  # [n] indices into T * k
         tokens = picks // topk_ids.shape[1]
         gate_up = hidden[tokens].float() @ w13[expert].float().t()  # [n, 2I]
+        if scales is not None:
+            gate_up = gate_up * scales.w13[expert]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
         expert_out = act @ w2[expert].float().t()  # [n, H]
+        if scales is not None:
+            expert_out = expert_out * scales.w2[expert]
         out.index_add_(0, tokens, expert_out * flat_weights[picks, None])
     return out.to(hidden.dtype)
 
@@ -137,11 +153,12 @@ def fused_moe_reference(
     router_logits: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; fp32 arithmetic, result in hidden's dtype."""
-    _check_inputs(hidden, w13, w2, router_logits, top_k)
+    _check_inputs(hidden, w13, w2, router_logits, top_k, scales)
     weights, ids = topk_route_reference(router_logits, top_k, renormalize)
-    return fused_moe_experts_reference(hidden, w13, w2, weights, ids)
+    return fused_moe_experts_reference(hidden, w13, w2, weights, ids, scales)
 
 
 def fused_moe_triton(
@@ -152,18 +169,21 @@ def fused_moe_triton(
     top_k: int,
     renormalize: bool,
     config: AnyMoeConfig = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The Triton path; same contract as `fused_moe_reference`. A `MoeConfig` runs the grouped GEMMs with its tiles,
     a `SmallBatchMoeConfig` the small-batch path; None chooses by shape."""
-    _check_inputs(hidden, w13, w2, router_logits, top_k)
+    _check_inputs(hidden, w13, w2, router_logits, top_k, scales)
     if config is None:
         config = auto_small_batch_config(hidden.shape[0], top_k, w13)
     if isinstance(config, SmallBatchMoeConfig) and config.fold_routing:
-        return small_batch_moe_routed(hidden, w13, w2, router_logits, top_k, renormalize, config)
+        return small_batch_moe_routed(hidden, w13, w2, router_logits, top_k, renormalize, config, scales)
     weights, ids = topk_route_triton(router_logits, top_k, renormalize)
     if isinstance(config, SmallBatchMoeConfig):
-        return small_batch_moe_experts(hidden, w13, w2, weights, ids, config)
-    return fused_moe_experts_triton(hidden, w13, w2, weights, ids, config, allow_small_batch=False)  # decided above
+        return small_batch_moe_experts(hidden, w13, w2, weights, ids, config, scales)
+    return fused_moe_experts_triton(
+        hidden, w13, w2, weights, ids, config, allow_small_batch=False, scales=scales
+    )  # the path was decided above
 
 
 def fused_moe_into_residual_reference(
@@ -176,6 +196,7 @@ def fused_moe_into_residual_reference(
     renormalize: bool,
     residual: torch.Tensor,
     next_gamma: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
     """The decoder layer's MoE from the post-attention norm's unscaled input `x`: normed = rms_norm(h) rounded to the
     dtype, h' = residual + fused_moe(normed) -> (h', the input of the norm with weight `next_gamma` over h', one
@@ -183,7 +204,7 @@ def fused_moe_into_residual_reference(
     agree to the dtype's precision, not bit for bit."""
     inv_rms = torch.rsqrt(x.partial_sq.sum(dim=0) / x.scaled.shape[1] + eps)  # [T]
     normed = (x.scaled.float() * inv_rms[:, None]).to(x.scaled.dtype)
-    out = fused_moe_reference(normed, w13, w2, router_logits, top_k, renormalize)  # rounded to the dtype
+    out = fused_moe_reference(normed, w13, w2, router_logits, top_k, renormalize, scales)  # rounded to the dtype
     h = (out.float() + residual.float()).to(out.dtype)  # rounded as the unfused residual add rounds it
     hf = h.float()
     return h, NormInput((hf * next_gamma.float()).to(h.dtype), (hf * hf).sum(dim=1)[None, :].contiguous())
@@ -200,15 +221,16 @@ def fused_moe_into_residual_triton(
     residual: torch.Tensor,
     next_gamma: torch.Tensor,
     config: SmallBatchMoeConfig,
+    scales: ExpertScales | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
     """The small-batch kernels, same contract as `fused_moe_into_residual_reference` (partial sums per H-tile);
     `router_logits` are the logits of the normed h (the router's own projection scales by 1/rms too)."""
-    _check_inputs(x.scaled, w13, w2, router_logits, top_k)
+    _check_inputs(x.scaled, w13, w2, router_logits, top_k, scales)
     routing: Routing | RouterLogits = RouterLogits(router_logits, renormalize)
     if not config.fold_routing:
         weights, ids = topk_route_triton(router_logits, top_k, renormalize)
         routing = Routing(weights.reshape(-1), ids.reshape(-1))
-    return small_batch_moe_into_residual(x, eps, w13, w2, routing, top_k, residual, next_gamma, config)
+    return small_batch_moe_into_residual(x, eps, w13, w2, routing, top_k, residual, next_gamma, config, scales)
 
 
 def auto_small_batch_config(num_tokens: int, top_k: int, w13: torch.Tensor) -> SmallBatchMoeConfig | None:
@@ -262,6 +284,7 @@ def fused_moe_experts_triton(
     topk_ids: torch.Tensor,
     config: AnyMoeConfig = None,
     allow_small_batch: bool = True,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The expert computation for given routing (weights [T, k] fp32, ids [T, k] int32) -> [T, H] in hidden's dtype.
     `config` as for `fused_moe_triton`; without one, `allow_small_batch=False` keeps the grouped GEMMs."""
@@ -281,14 +304,18 @@ def fused_moe_experts_triton(
         ("topk_weights", topk_weights),
     ):
         check_contiguous(name, t)
+    check_expert_weights(hidden, w13, w2, scales)
     if config is None and allow_small_batch:
         config = auto_small_batch_config(num_tokens, top_k, w13)
     if isinstance(config, SmallBatchMoeConfig):
-        return small_batch_moe_experts(hidden, w13, w2, topk_weights, topk_ids, config)
+        return small_batch_moe_experts(hidden, w13, w2, topk_weights, topk_ids, config, scales)
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, w13.element_size())
+    # Tiles by the activations' width: an FP8 weight tile takes half a 16-bit one's shared memory, so the 16-bit
+    # tiles (the swept ones) always fit. A sweep of FP8 experts' own tiles has not been run yet.
+    element_size = max(hidden.element_size(), w13.element_size())
+    config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, element_size)
     num_pairs = num_tokens * top_k
     block_m = config.block_m
     sorted_pairs, block_expert, pair_row, max_blocks = sort_pairs_by_expert(topk_ids, num_experts, block_m)
@@ -296,15 +323,17 @@ def fused_moe_experts_triton(
     device = hidden.device
     intermediate = torch.empty(max_rows, inter, dtype=hidden.dtype, device=device)  # silu(gate) * up, sorted rows
     expert_out = torch.empty(max_rows, hidden_size, dtype=torch.float32, device=device)
+    w13_scale, w2_scale = scales if scales is not None else (expert_out, expert_out)  # unused for 16-bit stacks
     passes = (
-        (hidden, w13, intermediate, inter, hidden_size, config.gate_up, True),
-        (intermediate, w2, expert_out, hidden_size, inter, config.down, False),
+        (hidden, w13, w13_scale, intermediate, inter, hidden_size, config.gate_up, True),
+        (intermediate, w2, w2_scale, expert_out, hidden_size, inter, config.down, False),
     )
-    for a, w, c, n, k, tiles, gate_up in passes:
+    for a, w, w_scale, c, n, k, tiles, gate_up in passes:
         grid = (max_blocks * triton.cdiv(n, tiles.block_n),)
         grouped_gemm_kernel[grid](
             a,
             w,
+            w_scale,
             c,
             sorted_pairs,
             block_expert,
@@ -317,8 +346,10 @@ def fused_moe_experts_triton(
             w.stride(0),
             w.stride(1),
             c.stride(0),
+            w_scale.stride(0),
             TOP_K=top_k,
             GATE_UP=gate_up,
+            W_SCALED=scales is not None,
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k,
@@ -341,8 +372,9 @@ def fused_moe(
     router_logits: torch.Tensor,
     top_k: int,
     renormalize: bool,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA, the torch reference elsewhere."""
     if hidden.is_cuda:
-        return fused_moe_triton(hidden, w13, w2, router_logits, top_k, renormalize)
-    return fused_moe_reference(hidden, w13, w2, router_logits, top_k, renormalize)
+        return fused_moe_triton(hidden, w13, w2, router_logits, top_k, renormalize, scales=scales)
+    return fused_moe_reference(hidden, w13, w2, router_logits, top_k, renormalize, scales)

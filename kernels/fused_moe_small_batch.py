@@ -11,6 +11,7 @@ validate the shapes (fused_moe's wrappers do); this checks what the kernels assu
 `small_batch_moe_into_residual` is the decoder layer's form: it takes the post-attention RMSNorm's unscaled input
 (`NormInput`) and returns the residual stream after the experts with the next norm's input, so the small-batch
 decoder path (worker/models/decoder.py) runs a MoE layer with no RMSNorm launch of its own, as it runs a dense one.
+Every entry point takes FP8 experts' `scales` (moe_expert_scales.py; None for 16-bit stacks).
 """
 
 from typing import NamedTuple
@@ -23,6 +24,7 @@ from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_spli
 from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, token_down_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
+from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.small_batch_linear import NormInput
 
 # Partial sums of h^2 a program adds per step when it scales by 1/rms (the o projection writes up to H / 16 of them).
@@ -45,6 +47,7 @@ def _gate_up(
     weights: torch.Tensor,
     ids: torch.Tensor,
     norm: tuple[torch.Tensor, float] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """intermediate [T * k, I]; `route` (router logits [T, E], renormalize) routes in the kernel into weights/ids;
     `norm` (partial sums of h^2 [P, T], eps): `hidden` is h * gamma, and the products are scaled by 1/rms(h)."""
@@ -56,11 +59,11 @@ def _gate_up(
     logits, renormalize = route if route is not None else (weights, False)  # logits unused without routing
     partials, eps = norm if norm is not None else (weights, 0.0)  # partials unused without the norm
     pair_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, tiles.block_n))](
-        hidden, w13, intermediate, logits, weights, ids, partials,
+        hidden, w13, scale if scale is not None else weights, intermediate, logits, weights, ids, partials,
         hidden_size, inter, num_experts, logits.stride(0), num_tokens, partials.shape[0] if norm else 0, eps,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, STAGES=tiles.stages, num_warps=tiles.num_warps,
+        RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, W_SCALED=scale is not None,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, STAGES=tiles.stages, num_warps=tiles.num_warps,
         **pdl_launch_options(hidden.device),
     )  # fmt: skip
     return intermediate
@@ -75,6 +78,7 @@ def _down(
     top_k: int,
     config: SmallBatchMoeConfig,
     into: _IntoResidual | None = None,
+    scale: torch.Tensor | None = None,
 ) -> NormInput:
     """Writes the output [T, H] into `out`, or with `into` residual + output; -> with `into` the next norm's input
     over that sum (h * gamma [T, H], sums of h^2 over each H-tile [tiles, T]), else empty tensors."""
@@ -89,17 +93,27 @@ def _down(
     partial_sq = torch.empty((h_tiles if into else 0, num_tokens), dtype=torch.float32, device=out.device)
     residual, gamma = into if into is not None else (out, out)  # unused without `into`
     token_down_kernel[(num_tokens * splits, h_tiles)](
-        intermediate, w2, weights, ids, out, residual, gamma, scaled, partial_sq, workspace, counters, num_tokens,
-        hidden_size, inter, PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits,
-        INTO_RESIDUAL=into is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
+        intermediate, w2, scale if scale is not None else weights, weights, ids, out, residual, gamma, scaled,
+        partial_sq, workspace, counters, num_tokens, hidden_size, inter, PAIRS=top_k // splits,
+        PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits, INTO_RESIDUAL=into is not None,
+        W_SCALED=scale is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
         num_warps=tiles.num_warps, **pdl_launch_options(out.device),
     )  # fmt: skip
     return NormInput(scaled, partial_sq)
 
 
-def _check_layout(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
+def _check_layout(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> None:
+    for name, t in (
+        ("hidden", hidden),
+        ("w13", w13),
+        ("w2", w2),
+        *(() if scales is None else (("scales.w13", scales.w13), ("scales.w2", scales.w2))),
+    ):
         check_contiguous(name, t)
+
+
+def _scale(scales: ExpertScales | None, which: int) -> torch.Tensor | None:
+    return None if scales is None else scales[which]
 
 
 def small_batch_moe_routed(
@@ -110,9 +124,10 @@ def small_batch_moe_routed(
     top_k: int,
     renormalize: bool,
     config: SmallBatchMoeConfig,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], router_logits [T, E] -> [T, H]: routing and experts, as fused_moe_reference computes them."""
-    _check_layout(hidden, w13, w2)
+    _check_layout(hidden, w13, w2, scales)
     num_tokens = hidden.shape[0]
     out = torch.empty_like(hidden)
     if num_tokens == 0:
@@ -120,8 +135,8 @@ def small_batch_moe_routed(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=hidden.device)
-    intermediate = _gate_up(hidden, w13, top_k, config, (logits, renormalize), weights, ids)
-    _down(intermediate, w2, weights, ids, out, top_k, config)
+    intermediate = _gate_up(hidden, w13, top_k, config, (logits, renormalize), weights, ids, scale=_scale(scales, 0))
+    _down(intermediate, w2, weights, ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -132,9 +147,10 @@ def small_batch_moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: SmallBatchMoeConfig,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The experts for given routing (weights [T, k] fp32, ids [T, k] int32) -> [T, H] in hidden's dtype."""
-    _check_layout(hidden, w13, w2)
+    _check_layout(hidden, w13, w2, scales)
     num_tokens, top_k = topk_ids.shape
     check_shape("topk_weights", topk_weights, (num_tokens, top_k))
     check_dtype("topk_ids", topk_ids, (torch.int32,))
@@ -144,8 +160,8 @@ def small_batch_moe_experts(
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    intermediate = _gate_up(hidden, w13, top_k, config, None, topk_weights, topk_ids)
-    _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config)
+    intermediate = _gate_up(hidden, w13, top_k, config, None, topk_weights, topk_ids, scale=_scale(scales, 0))
+    _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -173,12 +189,13 @@ def small_batch_moe_into_residual(
     residual: torch.Tensor,
     next_gamma: torch.Tensor,
     config: SmallBatchMoeConfig,
+    scales: ExpertScales | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
     """residual + experts(rms_norm(h)) for a few tokens, the norm given by its unscaled input `x` (h * gamma and sums
     of h^2) and `eps`. -> (the new residual stream [T, H], the input of the RMSNorm with weight `next_gamma` over
     it). `routing`: done (fused_moe routes in a launch of its own when the config does not fold it) or to fold in."""
     hidden = x.scaled
-    _check_layout(hidden, w13, w2)
+    _check_layout(hidden, w13, w2, scales)
     check_contiguous("residual", residual)
     check_shape("residual", residual, tuple(hidden.shape))
     check_shape("next_gamma", next_gamma, (hidden.shape[1],))
@@ -197,6 +214,8 @@ def small_batch_moe_into_residual(
         route: tuple[torch.Tensor, bool] | None = (logits, routing.renormalize)
     else:
         weights, ids, route = routing.weights, routing.ids, None
-    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, (x.partial_sq, eps))
-    next_input = _down(intermediate, w2, weights, ids, out, top_k, config, _IntoResidual(residual, next_gamma))
+    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, (x.partial_sq, eps), _scale(scales, 0))
+    next_input = _down(
+        intermediate, w2, weights, ids, out, top_k, config, _IntoResidual(residual, next_gamma), _scale(scales, 1)
+    )
     return out, next_input

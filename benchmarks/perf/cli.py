@@ -34,7 +34,7 @@ def engine_benchmark_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9, help="share of free memory for the KV cache")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto", help="fp8: an e4m3 cache")
     parser.add_argument(
-        "--weight-dtype", choices=get_args(WeightDType), default="auto", help="fp8: e4m3 projection weights"
+        "--weight-dtype", choices=get_args(WeightDType), default="auto", help="fp8: e4m3 projection and expert weights"
     )
     return parser
 

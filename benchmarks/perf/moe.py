@@ -27,12 +27,25 @@ def moe_layers(model: torch.nn.Module) -> list[SparseMoE]:
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
+def expert_stack_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the tensors with one entry per expert (the weight stacks, and their scales with FP8 experts): a step
+    reads only the entries of the experts it touches, so none of them counts as a dense weight."""
+    return {id(t) for layer in moe_layers(model) for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)
+            if t is not None}  # fmt: skip
+
+
+def one_expert_bytes(layer: SparseMoE) -> int:
+    """The bytes of one expert of `layer`: its entries of every stack (gate, up and down, and their scales)."""
+    return sum(t[0].numel() * t.element_size() for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)
+               if t is not None)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StepBytes:
     """What a decode step reads, apart from the experts and the KV cache."""
 
     dense_bytes: int  # every weight but the experts' stacks and the embedding table (the LM head included)
-    expert_bytes: int  # one expert of one layer (gate, up and down)
+    expert_bytes: int  # one expert of one layer (gate, up and down, with their scales when FP8)
     experts_per_layer: int
     top_k: int
     layers: int
@@ -55,9 +68,8 @@ def step_bytes(model: torch.nn.Module) -> StepBytes | None:
     if not layers:
         return None
     first = layers[0]
-    size = first.w13.element_size()
-    expert_bytes = (first.w13[0].numel() + first.w2[0].numel()) * size
-    skipped = {id(t) for layer in layers for t in (layer.w13, layer.w2)} | gathered_tables(model)
+    expert_bytes = one_expert_bytes(first)
+    skipped = expert_stack_ids(model) | gathered_tables(model)
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
     return StepBytes(dense, expert_bytes, first.moe.num_experts, first.moe.top_k, len(layers))
 

@@ -114,8 +114,8 @@ def build_random_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, seed: int, weight_dtype: WeightDType = "auto"
 ) -> LoadedModel:
     """Our implementation of the architecture in `model_dir`/config.json, weights drawn on `device` (plain torch
-    memory, as `LLMEngine.from_config` uses by default). `weight_dtype` "fp8": the same draws, the projections'
-    quantized (tidal.worker.layers.fp8_weights)."""
+    memory, as `LLMEngine.from_config` uses by default). `weight_dtype` "fp8": the same draws, the projections' and
+    the experts' quantized (tidal.worker.layers.fp8_weights)."""
     start = time.monotonic()
     hf_config = load_hf_config(model_dir)
     memory = TorchMemory()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from perf.moe import gathered_tables, moe_layers, step_bytes
+from perf.moe import expert_stack_ids, gathered_tables, moe_layers, step_bytes
 from perf.step_bound import ModelShape, kv_bytes_per_token
 from tidal.worker.layers.embedding import LMHead
 from tidal.worker.models.base import CausalLM
@@ -14,7 +14,7 @@ from tidal.worker.models.base import CausalLM
 def model_shape(model: CausalLM, hf_config: PretrainedConfig, kv_dtype: torch.dtype) -> ModelShape:
     """Dense weights (the embedding table and the experts' stacks aside), the projections among them (2-D weights:
     norms are read, not multiplied through), one expert's size, and the attention's dimensions."""
-    skipped = gathered_tables(model) | {id(t) for layer in moe_layers(model) for t in (layer.w13, layer.w2)}
+    skipped = gathered_tables(model) | expert_stack_ids(model)
     dense = [p for p in model.parameters() if id(p) not in skipped]
     head = next(m.weight for m in model.modules() if isinstance(m, LMHead))
     spec = model.kv_cache_spec

@@ -79,11 +79,11 @@ class ModelSource(ApiModel):
     e4m3 without a scale: twice the tokens in the same memory and half the bytes decode attention reads, for a
     small loss of precision (3 mantissa bits)."""
     weight_dtype: WeightDtype = "auto"
-    """Element type of the attention and MLP projections' weights: `auto` keeps the model dtype; `fp8` serves them as
+    """Element type of the projections' and MoE experts' weights: `auto` keeps the model dtype; `fp8` serves them as
     FP8 e4m3 with a scale per output channel, quantized as the checkpoint is read (the FP8 GEMMs of large batches
-    quantize the activations per token): half the weight bytes and twice the tensor-core rate, for some precision.
-    Needs GPUs of compute capability 8.9 or newer (Ada, Hopper). Embeddings, LM head, norms and MoE experts and
-    router keep the model dtype."""
+    quantize the activations per token; the expert kernels widen the weights to 16 bits): half the weight bytes and,
+    for the projections, twice the tensor-core rate, for some precision. Needs GPUs of compute capability 8.9 or
+    newer (Ada, Hopper). Embeddings, LM head, norms and the MoE router keep the model dtype."""
     max_model_len: int | None = Field(None, ge=16, le=1048576)
     """Longest sequence (prompt + output) in tokens. Default: the model's own limit."""
     served_name: str | None = Field(None, min_length=1, max_length=253)

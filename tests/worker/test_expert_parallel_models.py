@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tidal.kernels.fp8_linear import quantize_rows_reference
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.worker.checkpoint.errors import CheckpointFilesMissingError
 from tidal.worker.experts.expert_map import ExpertMap
 from tidal.worker.experts.placement import plan_placement
@@ -48,8 +50,11 @@ class CommWithoutPeers:
         raise AssertionError("an install must not communicate")
 
 
-def ep_model(model_dir: Path, rank: int, world_size: int, redundant: int) -> MoeDecoderForCausalLM:
-    model = load_model(model_dir, "float32", CPU, expert_parallel=ExpertParallelSettings(rank, world_size, redundant))
+def ep_model(
+    model_dir: Path, rank: int, world_size: int, redundant: int, weight_dtype: str = "auto"
+) -> MoeDecoderForCausalLM:
+    settings = ExpertParallelSettings(rank, world_size, redundant)
+    model = load_model(model_dir, "float32", CPU, expert_parallel=settings, weight_dtype=weight_dtype)
     assert isinstance(model.model, MoeDecoderForCausalLM) and model.model.expert_parallel is not None
     return model.model
 
@@ -132,6 +137,42 @@ def test_every_rank_serves_its_own_prompt_as_one_process_would(world_size, tiny_
         assert missing and loaded == sorted(missing), arch  # each missing expert loaded once, by one survivor
 
 
+def fp8_scenario(rank: int, world_size: int, model_dir: str) -> None:
+    """FP8 experts spread over the group: each rank's output equals the single-process FP8 model's (the scales
+    travel with the slots, and the ranks that run a dispatched row scale it as one process would)."""
+    reference = load_model(Path(model_dir), "float32", CPU, weight_dtype="fp8").model
+    model = ep_model(Path(model_dir), rank, world_size, 1, "fp8")
+    state = model.expert_parallel
+    assert state is not None
+    model.install_expert_epoch(state.expert_map, state.changes_to(state.expert_map), GlooExpertComm(range(world_size)),
+                               Path(model_dir))  # fmt: skip
+    check_rank_outputs(model, reference, rank)
+
+
+def test_fp8_experts_serve_over_the_group_as_one_process_would(tiny_model):
+    run_peers(2, fp8_scenario, (str(tiny_model("qwen3_moe")),), timeout_s=300)
+
+
+def served_from(on_disk: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What `weights` (a model's served tensors) should hold after reading `on_disk`: FP8 weights and their scales
+    quantized from the stored rows, everything else as stored."""
+    want = {}
+    for name, tensor in weights.items():
+        if name.endswith("_scale"):
+            want[name] = quantize_rows_reference(on_disk[name.removesuffix("_scale")])[1]
+        elif tensor.dtype == FP8_E4M3:
+            want[name] = quantize_rows_reference(on_disk[name])[0]
+        else:
+            want[name] = on_disk[name]
+    return want
+
+
+def assert_served(weights: dict[str, torch.Tensor], on_disk: dict[str, torch.Tensor]) -> None:
+    want = served_from(on_disk, weights)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor.view(torch.uint8), want[name].view(torch.uint8)), name
+
+
 # ----- one process: what is read, named and ignored -----
 
 
@@ -170,18 +211,19 @@ def test_world_size_one_or_a_dense_model_builds_the_model_of_before(arch, settin
     assert shapes == {name: t.shape for name, t in plain.checkpoint_weights().items()}
 
 
-def degraded_install(model_dir: Path) -> tuple[MoeDecoderForCausalLM, int]:
+def degraded_install(model_dir: Path, weight_dtype: str = "auto") -> tuple[MoeDecoderForCausalLM, int]:
     """A model of the rank of 4 (R = 1) that loads the most when rank 3 is gone, and that rank."""
     probe = ep_model(model_dir, 0, 4, 1).expert_parallel
     assert probe is not None
     plan = plan_placement(probe.shape, [0, 1, 2], previous=probe.expert_map)
     rank = max((0, 1, 2), key=lambda r: len(plan.changes_of(r).loads))
-    return ep_model(model_dir, rank, 4, 1), rank
+    return ep_model(model_dir, rank, 4, 1, weight_dtype), rank
 
 
-def test_a_degraded_epoch_loads_the_missing_experts_and_the_names_follow(tiny_model):
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])
+def test_a_degraded_epoch_loads_the_missing_experts_and_the_names_follow(tiny_model, weight_dtype):
     model_dir = tiny_model("qwen3_moe")
-    model, rank = degraded_install(model_dir)
+    model, rank = degraded_install(model_dir, weight_dtype)
     state = model.expert_parallel
     assert state is not None
     plan = plan_placement(state.shape, [0, 1, 2], previous=state.expert_map)
@@ -193,18 +235,22 @@ def test_a_degraded_epoch_loads_the_missing_experts_and_the_names_follow(tiny_mo
     on_disk = load_file(model_dir / "model.safetensors")
     weights = model.checkpoint_weights()
     assert {int(n.split(".experts.")[1].split(".")[0]) for n in weights if ".experts." in n} == state.held_experts
-    for name, tensor in weights.items():
-        assert torch.equal(tensor, on_disk[name]), name
+    assert_served(weights, on_disk)
     # The sparse layers' slots hold exactly the map's experts (the dense layer 2 has none).
     for path, layer in model.expert_layers:
         block = layer.checkpoint_block(path)
         for slot, expert in enumerate(state.slots):
-            assert torch.equal(layer.w2[slot], on_disk[f"{block}.experts.{expert}.down_proj.weight"])
+            name = f"{block}.experts.{expert}.down_proj.weight"
+            want = served_from(on_disk, {name: layer.w2[slot]})[name]
+            assert torch.equal(layer.w2[slot].view(torch.uint8), want.view(torch.uint8))
+            if layer.w2_scale is not None:
+                assert torch.equal(layer.w2_scale[slot], quantize_rows_reference(on_disk[name])[1])
 
 
-def test_experts_that_change_slot_are_moved_without_a_read(tiny_model, tmp_path):
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])
+def test_experts_that_change_slot_are_moved_without_a_read(tiny_model, tmp_path, weight_dtype):
     model_dir = tiny_model("qwen2_moe")
-    model = ep_model(model_dir, 1, 4, 1)
+    model = ep_model(model_dir, 1, 4, 1, weight_dtype)
     state = model.expert_parallel
     assert state is not None
     rows = list(state.expert_map.slots)
@@ -213,9 +259,7 @@ def test_experts_that_change_slot_are_moved_without_a_read(tiny_model, tmp_path)
     changes = state.changes_to(rotated)
     assert len(changes.moves) == state.slots_per_rank and not changes.loads
     model.install_expert_epoch(rotated, changes, CommWithoutPeers((0, 1, 2, 3), 1), tmp_path / "nothing here")
-    on_disk = load_file(model_dir / "model.safetensors")
-    for name, tensor in model.checkpoint_weights().items():
-        assert torch.equal(tensor, on_disk[name]), name
+    assert_served(model.checkpoint_weights(), load_file(model_dir / "model.safetensors"))  # scales moved too
 
 
 def test_a_failed_read_or_changes_that_do_not_fit_change_nothing(tiny_model, tmp_path):

@@ -54,19 +54,23 @@ def test_projections_hold_the_quantized_checkpoint(tiny_model, arch):
         q, scale = quantize_rows_reference(stored[name])
         assert torch.equal(served[name].view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(served[name + "_scale"], scale), name
-    # Everything else (embeddings, norms, the LM head, a MoE model's router and experts) as the checkpoint has it.
+    # Everything else (embeddings, norms, the LM head, a MoE model's router) as the checkpoint has it.
     rest = [n for n in served if n not in quantized and not n.endswith("_scale")]
     assert any("embed_tokens" in n for n in rest) and any("norm" in n for n in rest)
-    if arch == "qwen3_moe":
-        assert any(".experts." in n for n in rest) and not any(".experts." in n for n in quantized)
+    if arch == "qwen3_moe":  # the routed experts are FP8 too, the router is not
+        experts = [n for n in stored if ".experts." in n]
+        assert experts and set(experts) <= set(quantized)
+        assert any("mlp.gate.weight" in n for n in rest)
     for name in rest:
         assert torch.equal(served[name], stored[name].float()), name
 
 
-def test_logits_stay_near_the_unquantized_models(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_logits_stay_near_the_unquantized_models(tiny_model, arch):
     """The fp8 model runs the same step plans as the fp32 one (prefill, then decode steps of a few rows); its logits
     stay within a few percent of the logits' spread, and most greedy choices agree."""
-    model_dir = tiny_model("llama")
+    model_dir = tiny_model(arch)
+    limit = 0.15 if arch == "llama" else 0.25
     leader = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=64, block_size=4))
     fp8 = ModelRunner(load_model(model_dir, "float32", CPU, weight_dtype="fp8"), CPU, block_size=4)
     fp8.allocate_kv_cache(64)
@@ -81,10 +85,10 @@ def test_logits_stay_near_the_unquantized_models(tiny_model):
         got = fp8.execute(StepPlan(**json.loads(json.dumps(dataclasses.asdict(plan)))))
         if want is not None:
             assert got is not None and torch.isfinite(got).all()
-            error = (got - want).pow(
-                2
-            ).mean().sqrt() / want.std()  # e4m3 keeps 3 mantissa bits: ~4% per operand, through 4 layers
-            assert error < 0.15, f"FP8 logits off by {error:.3f} of the logits' spread (RMS)"
+            # e4m3 keeps 3 mantissa bits: ~4% per operand, through 4 layers. A MoE model's rows may also take
+            # another expert where two router logits were near a tie (a whole expert's output of difference).
+            error = (got - want).pow(2).mean().sqrt() / want.std()
+            assert error < limit, f"FP8 logits off by {error:.3f} of the logits' spread (RMS)"
             worst = max(worst, float(error))
             agree += int((got.argmax(-1) == want.argmax(-1)).sum())
             total += want.shape[0]
@@ -96,8 +100,9 @@ def test_logits_stay_near_the_unquantized_models(tiny_model):
     assert total >= 20 and agree >= 0.8 * total, (agree, total, worst)
 
 
-def test_a_checkpoint_of_the_served_tensors_reads_back_as_it_is(tiny_model, tmp_path):
-    model_dir = tiny_model("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_checkpoint_of_the_served_tensors_reads_back_as_it_is(tiny_model, tmp_path, arch):
+    model_dir = tiny_model(arch)
     loaded = load_model(model_dir, "float32", CPU, weight_dtype="fp8")
     served = _served_bytes(loaded.model)
     out = tmp_path / "fp8"
@@ -126,9 +131,10 @@ def test_a_scale_beside_a_float_weight_is_refused(tiny_model, tmp_path):
         load_model(out, "float32", CPU, weight_dtype="fp8")
 
 
-def test_updates_from_disk_quantize_as_a_fresh_load_does(tiny_model, tmp_path):
-    model_dir = tiny_model("llama")
-    version_b = write_tiny_model("llama", tmp_path / "b", sharded=True, seed=7)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_updates_from_disk_quantize_as_a_fresh_load_does(tiny_model, tmp_path, arch):
+    model_dir = tiny_model(arch)
+    version_b = write_tiny_model(arch, tmp_path / "b", sharded=True, seed=7)
     prompts = prompt_ids(model_dir)[:3]
     engine = {"weight_dtype": "fp8"}
 

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from tidal.kernels.fused_moe import fused_moe_experts_reference, fused_moe_experts_triton
+from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.worker.layers.expert_exchange import ExchangeStats
 from tidal.worker.layers.expert_parallel import EpochRouting, ExpertComm
 
@@ -30,10 +31,12 @@ def dispatch_and_combine(
     comm: ExpertComm,
     routing: EpochRouting,
     stats: ExchangeStats | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], topk_weights [T, k] fp32 and topk_ids [T, k] (logical experts) -> [T, H] in hidden's dtype:
     sum over k of weight * expert(hidden), the experts run by the ranks holding them; w13 [S, 2I, H], w2 [S, H, I]
-    are this rank's slots. `stats`: where the exchanges are counted (and timed), for a group of more than one."""
+    are this rank's slots (`scales` theirs when they are FP8). `stats`: where the exchanges are counted (and timed),
+    for a group of more than one."""
     num_tokens, top_k = topk_ids.shape
     num_slots = routing.slots_per_rank
     ids = topk_ids.long()
@@ -57,9 +60,11 @@ def dispatch_and_combine(
         # The received row count changes every step (the host learns it above, so no graph holds this); the grouped
         # GEMMs do not specialise on it, and staying on them means a step never compiles the small-batch kernels
         # for the first time while its peers wait on it.
-        expert_out = fused_moe_experts_triton(received, w13, w2, ones, received_slots, allow_small_batch=False)
+        expert_out = fused_moe_experts_triton(
+            received, w13, w2, ones, received_slots, allow_small_batch=False, scales=scales
+        )
     else:
-        expert_out = fused_moe_experts_reference(received, w13, w2, ones, received_slots)  # [M, H]
+        expert_out = fused_moe_experts_reference(received, w13, w2, ones, received_slots, scales)  # [M, H]
     with _timing(stats, "combine", hidden.device):
         returned = comm.all_to_all(expert_out, recvs, sends)  # [T * k, H], in `order`
     if stats is not None:

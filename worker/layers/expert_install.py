@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tidal.worker.checkpoint.directory import stored_tensors
+from tidal.worker.checkpoint.fp8_targets import plan_reads
 from tidal.worker.checkpoint.header import dtype_name
 from tidal.worker.checkpoint.judge import Expected, tensors_to_read
 from tidal.worker.checkpoint.reader import CONVERTIBLE_DTYPES, read_tensors
@@ -101,8 +102,10 @@ def apply_epoch(state: ExpertParallelState, layers: Sequence[tuple[str, SparseMo
             sources = torch.tensor([m.from_slot for m in changes.moves], device=device)
             targets = torch.tensor([m.to_slot for m in changes.moves], device=device)
             for _, layer in layers:
-                for stack in (layer.w13.data, layer.w2.data):
-                    stack.index_copy_(0, targets, stack.index_select(0, sources))  # a copy of every source first
+                for stack in layer.stacks():
+                    # As bytes: a move copies an expert as it is, and index_copy_ has no e4m3 kernel.
+                    raw = stack.view(torch.uint8)
+                    raw.index_copy_(0, targets, raw.index_select(0, sources))  # a copy of every source first
         for slot_view, host in staged.staged:
             slot_view.copy_(host)
     state.enter_epoch(staged.expert_map, staged.comm, staged.routing)
@@ -143,5 +146,8 @@ def read_loaded_experts(
     if not host:
         return [], 0
     expected = {name: Expected(tuple(t.shape), CONVERTIBLE_DTYPES | {dtype_name(t.dtype)}) for name, t in host.items()}
-    tensors = tensors_to_read(stored_tensors(checkpoint_dir), expected, allow_extra=True, wanted=host.keys())
-    return staged, read_tensors(tensors, host).num_bytes
+    stored = stored_tensors(checkpoint_dir)
+    # FP8 experts from a 16-bit checkpoint: each weight is quantized into its host buffer and scale as it is read.
+    expected, destinations = plan_reads(expected, host, stored)
+    tensors = tensors_to_read(stored, expected, allow_extra=True, wanted=expected.keys())
+    return staged, read_tensors(tensors, destinations).num_bytes

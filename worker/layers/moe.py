@@ -8,6 +8,11 @@ loading, in-place weight updates, sleep/wake and checksums see the checkpoint's 
 With expert parallelism (an `ExpertParallelState`, see expert_parallel.py) the stacks hold this rank's S slots
 instead of all E experts, the checkpoint names follow what the slots hold (an expert this rank does not hold has no
 name here), and the forward dispatches each (token, expert) to a rank holding that expert (expert_dispatch.py).
+
+With FP8 experts (`hold_fp8`, chosen by tidal.worker.layers.fp8_weights) the stacks are e4m3 and two more stacks hold
+one fp32 scale per output channel of each expert (w13_scale [E, 2I], w2_scale [E, H]); each expert projection is
+then served as `<...>.weight` and `<...>.weight_scale`, as an FP8 `Linear` is, so the readers that quantize a
+16-bit checkpoint on the way in (checkpoint/fp8_targets.py) treat experts and dense projections alike.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from torch import nn
 
 from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig
 from tidal.kernels.fused_moe import auto_small_batch_config, fused_moe, fused_moe_into_residual_triton, topk_route
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.small_batch_linear import NormInput, linear_rows_triton
 from tidal.worker.layers.checkpoint import new_weight
 from tidal.worker.layers.expert_dispatch import dispatch_and_combine
@@ -82,6 +89,8 @@ class SparseMoE(nn.Module):
         self.router = new_weight((num_experts, hidden_size), dtype, device)  # [E, H]
         self.w13 = new_weight((stacked, 2 * inter, hidden_size), dtype, device)  # [E or S, 2I, H]: gate, then up
         self.w2 = new_weight((stacked, hidden_size, inter), dtype, device)  # [E or S, H, I]
+        self.w13_scale: nn.Parameter | None = None  # [E or S, 2I] fp32 with FP8 experts
+        self.w2_scale: nn.Parameter | None = None  # [E or S, H] fp32 with FP8 experts
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_expert_intermediate_size:
@@ -92,14 +101,39 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, moe.shared_expert_intermediate_size, False, dtype, device)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
+    def hold_fp8(self) -> None:
+        """From now on the expert stacks are e4m3 with a scale per output channel of each expert (the module
+        docstring). Only before the parameters are placed (on the meta device), as for `Linear.hold_fp8`."""
+        if not self.w13.is_meta:
+            raise RuntimeError("FP8 weights are chosen before a model's parameters are placed")
+        device = self.w13.device
+        self.w13 = new_weight(tuple(self.w13.shape), FP8_E4M3, device)
+        self.w2 = new_weight(tuple(self.w2.shape), FP8_E4M3, device)
+        self.w13_scale = new_weight(tuple(self.w13.shape[:2]), torch.float32, device)
+        self.w2_scale = new_weight(tuple(self.w2.shape[:2]), torch.float32, device)
+
+    @property
+    def scales(self) -> ExpertScales | None:
+        """The FP8 stacks' scales as the kernels take them; None for 16-bit experts."""
+        if self.w13_scale is None or self.w2_scale is None:
+            return None
+        return ExpertScales(self.w13_scale, self.w2_scale)
+
+    def stacks(self) -> list[torch.Tensor]:
+        """Every tensor with one entry per held expert (the weight stacks, and the scales with FP8 experts): what
+        moves with an expert when it changes slot."""
+        return [t.data for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         router_logits = F.linear(x, self.router)  # [T, E]
         if self.expert_parallel is None:
-            out = fused_moe(x, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize)
+            out = fused_moe(x, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize, self.scales)
         else:
             weights, ids = topk_route(router_logits, self.moe.top_k, self.moe.renormalize)  # [T, k] each
             comm, routing = self.expert_parallel.epoch()
-            out = dispatch_and_combine(x, weights, ids, self.w13, self.w2, comm, routing, self.expert_parallel.exchange)
+            out = dispatch_and_combine(
+                x, weights, ids, self.w13, self.w2, comm, routing, self.expert_parallel.exchange, self.scales
+            )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # gate [T, 1]
         return out
@@ -129,7 +163,7 @@ class SparseMoE(nn.Module):
         router_logits = linear_rows_triton(x.scaled, self.router, None, x.partial_sq, eps)  # [T, E]
         return fused_moe_into_residual_triton(
             x, eps, self.w13, self.w2, router_logits, self.moe.top_k, self.moe.renormalize, residual, next_gamma,
-            config,
+            config, self.scales,
         )  # fmt: skip
 
     def checkpoint_block(self, path: str) -> str:
@@ -143,14 +177,20 @@ class SparseMoE(nn.Module):
         return [(slot, e) for slot, e in enumerate(self.expert_parallel.slots) if e is not None]
 
     def expert_tensors(self, block: str, index: int, expert: int) -> dict[str, torch.Tensor]:
-        """Logical expert `expert`'s checkpoint names under `block`, as views of entry `index` of the stacks."""
+        """Logical expert `expert`'s checkpoint names under `block`, as views of entry `index` of the stacks (and
+        of the scale stacks, as `<...>.weight_scale`, with FP8 experts)."""
         names, inter = self.moe.names, self.moe.expert_intermediate_size
         prefix = f"{block}.experts.{expert}"
-        return {
+        tensors = {
             f"{prefix}.{names.gate}.weight": self.w13.data[index, :inter],  # [I, H]
             f"{prefix}.{names.up}.weight": self.w13.data[index, inter:],  # [I, H]
             f"{prefix}.{names.down}.weight": self.w2.data[index],  # [H, I]
         }
+        if self.w13_scale is not None and self.w2_scale is not None:
+            tensors[f"{prefix}.{names.gate}.weight_scale"] = self.w13_scale.data[index, :inter]  # [I]
+            tensors[f"{prefix}.{names.up}.weight_scale"] = self.w13_scale.data[index, inter:]  # [I]
+            tensors[f"{prefix}.{names.down}.weight_scale"] = self.w2_scale.data[index]  # [H]
+        return tensors
 
     def expert_of(self, block: str, name: str) -> int | None:
         """The logical expert a checkpoint name of this block's experts belongs to; None for any other name."""
@@ -159,7 +199,8 @@ class SparseMoE(nn.Module):
         names = self.moe.names
         if head != block or not dot or not expert.isdigit() or not 0 <= int(expert) < self.moe.num_experts:
             return None
-        return int(expert) if projection in {f"{p}.weight" for p in (names.gate, names.up, names.down)} else None
+        projections = {f"{p}.{kind}" for p in (names.gate, names.up, names.down) for kind in ("weight", "weight_scale")}
+        return int(expert) if projection in projections else None
 
     def checkpoint_tensors(self, path: str) -> dict[str, torch.Tensor]:
         """The router and one view per projection of each expert the stacks hold, under the family's block name
