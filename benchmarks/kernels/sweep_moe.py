@@ -4,6 +4,7 @@ tiles with the down tiles fixed, then the down tiles with the best gate/up), for
 token count. Decode token counts are timed as CUDA graphs (as the engine runs them), prefill counts plainly.
 
     python benchmarks/kernels/sweep_moe.py --shape qwen3-30b-a3b [--tokens 1 8 64 256 2048 8192] [--out DIR]
+        [--weight-dtype fp8]
 
 Prints one line per config and the best per token count with its gain over the default; --out writes the JSON the
 config table in kernels/_moe_config.py is read from (benchmarks/results/moe-sweep-<shape>-h200.json).
@@ -16,6 +17,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,7 +25,9 @@ from common import bench_ms, graph_ms
 
 from tidal.kernels._moe_config import MAX_SHARED_MEMORY_BYTES, GemmTiles, MoeConfig, default_moe_config
 from tidal.kernels._moe_config import shared_memory_bytes as smem
+from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.fused_moe import fused_moe_triton
+from tidal.kernels.moe_expert_scales import ExpertScales
 
 # (experts, top-k, hidden, expert intermediate) of the models the benchmark presets name.
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
@@ -61,15 +65,15 @@ def fits(config: MoeConfig) -> bool:
     return all(smem(config.block_m, t, 2) <= MAX_SHARED_MEMORY_BYTES for t in (config.gate_up, config.down))
 
 
-def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]]):
+def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy]):
     experts, top_k, hidden, _ = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
 
     def timed(config: MoeConfig) -> float:
         def run() -> None:  # every weight copy in turn, so L2 never holds a layer's experts, as in a real forward
-            for w13, w2 in weights:
-                fused_moe_triton(x, w13, w2, logits, top_k, True, config)
+            for w13, w2, scales in weights:
+                fused_moe_triton(x, w13, w2, logits, top_k, True, config, scales)
 
         run()
         ms = graph_ms(run) if tokens <= GRAPHED_UP_TO else bench_ms(run, rep_ms=100)
@@ -103,34 +107,52 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[tu
     return {"tokens": tokens, "best": asdict(winner), "best_ms": ms, "default": asdict(default), "default_ms": base}
 
 
-def expert_weight_copies(name: str, shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of one layer's random bf16 experts (w13, w2), ~4 GB in all, so a timed loop over them never finds a
-    layer in L2; prints what it made."""
+class ExpertCopy(NamedTuple):
+    """One copy of a layer's experts as the kernels take them: bf16 stacks and no scales, or FP8 ones with theirs."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    scales: ExpertScales | None
+
+
+def _fp8(stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_rows(stack.view(-1, stack.shape[-1]))
+    return q.view(stack.shape), scale.view(stack.shape[:2])
+
+
+def expert_weight_copies(name: str, shape: tuple[int, int, int, int], weight_dtype: str = "auto") -> list[ExpertCopy]:
+    """Copies of one layer's random experts (bf16, or with `weight_dtype` "fp8" e4m3 with per-channel scales), ~4 GB
+    in all at bf16's size, so a timed loop over them never finds a layer in L2; prints what it made."""
     experts, top_k, hidden, inter = shape
     layer_bytes = experts * 3 * hidden * inter * 2
     copies = max(2, min(8, int(4e9 // layer_bytes)))
-    print(f"{name}: E{experts} top{top_k} H{hidden} I{inter} bf16, {copies} weight copies", flush=True)
-    return [
-        (
-            torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5,
-            torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5,
-        )
-        for _ in range(copies)
-    ]
+    print(f"{name}: E{experts} top{top_k} H{hidden} I{inter} {weight_dtype}, {copies} weight copies", flush=True)
+    out = []
+    for _ in range(copies):
+        w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+        if weight_dtype == "fp8":
+            (q13, s13), (q2, s2) = _fp8(w13), _fp8(w2)
+            out.append(ExpertCopy(q13, q2, ExpertScales(s13, s2)))
+        else:
+            out.append(ExpertCopy(w13, w2, None))
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
+    parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
-    weights = expert_weight_copies(args.shape, shape)
+    weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
     rows = [sweep_tokens(t, shape, weights) for t in args.tokens]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"moe-sweep-{args.shape}-h200.json"
+        fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
+        path = args.out / f"moe-sweep-{args.shape}{fp8}-h200.json"
         path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")
 

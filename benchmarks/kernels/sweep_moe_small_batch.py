@@ -3,7 +3,7 @@ sort) against the grouped path with its tuned tiles, on a model's expert shape a
 as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
 
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--from-tuned]
-        [--out DIR]
+        [--out DIR] [--weight-dtype fp8]
 
 Per token count: the grouped path, the small-batch default config (with --from-tuned the table's entry for the
 count, where it has one), then a coordinate descent over the small-batch config (gate/up load stages, then its tiles
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from common import graph_ms, relative_error
-from sweep_moe import SHAPES, expert_weight_copies
+from sweep_moe import SHAPES, ExpertCopy, expert_weight_copies
 from triton.runtime.errors import OutOfResources
 
 from tidal.kernels._moe_config import tuned_moe_config
@@ -71,19 +71,18 @@ def literal(config: SmallBatchMoeConfig) -> str:
     )
 
 
-def sweep_tokens(
-    tokens: int, shape: tuple[int, int, int, int], weights: list[tuple[torch.Tensor, torch.Tensor]], from_tuned: bool
-):
+def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool):
     experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
     distinct = int(logits.topk(top_k, dim=-1).indices.unique().numel())
-    expert_bytes = distinct * 3 * hidden * inter * 2
+    w13, w2, scales = weights[0]
+    expert_bytes = distinct * 3 * hidden * inter * w13.element_size()
 
     def timed(config) -> float:  # a MoeConfig (grouped) or a SmallBatchMoeConfig
         def run() -> None:
-            for w13, w2 in weights:
-                fused_moe_triton(x, w13, w2, logits, top_k, True, config)
+            for copy in weights:
+                fused_moe_triton(x, copy.w13, copy.w2, logits, top_k, True, config, copy.scales)
 
         run()
         return graph_ms(run) / len(weights)
@@ -95,8 +94,7 @@ def sweep_tokens(
     grouped_config = tuned_moe_config(tokens, top_k, experts, hidden, inter)
     grouped_ms = timed(grouped_config)
     report("grouped (tuned tiles)", grouped_ms)
-    w13, w2 = weights[0]
-    want = fused_moe_triton(x, w13, w2, logits, top_k, True, grouped_config)
+    want = fused_moe_triton(x, w13, w2, logits, top_k, True, grouped_config, scales)
     results: dict[str, tuple[SmallBatchMoeConfig, float]] = {}
 
     tried: set[str] = set()
@@ -122,7 +120,7 @@ def sweep_tokens(
     tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter) if from_tuned else None
     start = best = tuned or default_small_batch_config(top_k)
     try_config(best)
-    err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want)
+    err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
     best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
     best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in GATE_UP_TILES)
@@ -133,7 +131,7 @@ def sweep_tokens(
         best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in DOWN_TILES)
     best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
     best_ms = results[describe(best)][1]
-    err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best), want))
+    err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want))
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
     print(
         f"T{tokens:<3} BEST {describe(best)}: {best_ms * 1e3:.2f} us ({tbs:.2f} TB/s, {tbs / H200_TBS:.0%} of "
@@ -170,17 +168,19 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--from-tuned", action="store_true", help="start at the table's config for each count")
+    parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
-    weights = expert_weight_copies(args.shape, shape)
+    weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
     rows = [sweep_tokens(t, shape, weights, args.from_tuned) for t in sorted(args.tokens)]
     print("\nTUNED_SMALL_BATCH_CONFIGS entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"moe-small-batch-sweep-{args.shape}-h200.json"
+        fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
+        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-h200.json"
         path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")
 
