@@ -68,7 +68,10 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [M, K] -> (q [M, K] e4m3, scale [M] fp32) with x ~= q * scale[:, None]; see the module docstring."""
     check_ndim("x", x, 2)
     xf = x.float()
-    scale = (xf.abs().amax(dim=1) / FP8_E4M3_MAX if x.shape[1] else xf.new_zeros(x.shape[0])).clamp(min=MIN_SCALE)
+    # Divided by a tensor, not a Python number: on a GPU torch turns division by a number into a multiplication by
+    # its reciprocal, which rounds differently; a tensor divisor keeps the IEEE quotient on every device.
+    e4m3_max = xf.new_full((), FP8_E4M3_MAX)
+    scale = (xf.abs().amax(dim=1) / e4m3_max if x.shape[1] else xf.new_zeros(x.shape[0])).clamp(min=MIN_SCALE)
     q = (xf / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
     return q, scale
 
