@@ -246,3 +246,40 @@ def test_sleep_wake_update_and_checksums_work_on_every_rank_of_a_group(
                 assert checksum["covers_experts"] == sorted(held)
 
     asyncio.run(scenario())
+
+
+def test_fp8_experts_change_slots_by_an_epoch_then_update_and_wake_from_a_16_bit_checkpoint(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """FP8 experts' served names follow the slots: after an epoch that has the survivors read the missing experts,
+    updates from 16-bit checkpoints and a level-2 wake (both quantize on the way in) plan their reads from the names
+    served now, and the model comes back to the same bytes and texts."""
+    base = tiny_model("qwen3_moe")
+    v2 = write_tiny_model("qwen3_moe", tmp_path / "v2", seed=7)
+    launch = _launch(base, extra_flags=("--weight-dtype", "fp8"))
+    survivors = (0, 1, 2)
+
+    async def texts(group: GroupHarness) -> list[str]:
+        return await asyncio.gather(*(group.complete(r, p, MAX_TOKENS) for r in survivors for p in PROMPTS[:2]))
+
+    async def checksums(group: GroupHarness) -> list[str]:
+        sums = await asyncio.gather(*(group.control(r, "/weights/checksum", None, method="GET") for r in survivors))
+        return [s["overall"] for s in sums]
+
+    async def everyone(group: GroupHarness, path: str, body: dict[str, object]) -> None:
+        await asyncio.gather(*(group.control(r, path, body) for r in survivors))
+
+    async def scenario() -> None:
+        async with GroupHarness(launch, workdir=tmp_path / "group", watch=False) as group:
+            attempt = await group.conductor.form(list(survivors))  # rank 3 leaves: its only copies are reloaded
+            assert any(result.loaded_experts for result in attempt.results.values())
+            before, sums_before = await texts(group), await checksums(group)
+            await everyone(group, "/weights/update", {"source": str(v2), "version": "v2"})
+            assert await texts(group) != before
+            await everyone(group, "/weights/update", {"source": str(base), "version": "base"})
+            await everyone(group, "/sleep", {"level": 2})
+            await everyone(group, "/wake_up", {})  # re-reads the served version, quantizing it again
+            assert await checksums(group) == sums_before
+            assert await texts(group) == before
+
+    asyncio.run(scenario())

@@ -59,8 +59,6 @@ class Residency:
         self.kv = runner.kv_cache_region
         self._model_path = model_path
         self.expected = expected_tensors(self.weights, model_path)
-        # Served FP8 weights -> their scales: an update may give such a weight in a float dtype (quantized on staging).
-        self.fp8_scales = fp8_weight_scales(self.weights.slots)
         self.engine: AsyncEngine | None = None  # set by the manager once the engine exists
         self.version = version
         self.version_source: Path | None = model_path  # where the served version can be re-read (None: not on disk)
@@ -299,6 +297,13 @@ class Residency:
             if held_here:
                 self._engine().release()
         return time.monotonic() - start
+
+    @property
+    def fp8_scales(self) -> dict[str, str]:
+        """Served FP8 weights -> their scales' names: an update may give such a weight in a float dtype (quantized
+        on staging). From the current slots, since an expert-parallel epoch changes which experts' names are
+        served here."""
+        return fp8_weight_scales(self.weights.slots)
 
     def refresh_expert_slots(self) -> None:
         """The experts this rank holds changed (a new epoch's map, installed on the loop thread): the checkpoint
