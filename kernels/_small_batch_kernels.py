@@ -51,7 +51,7 @@ def _products(
         w_offsets = outs[:, None] * w_stride + ks[None, :]
         w_mask = out_mask[:, None] & k_mask[None, :]
         if W_FP8:
-            a = _beside_fp8(a, IS_FP32)
+            a = beside_fp8(a, IS_FP32)
         w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0).to(a.dtype)  # [BLOCK_N, BLOCK_K]
         acc = exact_dot(a, tl.trans(w), IS_FP32, acc)
         if PAIRED:
@@ -61,7 +61,7 @@ def _products(
 
 
 @triton.jit
-def _beside_fp8(a, IS_FP32: tl.constexpr):
+def beside_fp8(a, IS_FP32: tl.constexpr):
     """Activations a in the type their products with e4m3 weights run in (see _products)."""
     if IS_FP32:
         return a
