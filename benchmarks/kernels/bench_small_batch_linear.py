@@ -9,13 +9,14 @@ like a decode step runs them over the model's layers; attention is left out (it 
 --sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` and its
 `TUNED_LINEAR_CONFIGS` are fitted to); --shape picks the model whose projections it sweeps (the 8B's by default;
 qwen3-30b-a3b: the attention projections and the router of its expert layers; qwen3-30b-a3b-qkv-rope: its qkv
-with the q/k norms, rotary and KV-cache write folded in).
+with the q/k norms, rotary and KV-cache write folded in); --weight-dtype fp8 sweeps those two on e4m3 weights.
 """
 
 import argparse
 import itertools
 import pathlib
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import Row, bandwidth_row, format_table, graph_ms
 
 from tidal.kernels.activation import silu_and_mul_triton
+from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.rms_norm import rms_norm_triton
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import (
@@ -119,10 +121,12 @@ def _sweep_configs(k_in: int, splits: tuple[int, ...]) -> list[LaunchConfig]:
     ]
 
 
-def _time_configs(name: str, weights: list[torch.Tensor], call, top: int, splits: tuple[int, ...] = (1,)) -> None:
-    """Each config of `call(weight, config)` over all `weights` in one graph; prints the best `top`."""
+def _time_configs(name: str, weights: list, call, top: int, splits: tuple[int, ...] = (1,)) -> None:
+    """Each config of `call(weight, config)` over all `weights` in one graph (tensors, or `Fp8Weight`s for the
+    e4m3 sweeps); prints the best `top`."""
+    first = weights[0].weight if isinstance(weights[0], Fp8Weight) else weights[0]
     timed = []
-    for config in _sweep_configs(weights[0].shape[1], splits):
+    for config in _sweep_configs(first.shape[1], splits):
 
         def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
             for w in ws:
@@ -133,8 +137,8 @@ def _time_configs(name: str, weights: list[torch.Tensor], call, top: int, splits
         except Exception as err:  # a tile too large for shared memory: reported and skipped
             print(f"  {name} {config}: {type(err).__name__}", flush=True)
     timed.sort(key=lambda t: t[0])
-    nbytes = weights[0].numel() * 2
-    print(f"{name} {tuple(weights[0].shape)}, 1 row:")
+    nbytes = first.numel() * first.element_size()
+    print(f"{name} {tuple(first.shape)} {first.dtype}, 1 row:")
     for ms, config in timed[:top]:
         print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
 
@@ -143,38 +147,59 @@ def _time_configs(name: str, weights: list[torch.Tensor], call, top: int, splits
 QWEN3_MOE = {"hidden": 2048, "qkv": 5120, "q_size": 4096, "experts": 128, "layers": 48}
 
 
-def sweep_qwen3_moe(top: int = 5) -> None:
+class Fp8Weight(NamedTuple):
+    """A projection as `weight_dtype` "fp8" serves it: e4m3 rows and their fp32 scales."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def _layer_weights(n: int, k: int, layers: int, fp8: bool) -> list:
+    """`layers` random [n, k] weights: bf16 tensors, or with `fp8` quantized `Fp8Weight`s."""
+    drawn = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for _ in range(layers)]
+    return [Fp8Weight(*quantize_rows(w)) for w in drawn] if fp8 else drawn
+
+
+def _split(w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, its scale or None) of a bf16 tensor or an `Fp8Weight`."""
+    return (w.weight, w.scale) if isinstance(w, Fp8Weight) else (w, None)
+
+
+def sweep_qwen3_moe(top: int = 5, fp8: bool = False) -> None:
     """The expert layers' small-batch projections of Qwen3-30B-A3B at one row: qkv (row scale), o (into residual)
-    and the router (row scale)."""
+    and the router (row scale; the router stays bf16 with FP8 weights, so `fp8` leaves it out)."""
     shape = QWEN3_MOE
     hidden, layers = shape["hidden"], shape["layers"]
 
-    def weights(n: int, k: int) -> list[torch.Tensor]:
-        return [torch.randn(n, k, device="cuda", dtype=DTYPE) / k**0.5 for _ in range(layers)]
+    def weights(n: int, k: int) -> list:
+        return _layer_weights(n, k, layers, fp8)
 
     gamma = torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5
     residual = torch.randn(1, hidden, device="cuda", dtype=DTYPE)
     norm_in = norm_input_reference(residual, gamma)
     attn_out = torch.randn(1, shape["q_size"], device="cuda", dtype=DTYPE)
 
-    def normed(w: torch.Tensor, c: LaunchConfig) -> None:
-        linear_rows_triton(norm_in.scaled, w, None, norm_in.partial_sq, EPS, config=c)
+    def normed(w, c: LaunchConfig) -> None:
+        weight, scale = _split(w)
+        linear_rows_triton(norm_in.scaled, weight, None, norm_in.partial_sq, EPS, config=c, weight_scale=scale)
 
-    def into_residual(w: torch.Tensor, c: LaunchConfig) -> None:
-        linear_rows_into_residual_triton(attn_out, w, residual, gamma, config=c)
+    def into_residual(w, c: LaunchConfig) -> None:
+        weight, scale = _split(w)
+        linear_rows_into_residual_triton(attn_out, weight, residual, gamma, config=c, weight_scale=scale)
 
     splits = (1, 2, 4, 8)  # few output tiles each: split K for programs in flight
     _time_configs("qkv (row scale)", weights(shape["qkv"], hidden), normed, top, splits)
     _time_configs("o (into residual)", weights(hidden, shape["q_size"]), into_residual, top, splits)
-    _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top, splits)
+    if not fp8:
+        _time_configs("router (row scale)", weights(shape["experts"], hidden), normed, top, splits)
 
 
-def sweep_qwen3_qkv_rope(top: int = 6) -> None:
+def sweep_qwen3_qkv_rope(top: int = 6, fp8: bool = False) -> None:
     """Qwen3-30B-A3B's qkv at one row with its per-head q/k norms, rotary and KV-cache write in the epilogue
     (`qkv_rope_store_triton`, whole heads a program): its split of K, K step and warps."""
     shape = QWEN3_MOE
     hidden, layers, head_dim, q_heads, kv_heads = shape["hidden"], shape["layers"], 128, 32, 4
-    weights = [torch.randn(shape["qkv"], hidden, device="cuda", dtype=DTYPE) / hidden**0.5 for _ in range(layers)]
+    weights = [_split(w) for w in _layer_weights(shape["qkv"], hidden, layers, fp8)]
     ones = torch.ones(hidden, device="cuda", dtype=DTYPE)
     norm_in = norm_input_reference(torch.randn(1, hidden, device="cuda", dtype=DTYPE), ones)
     head_norm = HeadNorm(torch.rand(head_dim, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
@@ -187,15 +212,15 @@ def sweep_qwen3_qkv_rope(top: int = 6) -> None:
     for split_k, block_k, warps in itertools.product((1, 2, 4, 8), (64, 128, 256), (4, 8)):
 
         def all_layers(s: int = split_k, k: int = block_k, w: int = warps) -> None:
-            for weight in weights:
+            for weight, scale in weights:
                 qkv_rope_store_triton(norm_in.scaled, weight, None, norm_in.partial_sq, EPS, positions, cos_sin,
                                       k_cache, v_cache, slots, q_heads, kv_heads, head_norm, head_norm, split_k=s,
-                                      block_k=k, num_warps=w)  # fmt: skip
+                                      block_k=k, num_warps=w, weight_scale=scale)  # fmt: skip
 
         timed.append((graph_ms(all_layers) / layers, f"split_k={split_k} block_k={block_k} num_warps={warps}"))
     timed.sort()
-    nbytes = weights[0].numel() * 2
-    print(f"qkv + q/k norm + rotary + KV store {tuple(weights[0].shape)}, 1 row:")
+    nbytes = weights[0][0].numel() * weights[0][0].element_size()
+    print(f"qkv + q/k norm + rotary + KV store {tuple(weights[0][0].shape)} {weights[0][0].dtype}, 1 row:")
     for ms, config in timed[:top]:
         print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
 
@@ -225,13 +250,16 @@ def main() -> None:
     shapes = ["llama3-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-qkv-rope"]
     parser.add_argument("--shape", choices=shapes, default="llama3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the qwen3-30b-a3b sweeps on e4m3 weights with per-row scales")  # fmt: skip
     args = parser.parse_args()
+    fp8 = args.weight_dtype == "fp8"
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA device")
     if args.sweep and args.shape == "qwen3-30b-a3b":
-        sweep_qwen3_moe()
+        sweep_qwen3_moe(fp8=fp8)
     elif args.sweep and args.shape == "qwen3-30b-a3b-qkv-rope":
-        sweep_qwen3_qkv_rope()
+        sweep_qwen3_qkv_rope(fp8=fp8)
     elif args.sweep:
         sweep()
     else:

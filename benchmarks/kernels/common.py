@@ -32,6 +32,13 @@ class Row:
         return "PASS" if self.fraction >= self.target else f"MISS ({self.fraction / self.target:.0%} of target)"
 
 
+def gpu_tag() -> str:
+    """A short name of this GPU for result files: "h200", "h100", else the device name in lower case with dashes."""
+    name = torch.cuda.get_device_name().lower()
+    known = next((tag for tag in ("h200", "h100") if tag in name), None)
+    return known or "-".join(name.replace("nvidia", "").split())
+
+
 def bench_ms(fn, rep_ms: int = 60) -> float:
     """Median time of fn in milliseconds, CUDA events, L2 flushed between runs (triton.testing.do_bench)."""
     return triton.testing.do_bench(fn, warmup=15, rep=rep_ms, return_mode="median")

@@ -7,7 +7,7 @@ token count. Decode token counts are timed as CUDA graphs (as the engine runs th
         [--weight-dtype fp8]
 
 Prints one line per config and the best per token count with its gain over the default; --out writes the JSON the
-config table in kernels/_moe_config.py is read from (benchmarks/results/moe-sweep-<shape>-h200.json).
+config table in kernels/_moe_config.py is read from (benchmarks/results/moe-sweep-<shape>[-fp8]-<gpu>.json).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 import triton
-from common import bench_ms, graph_ms
+from common import bench_ms, gpu_tag, graph_ms
 
 from tidal.kernels._moe_config import MAX_SHARED_MEMORY_BYTES, GemmTiles, MoeConfig, default_moe_config
 from tidal.kernels._moe_config import shared_memory_bytes as smem
@@ -152,7 +152,7 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
-        path = args.out / f"moe-sweep-{args.shape}{fp8}-h200.json"
+        path = args.out / f"moe-sweep-{args.shape}{fp8}-{gpu_tag()}.json"
         path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from common import graph_ms, relative_error
+from common import gpu_tag, graph_ms, relative_error
 from sweep_moe import SHAPES, ExpertCopy, expert_weight_copies
 from triton.runtime.errors import OutOfResources
 
@@ -180,7 +180,7 @@ def main() -> None:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
-        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-h200.json"
+        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-{gpu_tag()}.json"
         path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")
 
