@@ -28,11 +28,18 @@ def shared_memory_bytes(block_m: int, tiles: GemmTiles, element_size: int) -> in
     return tiles.num_stages * (block_m * tiles.block_k + tiles.block_k * tiles.block_n) * element_size
 
 
-def default_moe_config(num_tokens: int, top_k: int, num_experts: int, element_size: int = 2) -> MoeConfig:
+def default_moe_config(
+    num_tokens: int, top_k: int, num_experts: int, element_size: int = 2, fp8_activations: bool = False
+) -> MoeConfig:
     """Few tokens: the GEMMs only stream the chosen experts' weights, so use the smallest M tile and narrow N tiles
     (many programs in flight). Many tokens: large tiles for tensor-core throughput. `element_size`: bytes per
-    weight element; 4-byte weights (fp32) get fewer pipeline stages where the tiles would not fit shared memory."""
-    config = _tiles_for(num_tokens, top_k, num_experts)
+    weight element; 4-byte weights (fp32) get fewer pipeline stages where the tiles would not fit shared memory.
+    `fp8_activations`: the W8A8 grouped GEMMs' tiles (`_w8a8_tiles_for`)."""
+    config = (
+        _w8a8_tiles_for(num_tokens, top_k, num_experts)
+        if fp8_activations
+        else _tiles_for(num_tokens, top_k, num_experts)
+    )
     fitted = {}
     for name, tiles in (("gate_up", config.gate_up), ("down", config.down)):
         while (
@@ -65,6 +72,24 @@ def _tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     )
 
 
+def _w8a8_tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """Tiles for e4m3 activations and weights: the 16-bit tiles' shapes with twice the K step (an e4m3 K step of
+    128 is the bytes of a 16-bit one of 64) and N at most 128. The 16-bit large tiles (128 x 256 for down, two
+    128 x 128 accumulators for gate/up at 8 warps) spill registers with FP8 operands on sm_90 (ptxas, via
+    benchmarks/kernels/register_report.py); these do not. Not yet timed on a GPU."""
+    if num_tokens * top_k / max(num_experts, 1) < 192:
+        return MoeConfig(
+            block_m=64,
+            gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
+            down=GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=4),
+        )
+    return MoeConfig(
+        block_m=128,
+        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=4),
+        down=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=4),
+    )
+
+
 # Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe.py; the figures are in
 # benchmarks/results/moe-sweep-<shape>-h200.json): (experts, top-k, hidden, expert intermediate) -> (up to this many
 # tokens, config) in increasing token order. A count above the last entry takes the default tiles, which the sweep
@@ -78,6 +103,21 @@ TUNED_MOE_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], 
         (256, MoeConfig(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
     ),
 }
+
+
+# FP8 experts may quantize the activations too (W8A8, FP8 tensor cores) once the experts get this many rows each on
+# average: a grouped GEMM with few rows per expert streams weights, and widening them in registers (W8A16) costs
+# nothing that shows; with many, the products are the work, and on an H100 the W8A16 kernels made Qwen3-30B-A3B's
+# 1024-token prefill 1.6x slower than 16-bit experts (benchmarks/results/fp8-weights-h100.md). None keeps every batch
+# W8A16: the W8A8 kernels are checked against their reference on CPU, but no GPU has timed them yet, so the
+# threshold is set from `benchmarks/kernels/bench_moe_fp8_activations.py`'s A/B, not guessed.
+FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT: int | None = None
+
+
+def quantizes_activations(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether FP8 experts run this batch's grouped GEMMs W8A8 (else W8A16; see FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT)."""
+    threshold = FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT
+    return threshold is not None and num_tokens * top_k >= threshold * max(num_experts, 1)
 
 
 def tuned_moe_config(

@@ -11,6 +11,11 @@ With W_SCALED the weights are e4m3 (moe_expert_scales.py): each tile is widened 
 activations clamped to fp16 (as the dense small-batch kernels do: an H100 sweep found it 1-8% faster than widening
 to bf16, 2-3% at 64 tokens, 8% at 1024), and the fp32 accumulators are multiplied by their columns' scales once,
 after the K loop. fp32 activations keep fp32 products.
+
+With A_SCALED as well (W8A8, for batches whose experts get many rows each: `_moe_config.quantizes_activations`) the
+activations come quantized too, e4m3 rows with one fp32 scale each (pass 1: hidden's rows, by token; pass 2: the
+sorted intermediate rows), and the dot runs on the FP8 tensor cores with no widening; the epilogue multiplies by
+the row's and the column's scales.
 """
 
 import triton
@@ -27,6 +32,7 @@ def grouped_gemm_kernel(
     a_ptr,  # pass 1: hidden [T, K]; pass 2: intermediate [max_rows, K] in sorted order
     w_ptr,  # pass 1: w13 [E, 2N, K]; pass 2: w2 [E, N, K]
     w_scale_ptr,  # W_SCALED: pass 1 [E, 2N], pass 2 [E, N] fp32
+    a_scale_ptr,  # A_SCALED: pass 1 [T], pass 2 [max_rows] fp32 (one per row of a)
     c_ptr,  # pass 1: intermediate [max_rows, N]; pass 2: expert outputs [max_rows, N] fp32
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -43,6 +49,7 @@ def grouped_gemm_kernel(
     TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
     W_SCALED: tl.constexpr,
+    A_SCALED: tl.constexpr,  # a is e4m3 with a scale per row (W_SCALED too)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,17 +86,17 @@ def grouped_gemm_kernel(
     for k in range(0, K, BLOCK_K):
         k_ok = k + ks < K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_SCALED:
+        if W_SCALED and not A_SCALED:
             a = beside_fp8(a, IS_FP32)  # fp16, where e4m3 widens in one conversion (bf16 takes two)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if W_SCALED:
+        if W_SCALED and not A_SCALED:
             w = w.to(a.dtype)  # exact: e4m3 values are fp16 values
-        acc += exact_dot(a, w, IS_FP32)
+        acc += exact_dot(a, w, IS_FP32 and not A_SCALED)
         if GATE_UP:
             w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if W_SCALED:
+            if W_SCALED and not A_SCALED:
                 w_up = w_up.to(a.dtype)
-            acc_up += exact_dot(a, w_up, IS_FP32)
+            acc_up += exact_dot(a, w_up, IS_FP32 and not A_SCALED)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -99,6 +106,11 @@ def grouped_gemm_kernel(
         acc *= tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
         if GATE_UP:
             acc_up *= tl.load(scale_ptrs + N, mask=col_ok, other=0.0)[None, :]
+    if A_SCALED:
+        row_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]  # [BLOCK_M, 1]
+        acc *= row_scale
+        if GATE_UP:
+            acc_up *= row_scale
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * c_stride + cols[None, :]
     if GATE_UP:
         act = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up; padding rows stay 0

@@ -13,7 +13,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tidal.kernels._moe_config import MoeConfig, tuned_moe_config
+from tidal.kernels._moe_config import (
+    GemmTiles,
+    MoeConfig,
+    default_moe_config,
+    quantizes_activations,
+    tuned_moe_config,
+)
 from tidal.kernels._moe_gemm_kernels import combine_kernel, grouped_gemm_kernel
 from tidal.kernels._moe_routing_kernels import (
     expert_histogram_kernel,
@@ -30,6 +36,7 @@ from tidal.kernels._validate import (
     check_same_device,
     check_shape,
 )
+from tidal.kernels.fp8_linear import quantize_rows_reference, quantize_rows_triton
 from tidal.kernels.fused_moe_small_batch import (
     RouterLogits,
     Routing,
@@ -125,9 +132,15 @@ def fused_moe_experts_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     scales: ExpertScales | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The expert computation for given routing: hidden [T, H], topk_weights/ids [T, k] -> [T, H]. FP8 stacks'
-    products are scaled per output channel after the product, in the kernels' order."""
+    products are scaled per output channel after the product, in the kernels' order. `fp8_activations` (FP8 stacks
+    only): as the W8A8 grouped GEMMs compute it, hidden's rows and the intermediate's rows (rounded to hidden's
+    dtype first, as the kernels store it) quantized to e4m3 with a scale per row."""
+    if fp8_activations and scales is None:
+        raise ValueError("fp8_activations is for FP8 experts: scales are needed")
+    rows = _through_e4m3(hidden) if fp8_activations else hidden  # what the products read
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # [T, H]
     flat_ids = topk_ids.reshape(-1).long()  # [T * k]
@@ -135,15 +148,23 @@ def fused_moe_experts_reference(
     for expert in torch.unique(flat_ids).tolist():
         picks = (flat_ids == expert).nonzero().squeeze(1)  # [n] indices into T * k
         tokens = picks // topk_ids.shape[1]
-        gate_up = hidden[tokens].float() @ w13[expert].float().t()  # [n, 2I]
+        gate_up = rows[tokens].float() @ w13[expert].float().t()  # [n, 2I]
         if scales is not None:
             gate_up = gate_up * scales.w13[expert]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
+        if fp8_activations:
+            act = _through_e4m3(act.to(hidden.dtype))
         expert_out = act @ w2[expert].float().t()  # [n, H]
         if scales is not None:
             expert_out = expert_out * scales.w2[expert]
         out.index_add_(0, tokens, expert_out * flat_weights[picks, None])
     return out.to(hidden.dtype)
+
+
+def _through_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the W8A8 kernels see it: quantized per row to e4m3, then back to fp32."""
+    q, scale = quantize_rows_reference(x)
+    return q.float() * scale[:, None]
 
 
 def fused_moe_reference(
@@ -312,9 +333,13 @@ def fused_moe_experts_triton(
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
+    w8a8 = scales is not None and quantizes_activations(num_tokens, top_k, num_experts)
     # Tiles by the activations' width: an FP8 weight tile takes half a 16-bit one's shared memory, so the 16-bit
-    # tiles (the swept ones) always fit. A sweep of FP8 experts' own tiles has not been run yet.
+    # tiles (the swept ones) always fit; an FP8 sweep on an H100 found the same best at 256 tokens
+    # (benchmarks/results/fp8-weights-h100.md).
     element_size = max(hidden.element_size(), w13.element_size())
+    if config is None and w8a8:
+        config = default_moe_config(num_tokens, top_k, num_experts, element_size=1, fp8_activations=True)
     config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, element_size)
     num_pairs = num_tokens * top_k
     block_m = config.block_m
@@ -324,16 +349,20 @@ def fused_moe_experts_triton(
     intermediate = torch.empty(max_rows, inter, dtype=hidden.dtype, device=device)  # silu(gate) * up, sorted rows
     expert_out = torch.empty(max_rows, hidden_size, dtype=torch.float32, device=device)
     w13_scale, w2_scale = scales if scales is not None else (expert_out, expert_out)  # unused for 16-bit stacks
-    passes = (
-        (hidden, w13, w13_scale, intermediate, inter, hidden_size, config.gate_up, True),
-        (intermediate, w2, w2_scale, expert_out, hidden_size, inter, config.down, False),
-    )
-    for a, w, w_scale, c, n, k, tiles, gate_up in passes:
+
+    def grouped_gemm(
+        a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, c: torch.Tensor, n: int, k: int, tiles: GemmTiles,
+        gate_up: bool,
+    ) -> None:  # fmt: skip
+        a_scale = expert_out  # unused unless W8A8
+        if w8a8:
+            a, a_scale = quantize_rows_triton(a)  # e4m3 rows and their scales, for the FP8 tensor cores
         grid = (max_blocks * triton.cdiv(n, tiles.block_n),)
         grouped_gemm_kernel[grid](
             a,
             w,
             w_scale,
+            a_scale,
             c,
             sorted_pairs,
             block_expert,
@@ -350,6 +379,7 @@ def fused_moe_experts_triton(
             TOP_K=top_k,
             GATE_UP=gate_up,
             W_SCALED=scales is not None,
+            A_SCALED=w8a8,
             BLOCK_M=block_m,
             BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k,
@@ -358,6 +388,9 @@ def fused_moe_experts_triton(
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
+
+    grouped_gemm(hidden, w13, w13_scale, intermediate, inter, hidden_size, config.gate_up, True)
+    grouped_gemm(intermediate, w2, w2_scale, expert_out, hidden_size, inter, config.down, False)
     block = min(triton.next_power_of_2(hidden_size), 1024)
     combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         expert_out, pair_row, out, hidden_size, TOP_K=top_k, BLOCK=block, num_warps=4

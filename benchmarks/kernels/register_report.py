@@ -7,7 +7,9 @@ Each wrapper runs on CPU tensors of the model's shapes (allocated, never touched
 for recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`,
 `TUNED_LINEAR_CONFIGS` and the qkv defaults, with their constexprs) is captured without running: Qwen3-30B-A3B's
 expert kernels at every token count of its table, its projections at one and two rows, the 8B's at one row, and
-a whole-head qkv at head_dim 256. Each recorded launch is bound by Triton's own launcher code for an sm_90 backend
+a whole-head qkv at head_dim 256; and Qwen3-30B-A3B's FP8 experts: the small-batch kernels with their scales, the
+grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8 tensor cores; compiled here before any GPU
+has run them). Each recorded launch is bound by Triton's own launcher code for an sm_90 backend
 (the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on), compiled for sm_90, and ptxas
 -v (Triton's) reports its resources. A spill moves a tile that should stay in registers to local
 memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake
@@ -34,11 +36,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+import tidal.kernels._moe_config as moe_config
+import tidal.kernels.fp8_linear as fp8_linear
 import tidal.kernels.fused_moe as fused_moe
 import tidal.kernels.fused_moe_small_batch as moe_small_batch
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
 from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput
 
@@ -48,6 +54,12 @@ RECORDED: list[tuple[ModuleType, str]] = [
     (moe_small_batch, "pair_gate_up_kernel"),
     (moe_small_batch, "token_down_kernel"),
     (fused_moe, "topk_softmax_kernel"),
+    (fused_moe, "expert_histogram_kernel"),
+    (fused_moe, "expert_layout_kernel"),
+    (fused_moe, "place_pairs_kernel"),
+    (fused_moe, "grouped_gemm_kernel"),
+    (fused_moe, "combine_kernel"),
+    (fp8_linear, "quantize_rows_kernel"),
     (small_batch_linear, "linear_rows_kernel"),
     (small_batch_qkv, "qkv_rope_kernel"),
 ]
@@ -215,6 +227,29 @@ def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -
     )  # fmt: skip
 
 
+def qwen3_30b_a3b_fp8_experts_launches() -> list[Launch]:
+    """Qwen3-30B-A3B's FP8 experts: the small-batch kernels at every token count of their table (the bf16 tiles),
+    the grouped GEMMs W8A16 at 64 and 256 tokens (the tuned tiles) and W8A8 at 1024 and 4096 (the default tiles,
+    with the activations' threshold set as a measured one would be)."""
+    hidden, experts, top_k, inter = 2048, 128, 8, 768
+    w13, w2 = _empty(experts, 2 * inter, hidden, dtype=FP8_E4M3), _empty(experts, hidden, inter, dtype=FP8_E4M3)
+    scales = ExpertScales(_empty(experts, 2 * inter, dtype=torch.float32), _empty(experts, hidden, dtype=torch.float32))
+    threshold = moe_config.FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT
+    moe_config.FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT = 32
+    try:
+        with recording() as launches:
+            for tokens, config in TUNED_SMALL_BATCH_CONFIGS[(experts, top_k, hidden, inter)]:
+                logits = _empty(tokens, experts, dtype=torch.float32)
+                fused_moe.fused_moe_triton(_empty(tokens, hidden), w13, w2, logits, top_k, True, config, scales)
+            for tokens in (64, 256, 1024, 4096):
+                weights, ids = _empty(tokens, top_k, dtype=torch.float32), _empty(tokens, top_k, dtype=torch.int32)
+                fused_moe.fused_moe_experts_triton(_empty(tokens, hidden), w13, w2, weights, ids,
+                                                   allow_small_batch=False, scales=scales)  # fmt: skip
+    finally:
+        moe_config.FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT = threshold
+    return launches
+
+
 def whole_head_256_launches() -> list[Launch]:
     """The whole-head qkv (q/k norm folded in) at head_dim 256, which no supported family has yet: its defaults
     were timed at 128 only, so at least they should not spill when such a model comes."""
@@ -227,6 +262,7 @@ MODELS: dict[str, Callable[[], list[Launch]]] = {
     "qwen3-30b-a3b": qwen3_30b_a3b_launches,
     "llama3-8b": llama3_8b_launches,
     "qkv-head-dim-256": whole_head_256_launches,
+    "qwen3-30b-a3b-fp8-experts": qwen3_30b_a3b_fp8_experts_launches,
 }
 
 

@@ -1,12 +1,13 @@
 """FP8 experts (e4m3 stacks, one fp32 scale per output channel, moe_expert_scales.py): the reference against the
-16-bit experts they stand for, every Triton path (grouped GEMMs, small-batch, folded routing, into the residual)
-against the reference, and the refusals of stacks and scales that do not fit."""
+16-bit experts they stand for, every Triton path (grouped GEMMs W8A16 and W8A8, small-batch, folded routing, into
+the residual) against the reference, and the refusals of stacks and scales that do not fit."""
 
 import pytest
 import torch
 from tolerances import DOT_DTYPES, assert_close
 
-from tidal.kernels._moe_config import GemmTiles, MoeConfig
+import tidal.kernels._moe_config as moe_config
+from tidal.kernels._moe_config import GemmTiles, MoeConfig, quantizes_activations
 from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig
 from tidal.kernels.fp8_linear import quantize_rows_reference
 from tidal.kernels.fused_moe import (
@@ -125,3 +126,35 @@ def test_stacks_and_scales_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match=r"scales\.w13 must be contiguous"):
         fused_moe_reference(x, q13, q2, logits, 2, True, ExpertScales(scales.w13.t().contiguous().t(), scales.w2))
     assert q13.dtype == FP8_E4M3
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k"), [(100, 6, 2), (40, 4, 4)])
+def test_many_rows_per_expert_run_w8a8_as_the_reference_computes_it(
+    device, dtype, tokens, num_experts, top_k, monkeypatch
+):
+    """Past FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT the grouped GEMMs quantize hidden's and the intermediate's rows too
+    (FP8 tensor cores): they match the reference that quantizes the same rows, and stay near the W8A16 result."""
+    monkeypatch.setattr(moe_config, "FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT", 32)
+    assert quantizes_activations(tokens, top_k, num_experts)
+    torch.manual_seed(4)
+    hidden, inter = 48, 32
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    q13, q2, scales = _fp8_experts(num_experts, hidden, inter, device)
+    weights, ids = topk_route_reference(torch.randn(tokens, num_experts, device=device), top_k, True)
+    got = fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED, scales=scales)
+    w8a8 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales, fp8_activations=True)
+    assert_close(got, w8a8, scale=4.0)
+    w8a16 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales)
+    assert (got.float() - w8a16.float()).norm() / w8a16.float().norm() < 0.08  # e4m3 rows: ~3% per operand
+
+
+def test_the_activations_are_quantized_only_where_the_experts_get_many_rows(monkeypatch):
+    assert not quantizes_activations(8192, 8, 128)  # no threshold (not yet timed on a GPU): W8A16 throughout
+    monkeypatch.setattr(moe_config, "FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT", 32)
+    assert not quantizes_activations(1, 8, 128) and not quantizes_activations(256, 8, 128)  # decode: 16 rows each
+    assert quantizes_activations(512, 8, 128) and quantizes_activations(1024, 2, 8)  # prefill
+    with pytest.raises(ValueError, match="fp8_activations is for FP8 experts"):
+        x = torch.randn(2, 16)
+        fused_moe_experts_reference(x, torch.randn(2, 8, 16), torch.randn(2, 16, 4), torch.ones(2, 1),
+                                    torch.zeros(2, 1, dtype=torch.int32), fp8_activations=True)  # fmt: skip

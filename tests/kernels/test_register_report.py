@@ -24,12 +24,18 @@ def test_tuned_launches_spill_no_registers() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no launch spills registers" in result.stdout
     # The 1-token gate/up entry asks for four K steps in flight: Triton pipelines them through shared memory.
-    (pipelined,) = [line for line in result.stdout.splitlines() if "pair_gate_up_kernel [num_tokens=1" in line]
+    (pipelined,) = [
+        line
+        for line in result.stdout.splitlines()
+        if line.startswith("qwen3-30b-a3b ") and "pair_gate_up_kernel [num_tokens=1" in line
+    ]
     assert "STAGES=4" in pipelined and int(pipelined.split("smem")[1].split()[0]) > 0, pipelined
     # Every kernel of both models' small-batch steps was compiled and reported.
     for kernel in ("pair_gate_up_kernel", "token_down_kernel", "topk_softmax_kernel", "linear_rows_kernel",
                    "qkv_rope_kernel"):  # fmt: skip
         assert kernel in result.stdout, result.stdout
+    # FP8 experts: the grouped GEMMs W8A16 and W8A8 (e4m3 operands on the tensor cores) compile for sm_90 unspilled.
+    assert "W_SCALED=1 A_SCALED=0" in result.stdout and "W_SCALED=1 A_SCALED=1" in result.stdout, result.stdout
 
 
 SPILLING_DOWN_PASS = """

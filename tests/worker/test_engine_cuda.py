@@ -93,11 +93,13 @@ def test_fp8_kv_cache_on_the_cuda_paths(tiny_model):
     assert tight.stats().num_preemptions > 0
 
 
-def test_fp8_weights_on_the_cuda_paths(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_fp8_weights_on_the_cuda_paths(tiny_model, arch):
     """FP8 weights through the CUDA paths in bf16: the FP8 GEMM (prefill, and decode batches above 16 rows), the
     small-batch kernels over e4m3 weights (decode at up to 16 rows, graphed and eager alike), the fused qkv of a
-    q/k-norm model. Logits near the bf16 model's; eager and graphed decode give the same tokens."""
-    model_dir = tiny_model("qwen3")
+    q/k-norm model, and for the MoE model its FP8 experts (small-batch into the residual, grouped GEMMs). Logits
+    near the bf16 model's; eager and graphed decode give the same tokens."""
+    model_dir = tiny_model(arch)
     prompts = prompt_ids(model_dir)
     bf16 = engine(model_dir, dtype="bfloat16", num_kv_blocks=256)
     fp8 = engine(model_dir, dtype="bfloat16", num_kv_blocks=256, weight_dtype="fp8")
