@@ -77,17 +77,10 @@ def _w8a8_tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     128 is the bytes of a 16-bit one of 64) and N at most 128. The 16-bit large tiles (128 x 256 for down, two
     128 x 128 accumulators for gate/up at 8 warps) spill registers with FP8 operands on sm_90 (ptxas, via
     benchmarks/kernels/register_report.py); these do not. Not yet timed on a GPU."""
+    # (block_m; gate/up and down as (block_n, block_k, num_warps, num_stages)), as the 16-bit tiles' two tiers.
     if num_tokens * top_k / max(num_experts, 1) < 192:
-        return MoeConfig(
-            block_m=64,
-            gate_up=GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4),
-            down=GemmTiles(block_n=128, block_k=128, num_warps=4, num_stages=4),
-        )
-    return MoeConfig(
-        block_m=128,
-        gate_up=GemmTiles(block_n=64, block_k=128, num_warps=8, num_stages=4),
-        down=GemmTiles(block_n=128, block_k=128, num_warps=8, num_stages=4),
-    )
+        return MoeConfig(64, GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 4, 4))
+    return MoeConfig(128, GemmTiles(64, 128, 8, 4), GemmTiles(128, 128, 8, 4))
 
 
 # Measured best per expert shape, bf16, on an H200 (benchmarks/kernels/sweep_moe.py; the figures are in
