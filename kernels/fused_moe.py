@@ -47,6 +47,8 @@ from tidal.kernels.fused_moe_small_batch import (
 from tidal.kernels.moe_expert_scales import ExpertScales, check_expert_weights
 from tidal.kernels.small_batch_linear import NormInput
 
+# Triton's dot on 8-bit operands takes K tiles of 32 or more (an sm_90 compile refuses 16; the interpreter does not).
+FP8_DOT_MIN_K = 32
 # Either path's tiles; None picks the path and its tiles from the shapes.
 AnyMoeConfig = MoeConfig | SmallBatchMoeConfig | None
 
@@ -341,6 +343,11 @@ def fused_moe_experts_triton(
     if config is None and w8a8:
         config = default_moe_config(num_tokens, top_k, num_experts, element_size=1, fp8_activations=True)
     config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, element_size)
+    if w8a8 and min(config.gate_up.block_k, config.down.block_k) < FP8_DOT_MIN_K:
+        raise ValueError(
+            f"W8A8 grouped GEMMs need K tiles of at least {FP8_DOT_MIN_K} (e4m3 dots), got {config.gate_up.block_k} "
+            f"and {config.down.block_k}"
+        )
     num_pairs = num_tokens * top_k
     block_m = config.block_m
     sorted_pairs, block_expert, pair_row, max_blocks = sort_pairs_by_expert(topk_ids, num_experts, block_m)

@@ -23,8 +23,10 @@ from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.small_batch_linear import NormInput
 
-# Tiles narrower than the shapes below: every program loops over K and each grid has several N-tiles.
+# Tiles narrower than the shapes below: every program loops over K and each grid has several N-tiles. W8A8's K tiles
+# are 32, the least an e4m3 dot takes on a GPU (48 = 32 + a masked tail of 16).
 GROUPED = MoeConfig(16, GemmTiles(16, 16, 4, 1), GemmTiles(16, 16, 4, 1), group_m=2)
+GROUPED_W8A8 = MoeConfig(16, GemmTiles(16, 32, 4, 1), GemmTiles(16, 32, 4, 1), group_m=2)
 SMALL = SmallBatchMoeConfig(gate_up=GemvTiles(16, 16, 4), down=GemvTiles(16, 16, 4))
 
 
@@ -142,11 +144,13 @@ def test_many_rows_per_expert_run_w8a8_as_the_reference_computes_it(
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     q13, q2, scales = _fp8_experts(num_experts, hidden, inter, device)
     weights, ids = topk_route_reference(torch.randn(tokens, num_experts, device=device), top_k, True)
-    got = fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED, scales=scales)
+    got = fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED_W8A8, scales=scales)
     w8a8 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales, fp8_activations=True)
     assert_close(got, w8a8, scale=4.0)
     w8a16 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales)
     assert (got.float() - w8a16.float()).norm() / w8a16.float().norm() < 0.08  # e4m3 rows: ~3% per operand
+    with pytest.raises(ValueError, match="W8A8 grouped GEMMs need K tiles of at least 32"):
+        fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED, scales=scales)  # K tiles of 16
 
 
 def test_the_activations_are_quantized_only_where_the_experts_get_many_rows(monkeypatch):

@@ -191,13 +191,14 @@ class Residency:
         """Check the whole checkpoint, then read it into the host buffer (the served weights stay untouched).
         `deadline` (time.monotonic()): the reads' (see StrayReads for one that is blocked past it)."""
         self.stray_reads.check("stage an update")
-        tensors = check_directory(source, self.expected, allow_extra, self.is_ignored, self.fp8_scales)
+        scales = self.fp8_scales  # once: the check and the reads must plan from the same names
+        tensors = check_directory(source, self.expected, allow_extra, self.is_ignored, scales)
         if deadline is not None and time.monotonic() > deadline:
             # The caller gave up while the headers were read; nothing may be written now.
             raise CheckpointRejectedError(["reading the checkpoint's headers did not finish in time"])
         with self._staging_target() as views:
             try:
-                return stage_tensors(tensors, views, deadline, self.fp8_scales)
+                return stage_tensors(tensors, views, deadline, scales)
             except CheckpointRejectedError as err:
                 if isinstance(err.__cause__, ReadTimeoutError):
                     self.stray_reads.add(err.__cause__.settled)
