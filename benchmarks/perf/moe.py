@@ -30,14 +30,12 @@ def moe_layers(model: torch.nn.Module) -> list[SparseMoE]:
 def expert_stack_ids(model: torch.nn.Module) -> set[int]:
     """ids of the tensors with one entry per expert (the weight stacks, and their scales with FP8 experts): a step
     reads only the entries of the experts it touches, so none of them counts as a dense weight."""
-    return {id(t) for layer in moe_layers(model) for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)
-            if t is not None}  # fmt: skip
+    return {id(t) for layer in moe_layers(model) for t in layer.stacks()}
 
 
 def one_expert_bytes(layer: SparseMoE) -> int:
     """The bytes of one expert of `layer`: its entries of every stack (gate, up and down, and their scales)."""
-    return sum(t[0].numel() * t.element_size() for t in (layer.w13, layer.w2, layer.w13_scale, layer.w2_scale)
-               if t is not None)  # fmt: skip
+    return sum(t[0].numel() * t.element_size() for t in layer.stacks())
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ def apply_epoch(state: ExpertParallelState, layers: Sequence[tuple[str, SparseMo
             for _, layer in layers:
                 for stack in layer.stacks():
                     # As bytes: a move copies an expert as it is, and index_copy_ has no e4m3 kernel.
-                    raw = stack.view(torch.uint8)
+                    raw = stack.data.view(torch.uint8)
                     raw.index_copy_(0, targets, raw.index_select(0, sources))  # a copy of every source first
         for slot_view, host in staged.staged:
             slot_view.copy_(host)

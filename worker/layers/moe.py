@@ -119,10 +119,10 @@ class SparseMoE(nn.Module):
             return None
         return ExpertScales(self.w13_scale, self.w2_scale)
 
-    def stacks(self) -> list[torch.Tensor]:
-        """Every tensor with one entry per held expert (the weight stacks, and the scales with FP8 experts): what
-        moves with an expert when it changes slot."""
-        return [t.data for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+    def stacks(self) -> list[nn.Parameter]:
+        """Every parameter with one entry per held expert (the weight stacks, and the scales with FP8 experts): what
+        moves with an expert when it changes slot, and what a step reads only the touched entries of."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         router_logits = F.linear(x, self.router)  # [T, E]
