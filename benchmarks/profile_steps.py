@@ -1,13 +1,16 @@
-"""Where a step's time goes on CUDA: kernels of a decode forward, the GEMMs alone, and the offline run step by step.
+"""Where a step's time goes on CUDA: kernels of a decode forward, the GEMMs alone, a prefill, and the offline run
+step by step.
 
-    python benchmarks/profile_steps.py --preset llama3-8b [--batches 1 32 256] [--offline] [--gemm]
+    python benchmarks/profile_steps.py --preset llama3-8b [--batches 1 32 256] [--offline] [--gemm] [--prefill 1024]
 
 Prints, per decode batch size, each kernel's share of a graphed forward (torch.profiler; the sum set against the wall
 time shows launch gaps) under the step's hardware bound (perf/step_bound.py: its bytes at the issue's copy bandwidth
 against its FLOPs at the H200's dense bf16 peak, both from perf/device.py; the larger binds); with --gemm, each
 linear layer's shape timed alone at M = the batch sizes (distinct weight copies in turn, so L2 holds none of them, as
-in a real forward); with --offline, the issue's offline workload step by step: how many steps of each kind, their
-device time, the host time around them and, for a dense model, the sum of their bounds. Nothing is written to disk.
+in a real forward); with --prefill N, the forward of one N-token prompt, eager as the engine runs prefill: the host's
+time to queue it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well under
+wall; with --offline, the issue's offline workload step by step: how many steps of each kind, their device time, the
+host time around them and, for a dense model, the sum of their bounds. Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from perf import moe
 from perf.device import H200_BF16_DENSE_TFLOPS, ISSUE_COPY_TBS
-from perf.engine_side import build_engine, decode_plan, engine_config, step_tokens
+from perf.engine_side import build_engine, decode_plan, engine_config, prefill_plan, step_tokens
 from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
@@ -70,6 +74,45 @@ def kernel_table(engine: LLMEngine, shape: ModelShape, batch: int, context_len: 
     for name, times in rows[:24]:
         us = sum(times) / iters
         print(f"{us:9.1f} {us / total:6.1%} {len(times) / iters:6.0f} {us / (len(times) / iters):8.2f}  {name[:110]}")
+
+
+def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
+    """A prompt's forward, eager as the engine runs prefill: host queueing time, wall, and the kernels' busy time."""
+    runner = engine.runner
+    prompt = random_prompts(1, prompt_len, runner.model.vocab_size, seed=7)[0]
+    plan = prefill_plan(prompt, engine.config.block_size)
+    for _ in range(3):  # compiles every kernel this token count takes
+        runner.execute(plan)
+    torch.cuda.synchronize()
+    host_ms, wall_ms = [], []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.execute(plan)  # only queues the work
+        host_ms.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        wall_ms.append((time.perf_counter() - start) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            runner.execute(plan)
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name].append(event.device_time)
+    kernels_ms = sum(sum(v) for v in per_name.values()) / iters / 1e3
+    launches = sum(len(v) for v in per_name.values()) / iters
+    wall, host = statistics.median(wall_ms), statistics.median(host_ms)
+    print(f"\n## prefill of {prompt_len} tokens, one sequence, eager ({iters} runs, medians)")
+    print(
+        f"wall {wall:.2f} ms (runs {min(wall_ms):.2f}-{max(wall_ms):.2f}), host queueing {host:.2f} ms, kernels "
+        f"{kernels_ms:.2f} ms busy ({kernels_ms / wall:.0%} of wall), {launches:.0f} kernels, "
+        f"{host / launches * 1e3:.1f} us of host time per kernel"
+    )
+    print(f"{'us':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        us = sum(times) / iters
+        calls = len(times) / iters
+        print(f"{us:9.1f} {us / kernels_ms / 1e3:6.1%} {calls:6.0f} {us / calls:8.2f}  {name[:110]}")
 
 
 def gemm_table(model: torch.nn.Module, batches: list[int]) -> None:
@@ -178,10 +221,11 @@ def offline_trace(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 32, 256])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--gemm", action="store_true")
     parser.add_argument("--offline", action="store_true")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     parser.add_argument("--weight-dtype", choices=get_args(WeightDType), default="auto")
     args = parser.parse_args()
@@ -199,6 +243,8 @@ def main() -> None:
         shape = model_shape(loaded.model, loaded.hf_config, engine.runner.kv_cache_dtype)
         for batch in args.batches:
             kernel_table(engine, shape, batch, args.context)
+        for prompt_len in args.prefill:
+            prefill_table(engine, prompt_len)
         if args.offline:
             offline_trace(
                 engine,

@@ -31,6 +31,7 @@ from tidal.kernels.rms_norm import rms_norm_triton
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import (
     LaunchConfig,
+    choose_config,
     linear_rows_into_residual_triton,
     linear_rows_triton,
     norm_input_reference,
@@ -123,10 +124,13 @@ def _sweep_configs(k_in: int, splits: tuple[int, ...]) -> list[LaunchConfig]:
 
 def _time_configs(name: str, weights: list, call, top: int, splits: tuple[int, ...] = (1,)) -> None:
     """Each config of `call(weight, config)` over all `weights` in one graph (tensors, or `Fp8Weight`s for the
-    e4m3 sweeps); prints the best `top`."""
+    e4m3 sweeps); prints the best `top`, then the config `choose_config` gives this shape today (what adopting the
+    best would gain)."""
     first = weights[0].weight if isinstance(weights[0], Fp8Weight) else weights[0]
+    in_use = choose_config(first.shape[0], first.shape[1])
+    configs = _sweep_configs(first.shape[1], splits)
     timed = []
-    for config in _sweep_configs(first.shape[1], splits):
+    for config in configs if in_use in configs else [*configs, in_use]:
 
         def all_layers(c: LaunchConfig = config, ws: list = weights, fn=call) -> None:
             for w in ws:
@@ -141,6 +145,9 @@ def _time_configs(name: str, weights: list, call, top: int, splits: tuple[int, .
     print(f"{name} {tuple(first.shape)} {first.dtype}, 1 row:")
     for ms, config in timed[:top]:
         print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+    for rank, (ms, config) in enumerate(timed, 1):
+        if config == in_use:
+            print(f"  in use: {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config} (rank {rank})", flush=True)
 
 
 # Qwen3-30B-A3B's projections around the experts: hidden 2048, 32 q + 4 + 4 kv heads of 128, 128 experts, 48 layers.

@@ -152,6 +152,24 @@ def decode_plan(batch: int, context_len: int, block_size: int, input_ids: list[i
     )
 
 
+def prefill_plan(input_ids: list[int], block_size: int) -> StepPlan:
+    """A whole prompt as one sequence's first step, on blocks 0.. in order, sampling its last row (no request
+    holds the blocks: the caller checks the cache is idle)."""
+    prompt_len = len(input_ids)
+    table = list(range(-(-prompt_len // block_size)))
+    return StepPlan(
+        seq_ids=[0],
+        input_ids=list(input_ids),
+        positions=list(range(prompt_len)),
+        slot_mapping=[table[p // block_size] * block_size + p % block_size for p in range(prompt_len)],
+        cu_seqlens_q=[0, prompt_len],
+        seq_lens=[prompt_len],
+        block_tables=[table],
+        sample_indices=[prompt_len - 1],
+        sample_seq_ids=[0],
+    )
+
+
 def measure_ttft(engine: LLMEngine, prompt: list[int], repeats: int) -> list[float]:
     """ms from add_request to the first token, `repeats` times after one untimed run."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -10,10 +10,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-# The issue's targets for the Llama-3-8B shape in bf16 on one H200; other presets and devices get none.
+# The issues' targets for the Llama-3-8B shape on one H200; other presets and devices get none. Offline was 12,000
+# output tokens/s in the first performance issue; the MoE issue raised it to 20,000 (from 15,239 on 2026-12-01).
 TARGET_PRESET, TARGET_DEVICE = "llama3-8b", "cuda"
 BATCH1_BOUND_FRACTION = 0.85
-OFFLINE_OUTPUT_TOKENS_PER_S = 12000.0
+OFFLINE_OUTPUT_TOKENS_PER_S = 20000.0
 SPEEDUP_AT = {1: 15.0, 32: 10.0}
 # The MoE issue's targets on one H200: batch 1 at >= 80% of the bound of the bytes a step reads, batch 64 within
 # 1.25x of the bound of the experts it touches, offline >= 2.5x the dense 8B figure (15,239 tokens/s on 2026-12-01;
@@ -210,6 +211,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"| TTFT, {w['ttft_prompt_len']}-token prompt (median ms) | {_f((engine.get('ttft_ms') or {}).get('median'))} "
         f"| {_f((hf.get('ttft_ms') or {}).get('median'))} | {_f(cmp_.get('ttft_speedup'), '.1f')}x |"
     )
+    busy = (engine.get("ttft_ms") or {}).get("kernels_busy_ms"), (hf.get("ttft_ms") or {}).get("kernels_busy_ms")
+    if busy != (None, None):  # the device's share of that time (a host-bound prefill shows busy well under it)
+        lines.append(f"| TTFT, the prompt's kernels busy (ms) | {_f(busy[0])} | {_f(busy[1])} | |")
     lines.append(
         f"| offline {w['offline_requests']} x ({w['offline_input_len']} in, {w['offline_output_len']} out), "
         f"output tokens/s | {_f((engine.get('offline') or {}).get('output_tokens_per_s'), '.0f')} "

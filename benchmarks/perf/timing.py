@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,3 +82,20 @@ def now(device: torch.device) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def kernel_busy_ms(run: Callable[[], object], device: torch.device, calls: int = 3) -> float | None:
+    """ms the device spends in kernels and copies per call of `run` (torch.profiler, `calls` calls), or None off
+    CUDA. Set against a wall-clock figure it tells device-bound from host-bound: an eager prefill whose host
+    queues kernels slower than the GPU runs them shows busy well under wall."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile  # only where there is a device to profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        sync(device)
+    busy_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return busy_us / 1e3 / calls
