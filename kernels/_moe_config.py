@@ -76,7 +76,7 @@ def _w8a8_tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     """Tiles for e4m3 activations and weights: the 16-bit tiles' shapes with twice the K step (an e4m3 K step of
     128 is the bytes of a 16-bit one of 64) and N at most 128. The 16-bit large tiles (128 x 256 for down, two
     128 x 128 accumulators for gate/up at 8 warps) spill registers with FP8 operands on sm_90 (ptxas, via
-    benchmarks/kernels/register_report.py); these do not. Not yet timed on a GPU."""
+    benchmarks/kernels/register_report.py); these do not. Timed on an H100 (bench_moe_fp8_activations.py), not swept."""
     # (block_m; gate/up and down as (block_n, block_k, num_warps, num_stages)), as the 16-bit tiles' two tiers.
     if num_tokens * top_k / max(num_experts, 1) < 192:
         return MoeConfig(64, GemmTiles(64, 128, 4, 4), GemmTiles(128, 128, 4, 4))
@@ -98,13 +98,13 @@ TUNED_MOE_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], 
 }
 
 
-# FP8 experts may quantize the activations too (W8A8, FP8 tensor cores) once the experts get this many rows each on
+# FP8 experts quantize the activations too (W8A8, FP8 tensor cores) once the experts get this many rows each on
 # average: a grouped GEMM with few rows per expert streams weights, and widening them in registers (W8A16) costs
-# nothing that shows; with many, the products are the work, and on an H100 the W8A16 kernels made Qwen3-30B-A3B's
-# 1024-token prefill 1.6x slower than 16-bit experts (benchmarks/results/fp8-weights-h100.md). None keeps every batch
-# W8A16: the W8A8 kernels are checked against their reference on CPU, but no GPU has timed them yet, so the
-# threshold is set from `benchmarks/kernels/bench_moe_fp8_activations.py`'s A/B, not guessed.
-FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT: int | None = None
+# nothing that shows, while quantizing the rows costs accuracy (4.6e-2 relative error against 2.6e-3) and time; with
+# many, the products are the work. On an H100 at Qwen3-30B-A3B's expert shape, W8A8 lost up to 64 rows per expert
+# (0.81-0.96x) and won from 96 up (1.26-1.34x, 1536 to 16384 tokens), so prefill chunks of 1536 tokens and more take
+# it (benchmarks/results/moe-fp8-activations-qwen3-30b-a3b-h100.md). None keeps every batch W8A16.
+FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT: int | None = 96
 
 
 def quantizes_activations(num_tokens: int, top_k: int, num_experts: int) -> bool:

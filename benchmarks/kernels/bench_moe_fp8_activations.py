@@ -2,8 +2,8 @@
 quantized too, FP8 tensor cores), per token count, on a model's expert shape: what `FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT`
 in kernels/_moe_config.py is to be set from.
 
-    python benchmarks/kernels/bench_moe_fp8_activations.py [--shape qwen3-30b-a3b] [--tokens 64 256 512 1024 4096]
-        [--out DIR]
+    python benchmarks/kernels/bench_moe_fp8_activations.py [--shape qwen3-30b-a3b]
+        [--tokens 64 256 512 1024 1536 2048 4096] [--out DIR]
 
 Each line: the token count, rows per expert on average, both paths' time per layer (routing, both GEMMs and the
 combine, every weight copy in turn so L2 never holds a layer; CUDA graphs up to 256 tokens as the engine runs
@@ -71,7 +71,7 @@ def threshold_from(rows: list[dict]) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512, 1024, 4096])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 512, 1024, 1536, 2048, 4096])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
