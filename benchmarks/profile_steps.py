@@ -21,6 +21,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -58,22 +59,33 @@ def kernel_table(engine: LLMEngine, shape: ModelShape, batch: int, context_len: 
         runner.execute(plan)
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) * 1e6 / iters
+    per_name = kernel_times(lambda: runner.execute(plan), iters)
+    total = sum(sum(v) for v in per_name.values()) / iters
+    print(f"\n## decode batch {batch}, context {context_len}: wall {wall_us:.0f} us/step, kernels {total:.0f} us/step")
+    print(bound_line(bound, wall_us))
+    print_kernels(per_name, iters, "us/step", 24)
+
+
+def kernel_times(run: Callable[[], object], iters: int) -> dict[str, list[float]]:
+    """Each CUDA kernel's device times (us) over `iters` calls of `run`, by kernel name."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            runner.execute(plan)
+            run()
         torch.cuda.synchronize()
     per_name: dict[str, list[float]] = collections.defaultdict(list)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_name[event.name].append(event.device_time)
+    return per_name
+
+
+def print_kernels(per_name: dict[str, list[float]], iters: int, unit: str, top: int) -> None:
+    """The `top` kernels by time per call of what was profiled: us, share, launches and us per launch."""
     total = sum(sum(v) for v in per_name.values()) / iters
-    print(f"\n## decode batch {batch}, context {context_len}: wall {wall_us:.0f} us/step, kernels {total:.0f} us/step")
-    print(bound_line(bound, wall_us))
-    print(f"{'us/step':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
-    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))
-    for name, times in rows[:24]:
-        us = sum(times) / iters
-        print(f"{us:9.1f} {us / total:6.1%} {len(times) / iters:6.0f} {us / (len(times) / iters):8.2f}  {name[:110]}")
+    print(f"{unit:>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
+    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        us, calls = sum(times) / iters, len(times) / iters
+        print(f"{us:9.1f} {us / total:6.1%} {calls:6.0f} {us / calls:8.2f}  {name[:110]}")
 
 
 def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
@@ -91,14 +103,7 @@ def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
         host_ms.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         wall_ms.append((time.perf_counter() - start) * 1e3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            runner.execute(plan)
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = collections.defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name].append(event.device_time)
+    per_name = kernel_times(lambda: runner.execute(plan), iters)
     kernels_ms = sum(sum(v) for v in per_name.values()) / iters / 1e3
     launches = sum(len(v) for v in per_name.values()) / iters
     wall, host = statistics.median(wall_ms), statistics.median(host_ms)
@@ -108,11 +113,7 @@ def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
         f"{kernels_ms:.2f} ms busy ({kernels_ms / wall:.0%} of wall), {launches:.0f} kernels, "
         f"{host / launches * 1e3:.1f} us of host time per kernel"
     )
-    print(f"{'us':>9} {'share':>6} {'calls':>6} {'us/call':>8}  kernel")
-    for name, times in sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]:
-        us = sum(times) / iters
-        calls = len(times) / iters
-        print(f"{us:9.1f} {us / kernels_ms / 1e3:6.1%} {calls:6.0f} {us / calls:8.2f}  {name[:110]}")
+    print_kernels(per_name, iters, "us", 12)
 
 
 def gemm_table(model: torch.nn.Module, batches: list[int]) -> None:
