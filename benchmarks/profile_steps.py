@@ -239,6 +239,9 @@ def main() -> None:
         config = engine_config(
             model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype
         )
+        step_tokens_max = config.max_num_batched_tokens
+        if any(not 0 < n <= step_tokens_max for n in args.prefill):
+            parser.error(f"--prefill takes 1 to {step_tokens_max} tokens (one step of this preset), got {args.prefill}")
         engine, facts = build_engine(config, loaded)
         print(f"engine: {facts}", flush=True)
         shape = model_shape(loaded.model, loaded.hf_config, engine.runner.kv_cache_dtype)
