@@ -21,7 +21,6 @@ import itertools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -34,7 +33,7 @@ from perf.presets import PRESETS, default_workload, random_prompts, write_model_
 from perf.random_model import build_random_model
 from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
 from perf.step_counts import model_shape
-from torch.profiler import ProfilerActivity, profile
+from perf.timing import kernel_times
 
 from tidal.worker.engine.config import KVCacheDType, WeightDType
 from tidal.worker.engine.llm_engine import LLMEngine
@@ -64,19 +63,6 @@ def kernel_table(engine: LLMEngine, shape: ModelShape, batch: int, context_len: 
     print(f"\n## decode batch {batch}, context {context_len}: wall {wall_us:.0f} us/step, kernels {total:.0f} us/step")
     print(bound_line(bound, wall_us))
     print_kernels(per_name, iters, "us/step", 24)
-
-
-def kernel_times(run: Callable[[], object], iters: int) -> dict[str, list[float]]:
-    """Each CUDA kernel's device times (us) over `iters` calls of `run`, by kernel name."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    per_name: dict[str, list[float]] = collections.defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name].append(event.device_time)
-    return per_name
 
 
 def print_kernels(per_name: dict[str, list[float]], iters: int, unit: str, top: int) -> None:

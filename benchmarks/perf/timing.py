@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -84,18 +85,26 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def kernel_busy_ms(run: Callable[[], object], device: torch.device, calls: int = 3) -> float | None:
-    """ms the device spends in kernels and copies per call of `run` (torch.profiler, `calls` calls), or None off
-    CUDA. Set against a wall-clock figure it tells device-bound from host-bound: an eager prefill whose host
-    queues kernels slower than the GPU runs them shows busy well under wall."""
-    if device.type != "cuda":
-        return None
+def kernel_times(run: Callable[[], object], calls: int) -> dict[str, list[float]]:
+    """Each CUDA kernel's (and copy's) device times in us over `calls` calls of `run`, by name (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile  # only where there is a device to profile
 
-    sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
-        sync(device)
-    busy_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return busy_us / 1e3 / calls
+        torch.cuda.synchronize()
+    per_name: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name].append(event.device_time)
+    return per_name
+
+
+def kernel_busy_ms(run: Callable[[], object], device: torch.device, calls: int = 3) -> float | None:
+    """ms the device spends in kernels and copies per call of `run`, or None off CUDA. Set against a wall-clock
+    figure it tells device-bound from host-bound: an eager prefill whose host queues kernels slower than the GPU
+    runs them shows busy well under wall."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    return sum(sum(times) for times in kernel_times(run, calls).values()) / 1e3 / calls
