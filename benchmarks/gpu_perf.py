@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--moe-path", choices=["auto", "grouped"], default="auto", help="grouped: no small-batch MoE path (A/B)"
     )
     parser.add_argument("--moe-ab", action="store_true", help="decode again on the grouped MoE path, same process")
+    parser.add_argument(
+        "--prefill-graph-tokens", type=int, default=0, metavar="TOKENS",
+        help="prompt steps of up to TOKENS tokens replay CUDA graphs (the engine's cuda_graph_prefill_tokens)",
+    )  # fmt: skip
     return parse_checked(parser, argv)
 
 
@@ -132,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stem = result_stem(preset.name, env, args.smoke) + ("-grouped" if args.moe_path == "grouped" else "")
     stem += "" if args.kv_cache_dtype == "auto" else "-kv-fp8"  # never over the bf16 cache's record
     stem += "" if args.weight_dtype == "auto" else "-w-fp8"
+    stem += f"-prefill-graphs-{args.prefill_graph_tokens}" if args.prefill_graph_tokens else ""
     outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         config = engine_side.engine_config(
             model_dir, loaded, device, workload, args.gpu_memory_fraction, not args.no_async_scheduling,
-            args.kv_cache_dtype, args.weight_dtype,
+            args.kv_cache_dtype, args.weight_dtype, args.prefill_graph_tokens,
         )  # fmt: skip
         engine, report["engine"]["setup"] = engine_side.build_engine(config, loaded)
         if device.type == "cuda":

@@ -200,7 +200,9 @@ async def run(args: argparse.Namespace) -> None:
 
     if device.type == "cuda":
         t = time.perf_counter()
-        await asyncio.to_thread(llm.runner.capture_cuda_graphs, llm.config.max_num_seqs, llm.max_model_len)
+        await asyncio.to_thread(
+            llm.runner.capture_cuda_graphs, llm.config.max_num_seqs, llm.max_model_len, llm.config.prefill_graph_tokens
+        )
         line("CUDA graph recapture (not needed: stable addresses)", f"{time.perf_counter() - t:.2f}s")
         await manager.sleep(SleepRequest(level=2))
         line("level 2 again: still held", f"{device_used_gib(device):.2f} GiB")

@@ -6,6 +6,7 @@ Grid: (tile slots, query-head groups), or its transpose. The new tokens of B seq
 into tiles of BLOCK_M / Q_HEADS tokens; cdiv(T, tokens per tile) + B slots always suffice, and each program finds its
 sequence from cu_seqlens_q on the device, so launching never needs the lengths on the host. Within a sequence the
 tiles run last-first: the last tile sees the longest context, and starting the heaviest work first shortens the tail.
+A sequence whose seq_len is 0 attends to nothing: its rows come out zero (see prefill_attention.py).
 """
 
 import triton
@@ -176,9 +177,11 @@ def prefill_kernel(
     k_head = kv_head * cache_stride_head + dims[None, :]
     v_head = kv_head * v_stride_head
     first_pos = seq_len - q_len + tile * TOKENS
-    last_visible = tl.minimum(first_pos + TOKENS, seq_len)  # keys past this are masked for every row
+    # A sequence with no context (seq_len 0: the padding of a step captured at a bucketed size) has only negative
+    # positions; clamping both key ranges at 0 runs no tile for it, so its rows come out zero without a load.
+    last_visible = tl.maximum(tl.minimum(first_pos + TOKENS, seq_len), 0)  # keys past this are masked for every row
     # Keys every row of the tile may see need no mask; only the tiles crossing the diagonal do.
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    unmasked_end = tl.maximum((first_pos + 1) // BLOCK_N * BLOCK_N, 0)
     acc, m, denom = _attend_tile(
         acc, m, denom, q, k_cache_ptr, v_cache_ptr, table, k_head, v_head, dims, dim_ok, positions, seq_len,
         0, unmasked_end, cache_stride_block, cache_stride_offset, v_stride_block, v_stride_offset, v_stride_dim,

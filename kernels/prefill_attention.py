@@ -70,7 +70,9 @@ def paged_prefill_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """q [T, num_heads, head_dim] -> [T, num_heads, head_dim]. The i-th new token of sequence b sits at position
-    seq_lens[b] - q_len_b + i and sees keys 0..that position."""
+    seq_lens[b] - q_len_b + i and sees keys 0..that position. A sequence with seq_lens[b] == 0 has no context: its
+    rows attend to nothing and come out zero (a captured step's padding tokens, prefill_graphs.py). Rows of no
+    sequence (past cu_seqlens_q[-1]) come out zero here and are left unwritten by the kernel."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[2]
@@ -79,7 +81,7 @@ def paged_prefill_attention_reference(
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[b], starts[b + 1]
         q_len = end - start
-        if q_len <= 0:
+        if q_len <= 0 or seq_len == 0:
             continue
         if seq_len < q_len:
             raise ValueError(f"sequence {b}: seq_len {seq_len} is shorter than its {q_len} new tokens")
@@ -110,8 +112,8 @@ def paged_prefill_attention_triton(
     scale: float,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel; same contract as `paged_prefill_attention_reference` (seq_lens[b] >= q_len_b is assumed,
-    not checked: checking would need a device sync)."""
+    """The Triton kernel; same contract as `paged_prefill_attention_reference` (seq_lens[b] >= q_len_b or 0 is
+    assumed, not checked: checking would need a device sync)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     num_tokens, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]

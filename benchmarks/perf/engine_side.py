@@ -35,9 +35,11 @@ def engine_config(
     async_scheduling: bool = True,
     kv_cache_dtype: KVCacheDType = "auto",
     weight_dtype: WeightDType = "auto",
+    prefill_graph_tokens: int = 0,
 ) -> EngineConfig:
     """Every decode batch's prompts fit one step (so its rows decode in lock step), and no prefix cache: a
-    repeated prompt must cost a full prefill every time."""
+    repeated prompt must cost a full prefill every time. `prefill_graph_tokens`: the engine's
+    cuda_graph_prefill_tokens (prompt steps of up to that many tokens replay CUDA graphs)."""
     return EngineConfig(
         model_path=model_dir,
         dtype=DTYPE_NAMES[loaded.dtype],
@@ -51,6 +53,7 @@ def engine_config(
         async_scheduling=async_scheduling,
         kv_cache_dtype=kv_cache_dtype,
         weight_dtype=weight_dtype,
+        cuda_graph_prefill_tokens=prefill_graph_tokens,
     )
 
 
@@ -71,6 +74,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "gpu_memory_fraction": config.gpu_memory_fraction if runner.device.type == "cuda" else None,
         "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
+        "cuda_graph_prefill_tokens": runner.prefill_graphs.sizes if runner.prefill_graphs is not None else [],
         "async_scheduling": config.async_scheduling,
     }
     return engine, facts

@@ -163,6 +163,13 @@ def _f(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def prefill_graphs_text(sizes: list[int] | None) -> str:
+    """The prompt-step graphs' buckets in a line: their span and count (there are ~20), or none."""
+    if not sizes:
+        return "none"
+    return f"{sizes[0]} to {sizes[-1]} tokens ({len(sizes)} buckets)"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     env, model, engine = report["environment"], report["model"], report["engine"]
     hf = report.get("transformers") or {}
@@ -184,6 +191,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"({setup['kv_cache_bytes'] / 2**30:.2f} GiB, {setup['kv_cache_tokens']} tokens, "
             f"{setup.get('kv_cache_dtype', 'model dtype')}), max_model_len "
             f"{setup['max_model_len']}, CUDA graphs for batch sizes {setup['cuda_graph_batch_sizes'] or 'none'}, "
+            f"prompt-step CUDA graphs {prefill_graphs_text(setup.get('cuda_graph_prefill_tokens'))}, "
             f"setup {setup['setup_seconds']:.1f} s."
         )
     if hf.get("error"):

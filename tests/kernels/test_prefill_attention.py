@@ -52,6 +52,26 @@ def test_prefill_packed_heads_and_grid_order(device, q_heads, heads_first):
     assert_close(paged_prefill_attention_triton(*args, config=config), paged_prefill_attention_reference(*args))
 
 
+@pytest.mark.parametrize("pad", [1, 7, 40, 100])
+@pytest.mark.parametrize("block_m", [16, 64])  # 8 or 32 tokens a tile, against 16 keys: both orders of the two
+def test_a_sequence_without_context_comes_out_zero(device, pad, block_m):
+    """A captured step's padding (prefill_graphs.py): its extra tokens form a sequence with seq_len 0, followed by
+    empty ones up to the graph's batch; their rows are zero and the real sequences' rows are as without them."""
+    q_lens, prefixes = [9, 1, 21], [3, 12, 0]
+    seq_lens = [n + p for n, p in zip(q_lens, prefixes, strict=True)] + [0, 0, 0]
+    kv = make_paged_kv(seq_lens, 8, 2, 64, torch.float32, device)
+    real = sum(q_lens)
+    q = torch.randn(real + pad, 4, 64, device=device)
+    cu = torch.tensor([0, 9, 10, 31, 31 + pad, 31 + pad, 31 + pad], dtype=torch.int32, device=device)
+    config = PrefillConfig(block_m=block_m, block_n=16, num_warps=4, num_stages=1, q_heads=2)
+    padded = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 0.125)
+    got = paged_prefill_attention_triton(*padded, config=config)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    assert torch.equal(paged_prefill_attention_reference(*padded)[real:], torch.zeros_like(got[real:]))
+    alone = (q[:real], kv.k_cache, kv.v_cache, kv.block_tables[:3], cu[:4], kv.seq_lens[:3], 0.125)
+    assert_close(got[:real], paged_prefill_attention_reference(*alone))
+
+
 def test_prefill_rejects_packing_across_kv_groups():
     kv = make_paged_kv([4], 4, 2, 16, torch.float32, "cpu")
     args = (torch.randn(4, 4, 16), kv.k_cache, kv.v_cache, kv.block_tables, torch.tensor([0, 4], dtype=torch.int32))

@@ -70,6 +70,37 @@ def test_cuda_graphs_give_the_eager_result(tiny_model):
     assert [r.output_token_ids for r in graphed.generate(prompts, params)] == want
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3_moe"])
+def test_prefill_cuda_graphs_give_the_eager_result(tiny_model, arch):
+    """Steps with prompt tokens replayed from graphs captured at bucketed token counts (prefill_graphs.py), with
+    chunks of up to 40 tokens beside decodes, padded to 16, 32 or 40 tokens: the eager engine's tokens, and no
+    step of the graphed run left to the eager path."""
+    model_dir = tiny_model(arch)
+    prompts = prompt_ids(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    shape = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 4, "max_model_len": 512}
+    graphed = engine(model_dir, **shape, max_num_batched_tokens=40, cuda_graph_prefill_tokens=64)
+    eager = engine(model_dir, **shape, max_num_batched_tokens=40, enforce_eager=True)
+    assert graphed.runner.prefill_graphs is not None and eager.runner.prefill_graphs is None
+    assert graphed.runner.prefill_graphs.sizes == [16, 32, 40]  # capped at max_num_batched_tokens
+    want = [r.output_token_ids for r in eager.generate(prompts, params)]
+    calls = {"replays": 0, "eager forwards": 0}
+    model, prefill_graphs = graphed.runner.model, graphed.runner.prefill_graphs
+    run, forward = prefill_graphs.run, model.forward
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    prefill_graphs.run = counting("replays", run)  # type: ignore[method-assign]
+    model.forward = counting("eager forwards", forward)  # type: ignore[method-assign]
+    assert [r.output_token_ids for r in graphed.generate(prompts, params)] == want
+    assert calls["eager forwards"] == 0 and calls["replays"] >= 2
+
+
 def test_fp8_kv_cache_on_the_cuda_paths(tiny_model):
     """An FP8 cache through the Triton kernels (the fused small-batch qkv of a q/k-norm model, decode and prefill
     attention, the CUDA graphs): twice the blocks of bf16 in the same bytes, first tokens as with a bf16 cache

@@ -58,7 +58,16 @@ class EngineConfig(BaseModel):
         default=0, ge=0, le=2**64 - 1, description="Seed of the sampler for requests that carry no seed of their own."
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of identical prompt prefixes.")
-    enforce_eager: bool = Field(default=False, description="CUDA: run decode steps eagerly, without CUDA graphs.")
+    enforce_eager: bool = Field(default=False, description="CUDA: run every step eagerly, without CUDA graphs.")
+    cuda_graph_prefill_tokens: int = Field(
+        default=0, ge=0,
+        description=(
+            "CUDA: steps with prompt tokens, up to this many tokens in all (at most max_num_batched_tokens), replay a "
+            "CUDA graph captured at the next bucketed count (16, 32, 64, 128, then every 128) instead of launching "
+            "each kernel from the host; 0 runs them eagerly. Each bucket is captured at start, and the largest one's "
+            "activations stay reserved in the graphs' memory pool."
+        ),
+    )  # fmt: skip
     async_scheduling: bool = Field(
         default=True,
         description=(
@@ -108,3 +117,9 @@ class EngineConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path.name
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """The most tokens of a prompt step that a CUDA graph serves (0: none); no step has more than
+        max_num_batched_tokens."""
+        return min(self.cuda_graph_prefill_tokens, self.max_num_batched_tokens)

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps: one captured forward per batch size, replayed with fresh inputs.
+"""CUDA graphs for decode-only steps: one captured forward per batch size, replayed with fresh inputs (steps with
+prompt tokens have their own, prefill_graphs.py; both share `capture_graphs` and one memory pool).
 
 Decode steps are many small kernels, so launching them one by one from Python costs more than running them.
 A graph per padded batch size records the whole forward once; a step copies its plan into the graph's static
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +23,34 @@ from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import CausalLM
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as GraphPool  # what torch.cuda.graph_pool_handle() returns
+
 log = logging.getLogger(__name__)
+
+
+def capture_graphs(
+    sizes: list[int],
+    forward: Callable[[int], torch.Tensor],
+    pool: GraphPool,
+    prepare: Callable[[int], None] | None = None,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph of `forward(size)` per size, all in the memory pool `pool` (shared with other graph sets of the
+    same runner: graphs replay one at a time on one stream). -> (size -> graph, size -> the output it writes).
+    `prepare(size)` sets the static inputs that the capture's own runs read, outside the graph."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for size in sorted(sizes, reverse=True):  # largest first: smaller graphs reuse its pool memory
+        if prepare is not None:
+            prepare(size)
+        forward(size)  # warm-up outside the graph: Triton compiles, allocator settles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -57,17 +87,9 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool: GraphPool) -> None:
         start = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
-            self._forward(size)  # warm-up outside the graph: Triton compiles, allocator settles
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+        self._graphs, self._outputs = capture_graphs(self.sizes, self._forward, pool)
         log.info("captured CUDA graphs for decode batch sizes %s in %.1fs", self.sizes, time.monotonic() - start)
 
     def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from tidal.worker.engine.cuda_graphs import DecodeGraphs
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import throwaway_kv_caches
+from tidal.worker.engine.prefill_graphs import PrefillGraphs
 from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.layers.expert_exchange import ExchangeSnapshot
@@ -44,7 +45,9 @@ class ModelRunner:
         self.kv_caches: KVCaches = []  # views into kv_cache_region, per layer
         self.num_kv_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
-        self._graph_shape: tuple[int, int] | None = None  # (max_num_seqs, max_model_len) the graphs were made for
+        self.prefill_graphs: PrefillGraphs | None = None
+        # (max_num_seqs, max_model_len, prefill_tokens) the graphs were made for
+        self._graph_shape: tuple[int, int, int] | None = None
         self._graph_addresses: tuple[int, int] | None = None  # the regions' addresses the graphs were captured at
 
     @property
@@ -70,19 +73,29 @@ class ModelRunner:
             type(self.kv_cache_region.region).__name__,
         )
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Record decode steps of up to `max_num_seqs` sequences as CUDA graphs (after the KV cache exists)."""
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int = 0) -> None:
+        """Record decode steps of up to `max_num_seqs` sequences as CUDA graphs (after the KV cache exists), and
+        with `prefill_tokens` > 0 steps with prompt tokens of up to that many tokens (prefill_graphs.py)."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         if self.kv_cache_region is None:
             raise RuntimeError("the KV cache is not allocated")
-        self.decode_graphs = None  # a recapture: the old graphs' pool goes before the new one is taken
+        # A recapture: the old graphs' pool goes before the new one is taken.
+        self.decode_graphs = None
+        self.prefill_graphs = None
         max_blocks = -(-max_model_len // self.block_size)
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks)
+        decode = DecodeGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks)
+        prefill = None
+        if prefill_tokens > 0:
+            prefill = PrefillGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks, prefill_tokens)
         with torch.cuda.device(self.device):
-            graphs.capture()
-        self.decode_graphs = graphs
-        self._graph_shape = (max_num_seqs, max_model_len)
+            pool = torch.cuda.graph_pool_handle()
+            if prefill is not None:  # first: the largest activations, which the decode graphs then reuse
+                prefill.capture(pool)
+            decode.capture(pool)
+        self.decode_graphs = decode
+        self.prefill_graphs = prefill
+        self._graph_shape = (max_num_seqs, max_model_len, prefill_tokens)
         self._graph_addresses = self._memory_addresses()
 
     def recapture_graphs_if_moved(self) -> bool:
@@ -199,10 +212,13 @@ class ModelRunner:
     def _forward_on_device(
         self, plan: StepPlan, kv_caches: KVCaches, previous_tokens: torch.Tensor | None
     ) -> torch.Tensor | None:
-        graphs = self.decode_graphs
-        if graphs is not None and kv_caches is self.kv_caches and graphs.can_run(plan):
-            hidden = graphs.run(plan, previous_tokens)  # [B, H], one row per sequence
-            return self._logits(hidden, plan)
+        if kv_caches is self.kv_caches:  # not the profiling run's throwaway cache
+            if self.decode_graphs is not None and self.decode_graphs.can_run(plan):
+                hidden = self.decode_graphs.run(plan, previous_tokens)  # [B, H], one row per sequence
+                return self._logits(hidden, plan)
+            if self.prefill_graphs is not None and self.prefill_graphs.can_run(plan):
+                hidden = self.prefill_graphs.run(plan, previous_tokens)  # [T, H]
+                return self._logits(hidden, plan)
         # Every int input in one host tensor and (on a GPU) one copy, instead of a tensor and a copy each.
         num_tokens, num_seqs, num_unknown = plan.num_tokens, plan.num_seqs, len(plan.unknown_rows)
         # Padding entries are never read. A power-of-two width keeps the number of distinct shapes (and so of
