@@ -7,10 +7,11 @@ Prints, per decode batch size, each kernel's share of a graphed forward (torch.p
 time shows launch gaps) under the step's hardware bound (perf/step_bound.py: its bytes at the issue's copy bandwidth
 against its FLOPs at the H200's dense bf16 peak, both from perf/device.py; the larger binds); with --gemm, each
 linear layer's shape timed alone at M = the batch sizes (distinct weight copies in turn, so L2 holds none of them, as
-in a real forward); with --prefill N, the forward of one N-token prompt, eager as the engine runs prefill: the host's
-time to queue it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well under
-wall; with --offline, the issue's offline workload step by step: how many steps of each kind, their device time, the
-host time around them and, for a dense model, the sum of their bounds. Nothing is written to disk.
+in a real forward); with --prefill N, the forward of one N-token prompt, eager as the engine runs prefill by default:
+the host's time to queue it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well
+under wall (with --prefill-graph-tokens, the same step replayed from its CUDA graph beside it); with --offline, the
+issue's offline workload step by step: how many steps of each kind, their device time, the host time around them
+and, for a dense model, the sum of their bounds. Nothing is written to disk.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -75,24 +77,19 @@ def print_kernels(per_name: dict[str, list[float]], iters: int, unit: str, top: 
 
 
 def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
-    """A prompt's forward, eager as the engine runs prefill: host queueing time, wall, and the kernels' busy time."""
+    """A prompt's forward, eager as the engine runs prefill by default: host queueing time, wall, and the kernels'
+    busy time; then, where the engine has prompt-step CUDA graphs that hold it, the same step replayed."""
     runner = engine.runner
     prompt = random_prompts(1, prompt_len, runner.model.vocab_size, seed=7)[0]
     plan = prefill_plan(prompt, engine.config.block_size)
-    for _ in range(3):  # compiles every kernel this token count takes
-        runner.execute(plan)
-    torch.cuda.synchronize()
-    host_ms, wall_ms = [], []
-    for _ in range(iters):
-        start = time.perf_counter()
-        runner.execute(plan)  # only queues the work
-        host_ms.append((time.perf_counter() - start) * 1e3)
-        torch.cuda.synchronize()
-        wall_ms.append((time.perf_counter() - start) * 1e3)
-    per_name = kernel_times(lambda: runner.execute(plan), iters)
+    graphs, runner.prefill_graphs = runner.prefill_graphs, None  # eager first, whatever the engine was built with
+    try:
+        wall, host, wall_ms = time_step(lambda: runner.execute(plan), iters)
+        per_name = kernel_times(lambda: runner.execute(plan), iters)
+    finally:
+        runner.prefill_graphs = graphs
     kernels_ms = sum(sum(v) for v in per_name.values()) / iters / 1e3
     launches = sum(len(v) for v in per_name.values()) / iters
-    wall, host = statistics.median(wall_ms), statistics.median(host_ms)
     print(f"\n## prefill of {prompt_len} tokens, one sequence, eager ({iters} runs, medians)")
     print(
         f"wall {wall:.2f} ms (runs {min(wall_ms):.2f}-{max(wall_ms):.2f}), host queueing {host:.2f} ms, kernels "
@@ -100,6 +97,28 @@ def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
         f"{host / launches * 1e3:.1f} us of host time per kernel"
     )
     print_kernels(per_name, iters, "us", 12)
+    if graphs is not None and graphs.can_run(plan):
+        graph_wall, graph_host, graph_ms = time_step(lambda: runner.execute(plan), iters)
+        print(
+            f"replayed from the {graphs.size_for(prompt_len)}-token CUDA graph: wall {graph_wall:.2f} ms (runs "
+            f"{min(graph_ms):.2f}-{max(graph_ms):.2f}), host queueing {graph_host:.2f} ms; eager wall / graph wall "
+            f"= {wall / graph_wall:.2f}x"
+        )
+
+
+def time_step(step: Callable[[], object], iters: int) -> tuple[float, float, list[float]]:
+    """-> (median wall ms, median host ms to queue it, every wall ms) of `step`, after 3 untimed runs (compiles)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host_ms, wall_ms = [], []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()  # only queues the work
+        host_ms.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
+        wall_ms.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(wall_ms), statistics.median(host_ms), wall_ms
 
 
 def gemm_table(model: torch.nn.Module, batches: list[int]) -> None:
@@ -215,6 +234,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS")
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     parser.add_argument("--weight-dtype", choices=get_args(WeightDType), default="auto")
+    parser.add_argument(
+        "--prefill-graph-tokens", type=int, default=0, metavar="TOKENS",
+        help="build the engine with prompt-step CUDA graphs up to TOKENS; --prefill then times their replay too",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda:0")
     preset = PRESETS[args.preset]
@@ -223,8 +246,9 @@ def main() -> None:
         model_dir = write_model_dir(preset, Path(tmp) / preset.name)
         loaded = build_random_model(model_dir, torch.bfloat16, device, seed=0, weight_dtype=args.weight_dtype)
         config = engine_config(
-            model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype
-        )
+            model_dir, loaded, device, workload, 0.9, kv_cache_dtype=args.kv_cache_dtype,
+            weight_dtype=args.weight_dtype, prefill_graph_tokens=args.prefill_graph_tokens,
+        )  # fmt: skip
         step_tokens_max = config.max_num_batched_tokens
         if any(not 0 < n <= step_tokens_max for n in args.prefill):
             parser.error(f"--prefill takes 1 to {step_tokens_max} tokens (one step of this preset), got {args.prefill}")
