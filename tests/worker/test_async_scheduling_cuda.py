@@ -1,6 +1,6 @@
-"""Async scheduling on a CUDA device: the same delta streams as one step at a time (CUDA graphs and eager), a launch
-path that never waits for the device, the device still running the next step when the host gets a step's outputs, and an
-idle device after abort_all and drain. Skipped without CUDA."""
+"""Async scheduling on a CUDA device: the same delta streams as one step at a time (CUDA graphs, prompt-step graphs
+and eager), a launch path that never waits for the device, the device still running the next step when the host gets
+a step's outputs, and an idle device after abort_all and drain. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -68,8 +68,13 @@ def streams(engine: LLMEngine, prompts, params, calls=(0, 0, 0, 2, 3, 5, 5, 8, 1
 @pytest.mark.parametrize("make_params", [mixed_params, controlled_params], ids=["plain", "controls"])
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"enforce_eager": True}, {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96}],
-    ids=["graphs", "eager", "graphs-preempting"],
+    [
+        {},
+        {"enforce_eager": True},
+        {"num_kv_blocks": 24, "block_size": 4, "max_model_len": 96},
+        {"max_num_batched_tokens": 48, "cuda_graph_prefill_tokens": 48},
+    ],
+    ids=["graphs", "eager", "graphs-preempting", "prompt-graphs"],
 )
 def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides, make_params):
     model_dir = tiny_model("llama3")
@@ -79,6 +84,8 @@ def test_overlapped_steps_give_the_synchronous_outputs(tiny_model, overrides, ma
     sync_engine, overlapped_engine = make(model_dir, False, **overrides), make(model_dir, True, **overrides)
     if "enforce_eager" not in overrides:
         assert overlapped_engine.runner.decode_graphs is not None
+    if "cuda_graph_prefill_tokens" in overrides:  # chunks beside decodes whose inputs are not read yet
+        assert overlapped_engine.runner.prefill_graphs is not None
     want = streams(sync_engine, prompts, params)
     assert {s[-1][3] for s in want.values()} >= {"stop", "length"}
     assert streams(overlapped_engine, prompts, params) == want
@@ -116,6 +123,34 @@ def test_the_launch_of_a_decode_step_never_waits_for_the_device(tiny_model, monk
     results = engine.generate(prompts, make_params(probe))
     assert len(results) == len(prompts)
     assert sum(strict) > 10  # many decode launches ran strictly, with the previous step in flight
+
+
+def test_graphed_prompt_steps_never_wait_for_the_device_either(tiny_model, monkeypatch):
+    """With prompt-step CUDA graphs every launch runs under torch's sync debug mode, prompt chunks and mixed steps
+    included: their inputs go through pinned memory into the graphs' static buffers, padding included."""
+    model_dir = tiny_model("llama3")
+    prompts = prompt_ids(model_dir)
+    probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
+    engine = make(model_dir, max_num_batched_tokens=48, cuda_graph_prefill_tokens=48)
+    engine.generate(prompts, mixed_params(probe))  # first calls (the sampler's, the allocator's) outside the check
+    launch = engine._launch
+    prompt_launches = []
+
+    def strict_launch(previous):
+        scheduler = engine.scheduler
+        prompt_launches.append(
+            bool(scheduler.waiting) or any(s.num_computed_tokens < s.num_tokens - 1 for s in scheduler.running)
+        )
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine, "_launch", strict_launch)
+    results = engine.generate(prompts, mixed_params(probe))
+    assert len(results) == len(prompts)
+    assert sum(prompt_launches) >= 2  # prompt steps ran strictly, not just decodes
 
 
 def _device_sleep_cycles(ms: float) -> int:
