@@ -116,7 +116,9 @@ def test_the_weights_are_allocated_once_in_their_region(tiny_model, memory):
 def test_the_engine_captures_graphs_once_and_the_lifecycle_keeps_them(tiny_model, monkeypatch):
     captures = []
     capture = cuda_graphs.DecodeGraphs.capture
-    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", lambda self: captures.append(self) or capture(self))
+    monkeypatch.setattr(
+        cuda_graphs.DecodeGraphs, "capture", lambda self, pool: captures.append(self) or capture(self, pool)
+    )
     model_dir = tiny_model("llama3")
 
     async def scenario() -> None:
@@ -136,7 +138,7 @@ def test_the_engine_captures_graphs_once_and_the_lifecycle_keeps_them(tiny_model
 
 def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_model, monkeypatch):
     """Without virtual memory a region may come back elsewhere; the views follow their storage, and the runner
-    recaptures the graphs when an address changed."""
+    recaptures the graphs when an address changed (the prompt steps' graphs too: the prompts run through them)."""
     model_dir = tiny_model("llama3")
     prompts = prompt_ids(model_dir)
     # A sleep's freed blocks then stay in torch's cache instead of going back to the driver, where tensors of the
@@ -144,7 +146,10 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
     monkeypatch.setattr(residency_module, "free_cached_device_memory", lambda device: None)
 
     async def scenario() -> None:
-        engine = {"device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 512}
+        engine = {
+            "device": "cuda", "num_kv_blocks": 256, "max_num_seqs": 8, "max_model_len": 512,
+            "max_num_batched_tokens": 256, "cuda_graph_prefill_tokens": 256,
+        }  # fmt: skip
         async with running_manager(model_dir, engine=engine, stable_device_memory=False) as manager:
             residency = manager.residency
             assert residency is not None and isinstance(residency.weights.region, TorchRegion)
@@ -157,7 +162,7 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
                 await manager.wake_up(WakeUpRequest())
                 del blockers
                 assert residency.weights.region.data_ptr() != address
-                assert runner.decode_graphs is not None
+                assert runner.decode_graphs is not None and runner.prefill_graphs is not None
                 assert await greedy(manager, prompts, 16) == before
 
     asyncio.run(scenario())
