@@ -207,6 +207,7 @@ async def run(args: argparse.Namespace) -> None:
         await manager.sleep(SleepRequest(level=2))
         line("level 2 again: still held", f"{device_used_gib(device):.2f} GiB")
         llm.runner.decode_graphs = None
+        llm.runner.prefill_graphs = None  # the prompt steps' graphs share the decode graphs' pool
         gc.collect()
         torch.cuda.empty_cache()
         line("  ... of which CUDA graphs held", f"{device_used_gib(device):.2f} GiB held without them")

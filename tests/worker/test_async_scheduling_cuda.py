@@ -133,24 +133,28 @@ def test_graphed_prompt_steps_never_wait_for_the_device_either(tiny_model, monke
     probe = [r.output_token_ids for r in make(model_dir, False).generate(prompts, LONG)]
     engine = make(model_dir, max_num_batched_tokens=48, cuda_graph_prefill_tokens=48)
     engine.generate(prompts, mixed_params(probe))  # first calls (the sampler's, the allocator's) outside the check
-    launch = engine._launch
-    prompt_launches = []
+    launch, graphs = engine._launch, engine.runner.prefill_graphs
+    assert graphs is not None
+    replay = graphs.run
+    strict = {"launches": 0, "prompt replays": 0}
 
     def strict_launch(previous):
-        scheduler = engine.scheduler
-        prompt_launches.append(
-            bool(scheduler.waiting) or any(s.num_computed_tokens < s.num_tokens - 1 for s in scheduler.running)
-        )
         torch.cuda.set_sync_debug_mode("error")
         try:
             return launch(previous)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            strict["launches"] += 1
+
+    def counted_replay(*args, **kwargs):
+        strict["prompt replays"] += torch.cuda.get_sync_debug_mode() == 2  # inside a strict launch
+        return replay(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_launch", strict_launch)
+    monkeypatch.setattr(graphs, "run", counted_replay)
     results = engine.generate(prompts, mixed_params(probe))
     assert len(results) == len(prompts)
-    assert sum(prompt_launches) >= 2  # prompt steps ran strictly, not just decodes
+    assert strict["prompt replays"] >= 2 and strict["launches"] > strict["prompt replays"]
 
 
 def _device_sleep_cycles(ms: float) -> int:

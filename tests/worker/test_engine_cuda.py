@@ -9,6 +9,7 @@ import torch
 from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.sampling_params import SamplingParams
+from tidal.worker.engine.step_plan import build_step_plan
 from tidal.worker.testing.hf_reference import load_reference_model, prompt_ids, transformers_greedy
 from tidal.worker.testing.tiny_models import TINY_ARCHS
 
@@ -99,6 +100,48 @@ def test_prefill_cuda_graphs_give_the_eager_result(tiny_model, arch):
     model.forward = counting("eager forwards", forward)  # type: ignore[method-assign]
     assert [r.output_token_ids for r in graphed.generate(prompts, params)] == want
     assert calls["eager forwards"] == 0 and calls["replays"] >= 2
+
+
+@pytest.mark.parametrize(("arch", "weight_dtype"), [("qwen3", "auto"), ("qwen3_moe", "auto"), ("qwen3_moe", "fp8")])
+def test_prefill_cuda_graphs_in_bf16_give_the_eager_logits(tiny_model, arch, weight_dtype):
+    """The paths a served model takes inside prompt-step graphs (16-bit activations): the fused small-batch kernels
+    with their split-K counters and PDL launches at the 16-token bucket, cuBLAS or FP8 GEMMs and the grouped expert
+    GEMMs above it. Each prompt step runs through its graph, then eagerly from the same cache state on the same
+    runner: the logits agree to bf16's precision (the padded row counts may pick other GEMM tiles)."""
+    model_dir = tiny_model(arch)
+    eng = engine(
+        model_dir, dtype="bfloat16", num_kv_blocks=256, max_num_seqs=4, max_model_len=512, max_num_batched_tokens=40,
+        cuda_graph_prefill_tokens=40, weight_dtype=weight_dtype,
+    )  # fmt: skip
+    runner, graphs = eng.runner, eng.runner.prefill_graphs
+    assert graphs is not None
+    for i, prompt in enumerate(prompt_ids(model_dir)):  # the short ones join decodes late: 16-token steps
+        eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=5))
+    caches = [cache for pair in runner.kv_caches for cache in pair]
+    sizes = set()
+    while eng.has_unfinished_requests():
+        scheduled = eng.scheduler.schedule()
+        plan = build_step_plan(scheduled, eng.config.block_size)
+        if plan.is_decode_only:
+            logits = runner.execute(plan)
+        else:
+            assert graphs.can_run(plan)
+            before = [cache.clone() for cache in caches]
+            graphed = runner.execute(plan).clone()  # type: ignore[union-attr]
+            for cache, saved in zip(caches, before, strict=True):
+                cache.copy_(saved)
+            runner.prefill_graphs = None
+            logits = runner.execute(plan)
+            runner.prefill_graphs = graphs
+            assert logits is not None
+            torch.testing.assert_close(graphed, logits, atol=0.02 * logits.abs().max().item(), rtol=0)
+            sizes.add(graphs.size_for(plan.num_tokens))
+        tokens = logits.argmax(-1).tolist() if logits is not None else []
+        eng.scheduler.on_step_done(scheduled, dict(zip(plan.sample_seq_ids, tokens, strict=True)))
+        for item in scheduled.scheduled:
+            if item.seq.num_output_tokens >= 5:
+                eng.abort_request(item.seq.request_id)
+    assert 16 in sizes and len(sizes) >= 2  # the small-batch bucket and a larger one
 
 
 def test_fp8_kv_cache_on_the_cuda_paths(tiny_model):

@@ -157,12 +157,17 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
             before = await greedy(manager, prompts, 16)
             for level in (1, 2):
                 address = residency.weights.region.data_ptr()
+                graphs = (runner.decode_graphs, runner.prefill_graphs)
                 await manager.sleep(SleepRequest(level=level))
                 blockers = _take_block_at(address, residency.weights.region.nbytes)
                 await manager.wake_up(WakeUpRequest())
                 del blockers
                 assert residency.weights.region.data_ptr() != address
-                assert runner.decode_graphs is not None and runner.prefill_graphs is not None
+                # Both graph sets captured again, at the regions' new addresses (the old bytes may still sit at
+                # the old ones, so equal outputs alone would not show it).
+                assert runner.decode_graphs is not None and runner.decode_graphs is not graphs[0]
+                assert runner.prefill_graphs is not None and runner.prefill_graphs is not graphs[1]
+                assert runner._graph_addresses == runner._memory_addresses()
                 assert await greedy(manager, prompts, 16) == before
 
     asyncio.run(scenario())

@@ -1,6 +1,7 @@
 """Prompt-step CUDA graphs' padding (worker/engine/prefill_graphs.py), checked on CPU: the static inputs a graph
-replays, filled from real mixed plans and padded to their bucket, give the eager step's logits and write no other
-K/V. The capture itself needs a GPU (tests/worker/test_engine_cuda.py)."""
+replays, filled from real mixed plans and padded to their bucket, give the eager step's logits and leave the eager
+step's KV cache (its own K/V written, nothing else). The capture itself needs a GPU (tests/worker/test_engine_cuda.py
+and test_async_scheduling_cuda.py)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ def padded_logits(engine: LLMEngine, graphs: PrefillGraphs, plan: StepPlan, prev
     return engine.runner._logits(hidden, plan)
 
 
+def caches(engine: LLMEngine) -> list[torch.Tensor]:
+    return [cache for pair in engine.runner.kv_caches for cache in pair]
+
+
 def caches_copy(engine: LLMEngine) -> list[torch.Tensor]:
-    return [cache.clone() for pair in engine.runner.kv_caches for cache in pair]
+    return [cache.clone() for cache in caches(engine)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen2_moe"])
@@ -67,13 +72,19 @@ def test_padded_prompt_steps_give_the_eager_logits(tiny_model, arch):
     while engine.has_unfinished_requests():
         scheduled = engine.scheduler.schedule()
         plan = build_step_plan(scheduled, BLOCK_SIZE)
-        logits = runner.execute(plan)  # eager; writes this step's K/V
-        if not plan.is_decode_only:
+        if plan.is_decode_only:
+            logits = runner.execute(plan)
+        else:
             assert graphs.can_run(plan)
             before = caches_copy(engine)
-            got = padded_logits(engine, graphs, plan)  # writes the same K/V again, and nothing else
-            for old, new in zip(before, caches_copy(engine), strict=True):
-                torch.testing.assert_close(new, old, atol=1e-5, rtol=1e-5)
+            got = padded_logits(engine, graphs, plan)  # first, from the cache as the step finds it
+            graphed = caches_copy(engine)
+            for cache, saved in zip(caches(engine), before, strict=True):
+                cache.copy_(saved)
+            logits = runner.execute(plan)  # eager, from the same cache
+            # The step's own K/V written, and nothing else.
+            for eager, padded in zip(caches(engine), graphed, strict=True):
+                torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
             assert (got is None) == (logits is None)
             if logits is not None:
                 torch.testing.assert_close(got, logits, atol=1e-4, rtol=1e-4)

@@ -64,8 +64,8 @@ class EngineConfig(BaseModel):
         description=(
             "CUDA: steps with prompt tokens, up to this many tokens in all (at most max_num_batched_tokens), replay a "
             "CUDA graph captured at the next bucketed count (16, 32, 64, 128, then every 128) instead of launching "
-            "each kernel from the host; 0 runs them eagerly. Each bucket is captured at start, and the largest one's "
-            "activations stay reserved in the graphs' memory pool."
+            "each kernel from the host; 0 runs them eagerly. Each bucket is captured at start; the largest one's "
+            "activations stay reserved in the graphs' memory pool, asleep too."
         ),
     )  # fmt: skip
     async_scheduling: bool = Field(

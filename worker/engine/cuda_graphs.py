@@ -38,13 +38,20 @@ def capture_graphs(
     """One graph of `forward(size)` per size, all in the memory pool `pool` (shared with other graph sets of the
     same runner: graphs replay one at a time on one stream). -> (size -> graph, size -> the output it writes).
     `prepare(size)` sets the static inputs that the capture's own runs read, outside the graph."""
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    for size in sorted(sizes, reverse=True):  # largest first: smaller graphs reuse its pool memory
+    order = sorted(sizes, reverse=True)
+    # Every warm-up (Triton compiles, allocator settles) before the first capture: a warm-up between two captures
+    # would run in torch's ordinary cache, which a capture empties, beside the pool's copy of the same activations,
+    # twice the memory at the peak.
+    for size in order:
         if prepare is not None:
             prepare(size)
-        forward(size)  # warm-up outside the graph: Triton compiles, allocator settles
-        torch.cuda.synchronize()
+        forward(size)
+    torch.cuda.synchronize()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for size in order:  # largest first: smaller graphs reuse its pool memory
+        if prepare is not None:
+            prepare(size)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             outputs[size] = forward(size)

@@ -74,6 +74,9 @@ class PrefillGraphs:
         self.cu_seqlens_q = torch.zeros(batch + 1, dtype=torch.int32, device=device)  # [B + 1]
         self.seq_lens = torch.zeros(batch, dtype=torch.int32, device=device)  # [B]
         self.block_tables = torch.zeros((batch, max_blocks_per_seq), dtype=torch.int32, device=device)  # [B, blocks]
+        # One output for every bucket, made by the first forward: a fresh output per graph would stay allocated per
+        # bucket (the sum of the sizes in rows, ~2 GiB of an 8B model's hidden states for buckets up to 8192).
+        self._hidden: torch.Tensor | None = None  # [N, H]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # token count -> hidden [size, H] written by its graph
 
@@ -148,7 +151,8 @@ class PrefillGraphs:
         self.seq_lens.zero_()
 
     def forward(self, size: int) -> torch.Tensor:
-        """The captured computation: hidden [size, H] from the static inputs' first `size` tokens."""
+        """The captured computation: hidden [size, H] from the static inputs' first `size` tokens, into the one output
+        buffer."""
         batch = AttentionBatch(
             slot_mapping=self.slot_mapping[:size],
             block_tables=self.block_tables,
@@ -158,4 +162,8 @@ class PrefillGraphs:
             kv_caches=self.kv_caches,
         )
         hidden: torch.Tensor = self.model(self.input_ids[:size], self.positions[:size], batch)
-        return hidden
+        if self._hidden is None:  # the first forward, a warm-up outside any capture
+            self._hidden = torch.empty((self.sizes[-1], hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+        out = self._hidden[:size]
+        out.copy_(hidden)
+        return out
