@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tidal.worker.engine.host_tensors import int64_tensor, to_device
-from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
+from tidal.worker.engine.step_inputs import copy_token_inputs, step_inputs
+from tidal.worker.engine.step_plan import StepPlan
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import CausalLM
@@ -105,25 +105,10 @@ class DecodeGraphs:
         n = plan.num_seqs
         size = self._size_for[n]
         width = max(map(len, plan.block_tables))
-        num_unknown = len(plan.unknown_rows)
-        # All inputs in one pinned host tensor and one transfer, then spread into the graph's inputs on the device.
-        flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.seq_lens
-        flat += padded_block_tables(plan.block_tables, width)
-        flat += plan.unknown_rows + plan.unknown_sources
-        packed = to_device(int64_tensor(flat), self.input_ids.device)  # [4B + B * width + 2U]
-        input_ids, positions, slot_mapping, seq_lens, tables, unknown_rows, unknown_sources = packed.split(
-            [n, n, n, n, n * width, num_unknown, num_unknown]
-        )
-        self.input_ids[:n].copy_(input_ids)
-        if num_unknown:
-            if previous_tokens is None:
-                raise ValueError("the plan takes input tokens from the previous step's, and none were given")
-            # Outside the graph, before its replay: an ordinary gather queued behind the previous step's sampling.
-            self.input_ids.index_copy_(0, unknown_rows, previous_tokens.index_select(0, unknown_sources))
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.seq_lens[:n].copy_(seq_lens)  # int64 -> int32
-        self.block_tables[:n, :width].copy_(tables.view(n, width))
+        inputs = step_inputs(plan, width, self.input_ids.device)
+        copy_token_inputs(inputs, self.input_ids, self.positions, self.slot_mapping, previous_tokens)
+        self.seq_lens[:n].copy_(inputs.seq_lens)  # int64 -> int32
+        self.block_tables[:n, :width].copy_(inputs.block_tables)
         if size > n:  # padding rows: write nothing, attend to nothing
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()

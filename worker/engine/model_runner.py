@@ -19,7 +19,8 @@ from tidal.worker.engine.cuda_graphs import DecodeGraphs
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import throwaway_kv_caches
 from tidal.worker.engine.prefill_graphs import PrefillGraphs
-from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
+from tidal.worker.engine.step_inputs import fill_unknown_inputs, step_inputs
+from tidal.worker.engine.step_plan import StepPlan
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.layers.expert_exchange import ExchangeSnapshot
 from tidal.worker.loader.model_loader import LoadedModel
@@ -219,32 +220,20 @@ class ModelRunner:
             if self.prefill_graphs is not None and self.prefill_graphs.can_run(plan):
                 hidden = self.prefill_graphs.run(plan, previous_tokens)  # [T, H]
                 return self._logits(hidden, plan)
-        # Every int input in one host tensor and (on a GPU) one copy, instead of a tensor and a copy each.
-        num_tokens, num_seqs, num_unknown = plan.num_tokens, plan.num_seqs, len(plan.unknown_rows)
         # Padding entries are never read. A power-of-two width keeps the number of distinct shapes (and so of
         # Triton specialisations compiled on the way) logarithmic in the context length.
         width = 1 << (max(map(len, plan.block_tables)) - 1).bit_length()
-        flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.cu_seqlens_q + plan.seq_lens
-        flat += padded_block_tables(plan.block_tables, width)
-        flat += plan.unknown_rows + plan.unknown_sources
-        packed = to_device(int64_tensor(flat), self.device)  # [3T + 2B + 1 + B * width + 2U]
-        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables, unknown_rows, unknown_sources = (
-            packed.split(
-                [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_unknown, num_unknown]
-            )
-        )
-        if num_unknown:
-            # The previous step's sampled tokens, still on the device: a gather queued behind that step.
-            input_ids.index_copy_(0, unknown_rows, previous_tokens.index_select(0, unknown_sources))  # type: ignore[union-attr]
+        inputs = step_inputs(plan, width, self.device)
+        fill_unknown_inputs(inputs.input_ids, inputs, previous_tokens)
         batch = AttentionBatch(
-            slot_mapping=slot_mapping,  # [T]
-            block_tables=tables.view(num_seqs, width).to(torch.int32),  # [B, width]
-            cu_seqlens_q=cu_seqlens_q.to(torch.int32),  # [B + 1]
-            seq_lens=seq_lens.to(torch.int32),  # [B]
+            slot_mapping=inputs.slot_mapping,  # [T]
+            block_tables=inputs.block_tables.to(torch.int32),  # [B, width]
+            cu_seqlens_q=inputs.cu_seqlens_q.to(torch.int32),  # [B + 1]
+            seq_lens=inputs.seq_lens.to(torch.int32),  # [B]
             is_decode_only=plan.is_decode_only,
             kv_caches=kv_caches,
         )
-        hidden = self.model(input_ids, positions, batch)  # [T, H]
+        hidden = self.model(inputs.input_ids, inputs.positions, batch)  # [T, H]
         return self._logits(hidden, plan)
 
     def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:

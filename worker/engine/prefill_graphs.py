@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tidal.worker.engine.cuda_graphs import capture_graphs
-from tidal.worker.engine.host_tensors import int64_tensor, to_device
-from tidal.worker.engine.step_plan import StepPlan, padded_block_tables
+from tidal.worker.engine.step_inputs import copy_token_inputs, step_inputs
+from tidal.worker.engine.step_plan import StepPlan
 from tidal.worker.layers.attention import AttentionBatch
 from tidal.worker.memory.kv_region import KVCaches
 from tidal.worker.models.base import CausalLM
@@ -112,33 +112,17 @@ class PrefillGraphs:
                 f"a step of {plan.num_tokens} tokens over {plan.num_seqs} sequences does not fit these graphs "
                 f"(prompt steps of up to {self.sizes[-1]} tokens over up to {self.max_num_seqs} sequences)"
             )
-        num_tokens, num_seqs, num_unknown = plan.num_tokens, plan.num_seqs, len(plan.unknown_rows)
+        num_tokens, num_seqs = plan.num_tokens, plan.num_seqs
         size = self.size_for(num_tokens)
         width = max(map(len, plan.block_tables))
-        # All inputs in one pinned host tensor and one transfer, then spread into the graph's inputs on the device.
-        flat = plan.input_ids + plan.positions + plan.slot_mapping + plan.cu_seqlens_q + plan.seq_lens
-        flat += padded_block_tables(plan.block_tables, width)
-        flat += plan.unknown_rows + plan.unknown_sources
-        packed = to_device(int64_tensor(flat), self.input_ids.device)
-        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, tables, unknown_rows, unknown_sources = (
-            packed.split(
-                [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width, num_unknown, num_unknown]
-            )
-        )
-        self.input_ids[:num_tokens].copy_(input_ids)
-        if num_unknown:
-            if previous_tokens is None:
-                raise ValueError("the plan takes input tokens from the previous step's, and none were given")
-            # Outside the graph, before its replay: an ordinary gather queued behind the previous step's sampling.
-            self.input_ids.index_copy_(0, unknown_rows, previous_tokens.index_select(0, unknown_sources))
-        self.positions[:num_tokens].copy_(positions)
-        self.slot_mapping[:num_tokens].copy_(slot_mapping)
+        inputs = step_inputs(plan, width, self.input_ids.device)
+        copy_token_inputs(inputs, self.input_ids, self.positions, self.slot_mapping, previous_tokens)
         self.slot_mapping[num_tokens:size].fill_(-1)  # padding tokens write no K/V
-        self.cu_seqlens_q[: num_seqs + 1].copy_(cu_seqlens_q)  # int64 -> int32
+        self.cu_seqlens_q[: num_seqs + 1].copy_(inputs.cu_seqlens_q)  # int64 -> int32
         self.cu_seqlens_q[num_seqs + 1 :].fill_(size)  # the padding sequence, then empty ones
-        self.seq_lens[:num_seqs].copy_(seq_lens)
+        self.seq_lens[:num_seqs].copy_(inputs.seq_lens)
         self.seq_lens[num_seqs:].zero_()  # no context: attention reads nothing for them
-        self.block_tables[:num_seqs, :width].copy_(tables.view(num_seqs, width))
+        self.block_tables[:num_seqs, :width].copy_(inputs.block_tables)
         # The padding tokens' input ids and positions are whatever an earlier step left: valid ids and positions.
         return size
 
