@@ -2,7 +2,7 @@
 
 A prompt step's forward launches some ten kernels a layer from Python, and below a few thousand tokens the host
 takes longer to launch them than the GPU to run them: a 1024-token Qwen3-30B-A3B prompt keeps an H100 busy 28 ms of
-a 36-89 ms step (benchmarks/results/fp8-weights-h200.md). A graph per bucket of token counts replays the whole
+a 36-89 ms step (benchmarks/results/fp8-weights-h100.md). A graph per bucket of token counts replays the whole
 forward in one launch instead.
 
 A step is padded to its bucket's token count and to the graphs' fixed batch of `max_num_seqs + 1` sequences. The
