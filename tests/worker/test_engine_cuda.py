@@ -127,14 +127,16 @@ def test_prefill_cuda_graphs_in_bf16_give_the_eager_logits(tiny_model, arch, wei
         else:
             assert graphs.can_run(plan)
             before = [cache.clone() for cache in caches]
-            graphed = runner.execute(plan).clone()  # type: ignore[union-attr]
+            graphed = runner.execute(plan)
+            graphed = graphed.clone() if graphed is not None else None  # the graph's output is reused
             for cache, saved in zip(caches, before, strict=True):
                 cache.copy_(saved)
             runner.prefill_graphs = None
             logits = runner.execute(plan)
             runner.prefill_graphs = graphs
-            assert logits is not None
-            torch.testing.assert_close(graphed, logits, atol=0.02 * logits.abs().max().item(), rtol=0)
+            assert (graphed is None) == (logits is None)  # a step of prompt chunks alone samples nothing
+            if logits is not None:
+                torch.testing.assert_close(graphed, logits, atol=0.02 * logits.abs().max().item(), rtol=0)
             sizes.add(graphs.size_for(plan.num_tokens))
         tokens = logits.argmax(-1).tolist() if logits is not None else []
         eng.scheduler.on_step_done(scheduled, dict(zip(plan.sample_seq_ids, tokens, strict=True)))
