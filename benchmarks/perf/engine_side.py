@@ -75,6 +75,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "gpu_memory_fraction": config.gpu_memory_fraction if runner.device.type == "cuda" else None,
         "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
         "cuda_graph_prefill_tokens": runner.prefill_graphs.sizes if runner.prefill_graphs is not None else [],
+        "cuda_graph_pool_gib": runner.graph_pool_bytes / 2**30,
         "async_scheduling": config.async_scheduling,
     }
     return engine, facts

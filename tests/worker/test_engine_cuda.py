@@ -84,6 +84,7 @@ def test_prefill_cuda_graphs_give_the_eager_result(tiny_model, arch):
     eager = engine(model_dir, **shape, max_num_batched_tokens=40, enforce_eager=True)
     assert graphed.runner.prefill_graphs is not None and eager.runner.prefill_graphs is None
     assert graphed.runner.prefill_graphs.sizes == [16, 32, 40]  # capped at max_num_batched_tokens
+    assert graphed.runner.graph_pool_bytes > 0  # measured at capture, logged, reported by gpu_perf
     want = [r.output_token_ids for r in eager.generate(prompts, params)]
     calls = {"replays": 0, "eager forwards": 0}
     model, prefill_graphs = graphed.runner.model, graphed.runner.prefill_graphs

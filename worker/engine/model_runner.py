@@ -47,6 +47,7 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.graph_pool_bytes = 0  # device memory the graphs' pool holds, measured at capture
         # (max_num_seqs, max_model_len, prefill_tokens) the graphs were made for
         self._graph_shape: tuple[int, int, int] | None = None
         self._graph_addresses: tuple[int, int] | None = None  # the regions' addresses the graphs were captured at
@@ -90,10 +91,17 @@ class ModelRunner:
         if prefill_tokens > 0:
             prefill = PrefillGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks, prefill_tokens)
         with torch.cuda.device(self.device):
+            # Emptied before and after, torch's cache holds nothing of the warm-ups: what the device reservation
+            # grows by is the graphs' pool (live graphs keep it through empty_cache).
+            torch.cuda.empty_cache()
+            reserved = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
             if prefill is not None:  # first: the largest activations, which the decode graphs then reuse
                 prefill.capture(pool)
             decode.capture(pool)
+            torch.cuda.empty_cache()
+            self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        log.info("the CUDA graphs' memory pool holds %.2f GiB", self.graph_pool_bytes / 2**30)
         self.decode_graphs = decode
         self.prefill_graphs = prefill
         self._graph_shape = (max_num_seqs, max_model_len, prefill_tokens)
