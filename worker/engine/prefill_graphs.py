@@ -78,7 +78,6 @@ class PrefillGraphs:
         # bucket (the sum of the sizes in rows, ~2 GiB of an 8B model's hidden states for buckets up to 8192).
         self._hidden: torch.Tensor | None = None  # [N, H]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # token count -> hidden [size, H] written by its graph
 
     def size_for(self, num_tokens: int) -> int:
         """The smallest bucket that holds `num_tokens`."""
@@ -95,14 +94,15 @@ class PrefillGraphs:
     @torch.inference_mode()
     def capture(self, pool: GraphPool) -> None:
         start = time.monotonic()
-        self._graphs, self._outputs = capture_graphs(self.sizes, self.forward, pool, self._only_padding)
+        self._graphs, _ = capture_graphs(self.sizes, self.forward, pool, self._only_padding)  # outputs: _hidden's
         log.info("captured CUDA graphs for prompt steps of %s tokens in %.1fs", self.sizes, time.monotonic() - start)
 
     def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """-> hidden [T, H] of the plan's tokens (a view into the graph's output: use it before the next run)."""
-        size = self.prepare(plan, previous_tokens)
-        self._graphs[size].replay()
-        return self._outputs[size][: plan.num_tokens]
+        if self._hidden is None:  # made by the capture's first forward
+            raise RuntimeError("the prompt-step graphs are not captured")
+        self._graphs[self.prepare(plan, previous_tokens)].replay()
+        return self._hidden[: plan.num_tokens]
 
     def prepare(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> int:
         """Copy `plan` into the static inputs, padded as the module docstring says. -> the bucket to run.
