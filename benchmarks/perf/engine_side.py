@@ -76,6 +76,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
         "cuda_graph_prefill_tokens": runner.prefill_graphs.sizes if runner.prefill_graphs is not None else [],
         "cuda_graph_pool_gib": runner.graph_pool_bytes / 2**30,
+        "cuda_graph_pool_estimate_gib": runner.graph_pool_estimate_bytes / 2**30,
         "async_scheduling": config.async_scheduling,
     }
     return engine, facts

@@ -187,13 +187,16 @@ def to_markdown(report: dict[str, Any]) -> str:
     setup = engine.get("setup") or {}
     if setup:
         pool = setup.get("cuda_graph_pool_gib")
+        held_back = setup.get("cuda_graph_pool_estimate_gib")
         lines.append(
             f"Engine: KV cache {setup['num_kv_blocks']} blocks x {setup['block_size']} tokens "
             f"({setup['kv_cache_bytes'] / 2**30:.2f} GiB, {setup['kv_cache_tokens']} tokens, "
             f"{setup.get('kv_cache_dtype', 'model dtype')}), max_model_len "
             f"{setup['max_model_len']}, CUDA graphs for batch sizes {setup['cuda_graph_batch_sizes'] or 'none'}, "
             f"prompt-step CUDA graphs {prefill_graphs_text(setup.get('cuda_graph_prefill_tokens'))}, "
-            + (f"graphs' pool {pool:.2f} GiB, " if pool else "")
+            + (f"graphs' pool {pool:.2f} GiB" if pool else "")
+            + (f" ({held_back:.2f} GiB held back for it)" if pool and held_back else "")
+            + (", " if pool else "")
             + f"setup {setup['setup_seconds']:.1f} s."
         )
     if hf.get("error"):

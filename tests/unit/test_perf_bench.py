@@ -231,10 +231,15 @@ def test_smoke_run_on_cpu_writes_a_consistent_report(tmp_path, preset):
     assert "kernels busy" not in markdown
     assert "prompt-step CUDA graphs none, setup" in markdown  # no graphs on a CPU, no pool to report
     report["engine"]["ttft_ms"]["kernels_busy_ms"] = 28.3  # as a GPU run records it
-    report["engine"]["setup"].update(cuda_graph_prefill_tokens=[16, 32, 64, 128, 256, 384], cuda_graph_pool_gib=1.5)
+    report["engine"]["setup"].update(
+        cuda_graph_prefill_tokens=[16, 32, 64, 128, 256, 384],
+        cuda_graph_pool_gib=1.5,
+        cuda_graph_pool_estimate_gib=1.75,
+    )
     gpu_markdown = to_markdown(report)
     assert "| TTFT, the prompt's kernels busy (ms) | 28.30 | — | |" in gpu_markdown
-    assert "prompt-step CUDA graphs 16 to 384 tokens (6 buckets), graphs' pool 1.50 GiB, setup" in gpu_markdown
+    pool = "graphs' pool 1.50 GiB (1.75 GiB held back for it), setup"
+    assert f"prompt-step CUDA graphs 16 to 384 tokens (6 buckets), {pool}" in gpu_markdown
 
 
 def test_a_written_random_checkpoint_holds_what_the_in_memory_model_draws(tmp_path):

@@ -3,6 +3,8 @@ preemption, bf16 agreement, and KV cache sizing from a share of free GPU memory.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -57,6 +59,22 @@ def test_kv_cache_sized_from_free_memory(tiny_model):
     assert eng.max_model_len == 1024
     out = eng.generate(prompt_ids(tiny_model("llama"))[:2], GREEDY)
     assert all(len(r.output_token_ids) > 0 for r in out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_a_cache_sized_to_all_free_memory_leaves_room_for_the_graphs(tiny_model, arch):
+    """gpu_memory_fraction 1.0: the KV cache takes everything the profiled step and the estimate of the graphs'
+    private pool leave, so the capture (decode and prompt graphs) and then serving must fit in what was held back."""
+    model_dir = tiny_model(arch)
+    eng = engine(model_dir, dtype="bfloat16", gpu_memory_fraction=1.0, max_num_seqs=16, max_model_len=512,
+                 max_num_batched_tokens=256, cuda_graph_prefill_tokens=256)  # fmt: skip
+    runner = eng.runner
+    assert 0 < runner.graph_pool_bytes <= runner.graph_pool_estimate_bytes
+    out = eng.generate(prompt_ids(model_dir), GREEDY)
+    assert all(len(r.output_token_ids) > 0 for r in out)
+    del eng, runner, out
+    gc.collect()
+    torch.cuda.empty_cache()  # the next test sizes its cache from free memory too
 
 
 def test_cuda_graphs_give_the_eager_result(tiny_model):

@@ -70,15 +70,21 @@ def decide_num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_le
     on CPU from kv_cache_bytes (default 512 MiB)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    graph_pool_bytes = 0
     if runner.device.type == "cuda":
         runner.profile(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
-        num_bytes = gpu_kv_cache_bytes(runner.device, config.gpu_memory_fraction)
+        if not config.enforce_eager:
+            graph_pool_bytes = runner.estimate_graph_pool(
+                config.max_num_seqs, max_model_len, config.prefill_graph_tokens
+            )
+        num_bytes = gpu_kv_cache_bytes(runner.device, config.gpu_memory_fraction, graph_pool_bytes)
     else:
         num_bytes = config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = num_blocks_for_bytes(num_bytes, runner.bytes_per_block)
     if num_blocks < 1:
+        graphs = f", after {graph_pool_bytes / 2**30:.2f} GiB held back for CUDA graphs" if graph_pool_bytes else ""
         raise ModelLoadError(
-            f"no room for a single KV cache block ({runner.bytes_per_block} bytes) in {num_bytes} bytes"
+            f"no room for a single KV cache block ({runner.bytes_per_block} bytes) in {num_bytes} bytes{graphs}"
         )
     return num_blocks
 

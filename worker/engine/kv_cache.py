@@ -29,16 +29,24 @@ def num_blocks_for_bytes(num_bytes: int, bytes_per_block: int) -> int:
     return num_bytes // bytes_per_block
 
 
-def gpu_kv_cache_bytes(device: torch.device, memory_fraction: float) -> int:
+def gpu_kv_cache_bytes(device: torch.device, memory_fraction: float, graph_pool_bytes: int = 0) -> int:
     """The share of the device's free memory the KV cache may take, measured after the weights were loaded and a
-    worst-case forward was profiled (its activations stay in torch's cache and are reused, so they are not free)."""
+    worst-case forward was profiled (its activations stay in torch's cache and are reused, so they are not free),
+    less `graph_pool_bytes` held back for the CUDA graphs captured after the cache is allocated."""
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(free * memory_fraction)
+    budget = kv_cache_budget(free, memory_fraction, graph_pool_bytes)
     log.info(
-        "GPU memory: %.2f GiB free of %.2f GiB; KV cache gets %.0f%% of the free part: %.2f GiB",
+        "GPU memory: %.2f GiB free of %.2f GiB, %.2f GiB of it held back for CUDA graphs; the KV cache gets %.0f%% "
+        "of the rest: %.2f GiB",
         free / 2**30,
         total / 2**30,
+        graph_pool_bytes / 2**30,
         memory_fraction * 100,
         budget / 2**30,
     )
     return budget
+
+
+def kv_cache_budget(free_bytes: int, memory_fraction: float, graph_pool_bytes: int) -> int:
+    """`memory_fraction` of what is free once the graphs' pool is set aside (0 when the pool takes it all)."""
+    return int(max(0, free_bytes - graph_pool_bytes) * memory_fraction)

@@ -29,6 +29,10 @@ from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
+# The graphs' pool grows by whole allocator segments (2 MiB for small blocks, 20 MiB for larger ones) and keeps the
+# small and large kinds apart, so even a tiny model's graphs hold tens of MiB that no activation count shows.
+GRAPH_POOL_SEGMENT_SLACK_BYTES = 64 * 2**20
+
 
 class ModelRunner:
     def __init__(
@@ -48,6 +52,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.graph_pool_bytes = 0  # device memory the graphs' pool holds, measured at capture
+        self.graph_pool_estimate_bytes = 0  # what the KV cache's sizing held back for that pool
         # (max_num_seqs, max_model_len, prefill_tokens) the graphs were made for
         self._graph_shape: tuple[int, int, int] | None = None
         self._graph_addresses: tuple[int, int] | None = None  # the regions' addresses the graphs were captured at
@@ -101,7 +106,11 @@ class ModelRunner:
             decode.capture(pool)
             torch.cuda.empty_cache()
             self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        log.info("the CUDA graphs' memory pool holds %.2f GiB", self.graph_pool_bytes / 2**30)
+        log.info(
+            "the CUDA graphs' memory pool holds %.2f GiB (%.2f GiB was held back for it)",
+            self.graph_pool_bytes / 2**30,
+            self.graph_pool_estimate_bytes / 2**30,
+        )
         self.decode_graphs = decode
         self.prefill_graphs = prefill
         self._graph_shape = (max_num_seqs, max_model_len, prefill_tokens)
@@ -166,10 +175,26 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def estimate_graph_pool(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int = 0) -> int:
+        """-> the bytes to hold back for the CUDA graphs' pool when the KV cache is sized, and keep it in
+        `graph_pool_estimate_bytes`. The pool is private to the graphs: the activations torch's cache kept from the
+        profiling run are not reused for it, so without this a cache sized close to the device's limit leaves the
+        capture out of memory. Graphs sharing one pool reuse each other's memory, so the pool is about the
+        activations of the largest captured step: the larger of a profiled decode step of `max_num_seqs`
+        sequences and a prompt step of `prefill_tokens` tokens. On the high side, as wanted: a profiled step also
+        counts its logits, which the graphs leave to the eager path."""
+        estimate = self.profile(max_num_seqs, max_num_seqs, max_model_len)
+        if prefill_tokens > 0:
+            estimate = max(estimate, self.profile(prefill_tokens, max_num_seqs, max_model_len))
+        estimate += GRAPH_POOL_SEGMENT_SLACK_BYTES
+        self.graph_pool_estimate_bytes = estimate
+        return estimate
+
     @torch.inference_mode()
-    def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+    def profile(self, num_tokens: int, num_seqs: int, max_model_len: int) -> int:
         """Run a worst-case step (the most tokens, spread over the most sequences) on a throwaway cache so the
-        allocator reserves its activations before the KV cache is sized."""
+        allocator reserves its activations before the KV cache is sized. -> the step's peak activation bytes on
+        CUDA (0 elsewhere)."""
         num_seqs = max(1, min(num_seqs, num_tokens))
         per_seq = min(max_model_len, -(-num_tokens // num_seqs))
         num_blocks = -(-per_seq // self.block_size)
@@ -197,19 +222,21 @@ class ModelRunner:
             before = torch.cuda.memory_allocated(self.device)  # + the throwaway cache; the weights unless in VMM
         self._forward(plan, caches)
         del caches
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            log.info(
-                "profiling run (%d tokens over %d sequences): %.2f GiB allocated before, peak %.2f GiB "
-                "(activations %.2f GiB); torch keeps %.2f GiB reserved for reuse",
-                cu[-1],
-                num_seqs,
-                before / 2**30,
-                peak / 2**30,
-                (peak - before) / 2**30,
-                torch.cuda.memory_reserved(self.device) / 2**30,
-            )
+        if not is_cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        log.info(
+            "profiling run (%d tokens over %d sequences): %.2f GiB allocated before, peak %.2f GiB "
+            "(activations %.2f GiB); torch keeps %.2f GiB reserved for reuse",
+            cu[-1],
+            num_seqs,
+            before / 2**30,
+            peak / 2**30,
+            (peak - before) / 2**30,
+            torch.cuda.memory_reserved(self.device) / 2**30,
+        )
+        return peak - before
 
     def _forward(
         self, plan: StepPlan, kv_caches: KVCaches, previous_tokens: torch.Tensor | None = None
