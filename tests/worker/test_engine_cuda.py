@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from tidal.worker.engine.config import EngineConfig
+from tidal.worker.engine.engine_setup import EngineConfigError
 from tidal.worker.engine.llm_engine import LLMEngine
+from tidal.worker.engine.model_runner import ModelRunner
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.engine.step_plan import build_step_plan
 from tidal.worker.testing.hf_reference import load_reference_model, prompt_ids, transformers_greedy
@@ -75,6 +77,15 @@ def test_a_cache_sized_to_all_free_memory_leaves_room_for_the_graphs(tiny_model,
     del eng, runner, out
     gc.collect()
     torch.cuda.empty_cache()  # the next test sizes its cache from free memory too
+
+
+def test_graphs_out_of_memory_name_the_knobs(tiny_model, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", out_of_memory)
+    with pytest.raises(EngineConfigError, match=r"lower gpu_memory_fraction \(now 0\.05\)"):
+        engine(tiny_model("llama"), dtype="bfloat16", gpu_memory_fraction=0.05, max_num_seqs=4, max_model_len=256)
 
 
 def test_cuda_graphs_give_the_eager_result(tiny_model):

@@ -148,7 +148,13 @@ class LLMEngine:
         max_model_len = fit_max_model_len(config, max_model_len, runner.num_kv_blocks)
         warm_up_expert_parallel(runner, config, max_model_len)
         if device.type == "cuda" and not config.enforce_eager:
-            runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.prefill_graph_tokens)
+            try:
+                runner.capture_cuda_graphs(config.max_num_seqs, max_model_len, config.prefill_graph_tokens)
+            except torch.OutOfMemoryError as error:
+                raise EngineConfigError(
+                    f"the CUDA graphs did not fit beside the KV cache ({error}); lower gpu_memory_fraction (now "
+                    f"{config.gpu_memory_fraction}), max_num_seqs or cuda_graph_prefill_tokens, or set enforce_eager"
+                ) from None
         return cls(config, runner, tokenizer, max_model_len, eos_token_ids(config.model_path, loaded.hf_config))
 
     @property
