@@ -5,6 +5,7 @@ batch-256 step with an FP8 cache by default, where the kernel reached 51% of the
 bf16; kernels-h200-attention-fp8-v-layout.md) and prints the default beside the best:
 
     cd benchmarks/kernels && python bench_attention.py [--batch 256 --context 400 --cache fp8 --top 12]
+        [--splits 0 2 --block-n 64 128]   (a narrower grid: each variant compiles its own kernel)
 """
 
 import argparse
@@ -45,14 +46,13 @@ def _cache_name(v_cache):
     return "fp8 cache, V " + ("tokens inner" if is_tokens_innermost(v_cache) else "dims inner")
 
 
-# (splits, block_n, num_warps, num_stages) of the whole-grid sweep; None: the wrapper's default.
-DECODE_SWEEP = [
-    (splits, block_n, warps, stages)
-    for splits in (None, 1, 2, 4)
-    for block_n in (16, 32, 64, 128)
-    for warps in (2, 4, 8)
-    for stages in (1, 2, 3, 4)
-]
+# The whole-grid sweep's axes, (splits, block_n, num_warps, num_stages); splits 0: the wrapper's default.
+SWEEP_SPLITS = (0, 1, 2, 4)
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+
+
+def decode_sweep(splits=SWEEP_SPLITS, block_ns=SWEEP_BLOCK_N, warps=(2, 4, 8), stages=(1, 2, 3, 4)):
+    return [(s or None, n, w, st) for s in splits for n in block_ns for w in warps for st in stages]
 
 
 def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, sweep=True,
@@ -169,11 +169,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=400, help="tokens of every sequence (400: a partial tile)")
     parser.add_argument("--cache", choices=["bf16", "fp8"], default="fp8", help="fp8: V tokens innermost, as served")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--splits", type=int, nargs="+", default=SWEEP_SPLITS, help="0: the wrapper's choice")
+    parser.add_argument("--block-n", type=int, nargs="+", default=SWEEP_BLOCK_N)
     args = parser.parse_args()
+    sweep = decode_sweep(args.splits, args.block_n)
     cache_dtype = FP8_E4M3 if args.cache == "fp8" else torch.bfloat16
     rows = bench_decode(batch=args.batch, context=args.context, sweep=False, cache_dtype=cache_dtype,
-                        variants=DECODE_SWEEP)  # fmt: skip
-    print(f"{rows[0].shape}; {len(DECODE_SWEEP)} tile variants")
+                        variants=sweep)  # fmt: skip
+    print(f"{rows[0].shape}; {len(sweep)} tile variants")
     sdpa = rows[-1]
     timed = sorted((r for r in rows[:-1] if not r.impl.endswith("[CUDA graph]")), key=lambda r: r.ms)
     ranked = [("default", rows[0])] + [(f"#{i + 1}", r) for i, r in enumerate(timed[: args.top])] + [("SDPA", sdpa)]
