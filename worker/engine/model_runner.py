@@ -182,7 +182,13 @@ class ModelRunner:
         capture out of memory. Graphs sharing one pool reuse each other's memory, so the pool is about the
         activations of the largest captured step: the larger of a profiled decode step of `max_num_seqs`
         sequences and a prompt step of `prefill_tokens` tokens. On the high side, as wanted: a profiled step also
-        counts its logits, which the graphs leave to the eager path."""
+        counts its logits, which the graphs leave to the eager path.
+
+        The decode profile runs at a context of one token, so it takes no split-K attention workspace, which the
+        graphs (captured for `max_model_len`) do at small batches. That workspace is left to the segment slack:
+        splits are chosen to give about PROGRAMS_PER_SM programs per multiprocessor (kernels/decode_attention.py),
+        so it holds at most about 2 x 3 x SMs x (query heads / KV heads) x head_dim x 4 bytes, 1.6 MB on an H200
+        for 4 query heads of 128 per KV head, and each layer's is freed before the next layer's is taken."""
         estimate = self.profile(max_num_seqs, max_num_seqs, max_model_len)
         if prefill_tokens > 0:
             estimate = max(estimate, self.profile(prefill_tokens, max_num_seqs, max_model_len))
