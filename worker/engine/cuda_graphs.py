@@ -60,6 +60,24 @@ def capture_graphs(
     return graphs, outputs
 
 
+# What the graphs' pool holds beyond the largest captured step's activations. Measured on an H100 (2026-12-06,
+# profile_steps.py with FP8 weights and cache, decode graphs to batch 256 and prompt graphs to 2048 tokens): the
+# Llama-3-8B shape's pool 288 MiB against 206 MiB of activations, Qwen3-30B-A3B's 384 against 286. Every decode
+# graph keeps its own output (17 and 9 MiB of those), and the rest, ~31% of the activations in both, is the
+# allocator's: whole segments, and blocks split by one graph that the next cannot reuse. Held back: half the
+# activations more, and 64 MiB for a tiny model's segments, which no activation count shows.
+GRAPH_POOL_FRAGMENTATION = 0.5
+GRAPH_POOL_SEGMENT_SLACK_BYTES = 64 * 2**20
+
+
+def graph_pool_estimate(peak_activation_bytes: int, max_num_seqs: int, hidden_row_bytes: int) -> int:
+    """The bytes to hold back for the graphs' pool, from the largest graphed step's profiled activations: those,
+    the decode graphs' outputs ([size, H] each, kept while the graphs live), and the allocator's share above."""
+    decode_outputs = sum(capture_sizes(max_num_seqs)) * hidden_row_bytes
+    fragmentation = int(peak_activation_bytes * GRAPH_POOL_FRAGMENTATION)
+    return peak_activation_bytes + decode_outputs + fragmentation + GRAPH_POOL_SEGMENT_SLACK_BYTES
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))

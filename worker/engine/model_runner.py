@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tidal.worker.engine.cuda_graphs import DecodeGraphs
+from tidal.worker.engine.cuda_graphs import DecodeGraphs, graph_pool_estimate
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.kv_cache import throwaway_kv_caches
 from tidal.worker.engine.prefill_graphs import PrefillGraphs
@@ -28,10 +28,6 @@ from tidal.worker.memory.kv_region import KVCacheRegion, KVCaches
 from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
 
 log = logging.getLogger(__name__)
-
-# The graphs' pool grows by whole allocator segments (2 MiB for small blocks, 20 MiB for larger ones) and keeps the
-# small and large kinds apart, so even a tiny model's graphs hold tens of MiB that no activation count shows.
-GRAPH_POOL_SEGMENT_SLACK_BYTES = 64 * 2**20
 
 
 class ModelRunner:
@@ -179,20 +175,22 @@ class ModelRunner:
         """-> the bytes to hold back for the CUDA graphs' pool when the KV cache is sized, and keep it in
         `graph_pool_estimate_bytes`. The pool is private to the graphs: the activations torch's cache kept from the
         profiling run are not reused for it, so without this a cache sized close to the device's limit leaves the
-        capture out of memory. Graphs sharing one pool reuse each other's memory, so the pool is about the
-        activations of the largest captured step: the larger of a profiled decode step of `max_num_seqs`
-        sequences and a prompt step of `prefill_tokens` tokens. On the high side, as wanted: a profiled step also
-        counts its logits, which the graphs leave to the eager path.
+        capture out of memory. Graphs sharing one pool reuse each other's activations, so the pool starts from
+        those of the largest captured step: the larger of a profiled decode step of `max_num_seqs` sequences and a
+        prompt step of `prefill_tokens` tokens. `cuda_graphs.graph_pool_estimate` adds what the pool was measured
+        to hold beyond them (the decode graphs' outputs, the allocator's fragmentation). On the high side, as
+        wanted: a profiled step also counts its logits, which the graphs leave to the eager path.
 
         The decode profile runs at a context of one token, so it takes no split-K attention workspace, which the
-        graphs (captured for `max_model_len`) do at small batches. That workspace is left to the segment slack:
+        graphs (captured for `max_model_len`) do at small batches. That workspace is left to the slack:
         splits are chosen to give about PROGRAMS_PER_SM programs per multiprocessor (kernels/decode_attention.py),
         so it holds at most about 2 x 3 x SMs x (query heads / KV heads) x head_dim x 4 bytes, 1.6 MB on an H200
         for 4 query heads of 128 per KV head, and each layer's is freed before the next layer's is taken."""
-        estimate = self.profile(max_num_seqs, max_num_seqs, max_model_len)
+        peak = self.profile(max_num_seqs, max_num_seqs, max_model_len)
         if prefill_tokens > 0:
-            estimate = max(estimate, self.profile(prefill_tokens, max_num_seqs, max_model_len))
-        estimate += GRAPH_POOL_SEGMENT_SLACK_BYTES
+            peak = max(peak, self.profile(prefill_tokens, max_num_seqs, max_model_len))
+        row_bytes = self.model.hidden_size * self.dtype.itemsize
+        estimate = graph_pool_estimate(peak, max_num_seqs, row_bytes)
         self.graph_pool_estimate_bytes = estimate
         return estimate
 

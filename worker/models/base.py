@@ -72,6 +72,11 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def vocab_size(self) -> int: ...
 
+    @property
+    @abstractmethod
+    def hidden_size(self) -> int:
+        """The width of the hidden states `forward` returns."""
+
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors that may be present but are not weights of this implementation."""
         return name.endswith("rotary_emb.inv_freq")

@@ -308,6 +308,10 @@ class DecoderForCausalLM(CausalLM):
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
         return super().ignored_checkpoint_tensor(name) or (self.spec.tie_word_embeddings and name == "lm_head.weight")
