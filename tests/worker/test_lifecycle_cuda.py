@@ -176,10 +176,13 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
 def _take_block_at(address: int, nbytes: int) -> list[torch.Tensor]:
     """Allocate blocks of `nbytes` until one sits at `address` (torch's cache holds that block, free); -> them all.
     The cache hands out the smallest free block that fits, so free blocks that earlier tests of this process left
-    come first (a first version gave up after 8 and failed after test_engine_cuda.py); each takes at least
-    `nbytes` of what the cache holds, so the old block comes within reserved // nbytes + 1 allocations."""
+    come first (a first version gave up after 8 and failed after test_engine_cuda.py). Each takes at least
+    `nbytes` of the free memory of its pool (torch keeps blocks of up to 1 MiB apart from larger ones), and none
+    makes a new segment while a block that fits is free, so the old block comes within that pool's reserved
+    bytes // nbytes + 1 allocations."""
     taken: list[torch.Tensor] = []
-    max_tries = torch.cuda.memory_reserved() // nbytes + 1
+    pool = "small_pool" if nbytes <= 2**20 else "large_pool"
+    max_tries = torch.cuda.memory_stats()[f"reserved_bytes.{pool}.current"] // nbytes + 1
     for _ in range(max_tries):
         taken.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
         if taken[-1].data_ptr() == address:
