@@ -21,6 +21,12 @@ PROGRAMS_PER_SM = 3
 # (fewer programs per multiprocessor) and ran 26% slower on an H200 (kv-cache-fp8-v-layout-h200.md).
 STAGES = 3
 TOKENS_INNER_V_STAGES = 2
+# A tokens-innermost V over many unsplit programs takes 32-token tiles on 2 warps with one stage: small programs,
+# more of them resident per multiprocessor to hide the paged gathers' latency. On an H100 (context 400) that ran
+# 1.10x faster at batch 256 and 1.11x at batch 128 than (64 tokens, 4 warps, 2 stages); at batch 64 (~4 programs
+# a multiprocessor) it did not win (kernels-h100-attention-fp8-sweep.txt, kernels-h100-attention-fp8-batches.txt).
+MANY_PROGRAMS_PER_SM = 6
+MANY_PROGRAMS_TILE = (32, 2, 1)  # block_n, num_warps, num_stages
 # Splits the in-kernel merge loads per step: [group heads (>= 16), chunk, head_dim] fp32 stays in registers.
 MERGE_CHUNK = 4
 
@@ -68,6 +74,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
+def choose_tile(
+    programs: int, num_splits: int, head_dim_p2: int, tokens_inner: bool, num_sms: int
+) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) for a launch of `programs` (sequence, KV head) pairs; shapes only."""
+    if tokens_inner and num_splits == 1 and head_dim_p2 <= 128 and programs >= MANY_PROGRAMS_PER_SM * num_sms:
+        return MANY_PROGRAMS_TILE
+    return (64 if head_dim_p2 <= 128 else 32), 4, (TOKENS_INNER_V_STAGES if tokens_inner else STAGES)
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -77,12 +92,13 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
-    into that many pieces (split-K); by default it is chosen from the shapes. The last split to finish on a
-    (sequence, KV head) merges them, in the same launch."""
+    into that many pieces (split-K); by default it is chosen from the shapes, and so are the tile's `block_n`,
+    `num_warps` and `num_stages` (`choose_tile`; one given keeps the others' defaults). The last split to finish on
+    a (sequence, KV head) merges them, in the same launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -90,19 +106,24 @@ def paged_decode_attention_triton(
     if batch == 0:
         return out
     max_context = block_tables.shape[1] * block_size
+    num_sms = multiprocessor_count(q.device)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, multiprocessor_count(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
-    if block_n is None:
-        block_n = 64 if head_dim_p2 <= 128 else 32
+    tokens_inner = is_tokens_innermost(v_cache)
+    programs = batch * num_kv_heads
+    if block_n is None and num_warps is None and num_stages is None:
+        block_n, num_warps, num_stages = choose_tile(programs, num_splits, head_dim_p2, tokens_inner, num_sms)
+    else:
+        default_block_n, default_warps, default_stages = choose_tile(0, num_splits, head_dim_p2, tokens_inner, num_sms)
+        block_n = default_block_n if block_n is None else block_n
+        num_warps = default_warps if num_warps is None else num_warps
+        num_stages = default_stages if num_stages is None else num_stages
     if block_n < 16 or block_n & (block_n - 1):  # the partial last tile goes 16 tokens at a time
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     group = num_heads // num_kv_heads
-    tokens_inner = is_tokens_innermost(v_cache)
-    if num_stages is None:
-        num_stages = TOKENS_INNER_V_STAGES if tokens_inner else STAGES
     if num_splits > 1:
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)

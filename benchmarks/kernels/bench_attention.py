@@ -79,7 +79,7 @@ def bench_decode(batch=64, context=4096, num_heads=32, num_kv_heads=8, head_dim=
             variants += [(None, None, 4, 2), (None, None, 4, 3)]
         if sweep:
             variants += [(s, n, w, st) for s in (1, 2, 4) for n, w, st in ((64, 4, 3), (128, 4, 2))]
-    variants = [(None, None, 4, None), *variants]
+    variants = [(None, None, None, None), *variants]
     rows = []
     for splits, block_n, warps, stages in variants:
 

@@ -7,7 +7,9 @@ from tolerances import DOT_DTYPES, assert_close
 
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels.decode_attention import (
+    MANY_PROGRAMS_TILE,
     choose_num_splits,
+    choose_tile,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_decode_attention_triton,
@@ -43,14 +45,16 @@ def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_k
 @pytest.mark.parametrize("v_tokens_innermost", [False, True])
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermost, block_size, num_splits):
-    """The tile width the engine launches (64 tokens at head_dim 128): whole tiles unmasked, then tails of up to
-    63 tokens 16 at a time, with pages smaller than, equal to and larger than those 16."""
+@pytest.mark.parametrize("block_n", [None, MANY_PROGRAMS_TILE[0]])
+def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermost, block_size, num_splits, block_n):
+    """The tile widths the engine launches (64 tokens at head_dim 128, 32 over many programs): whole tiles unmasked,
+    then tails of up to 63 tokens 16 at a time, with pages smaller than, equal to and larger than those 16."""
     seq_lens = [64 + 40, 128 + 17, 63, 64, 1, 200]
     kv = make_paged_kv(seq_lens, block_size, 2, 128, torch.float32, device, v_tokens_innermost)
     q = torch.randn(len(seq_lens), 4, 128, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
-    assert_close(paged_decode_attention_triton(*args, num_splits=num_splits), paged_decode_attention_reference(*args))
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n)
+    assert_close(got, paged_decode_attention_reference(*args))
 
 
 def test_tiles_narrower_than_16_tokens_are_refused():
@@ -88,6 +92,15 @@ def test_split_choice_fills_the_device_and_respects_short_contexts():
     assert choose_num_splits(batch=1, num_kv_heads=8, max_context=32768, num_sms=132) > 8
     assert choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
     assert choose_num_splits(batch=256, num_kv_heads=8, max_context=4096, num_sms=132) == 1
+
+
+def test_the_small_tile_only_where_many_unsplit_programs_read_a_tokens_innermost_v():
+    many = 256 * 8  # batch 256 x 8 KV heads: ~15.5 programs a multiprocessor on 132
+    assert choose_tile(many, 1, 128, tokens_inner=True, num_sms=132) == MANY_PROGRAMS_TILE
+    assert choose_tile(64 * 8, 1, 128, tokens_inner=True, num_sms=132) == (64, 4, 2)  # ~3.9 a multiprocessor
+    assert choose_tile(many, 2, 128, tokens_inner=True, num_sms=132) == (64, 4, 2)  # split: its own tuning
+    assert choose_tile(many, 1, 128, tokens_inner=False, num_sms=132) == (64, 4, 3)  # dims-innermost (bf16) V
+    assert choose_tile(many, 1, 256, tokens_inner=True, num_sms=132) == (32, 4, 2)  # wide heads keep 4 warps
 
 
 def test_v_cache_is_read_by_its_own_strides(device):
