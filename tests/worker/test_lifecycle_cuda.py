@@ -159,7 +159,7 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
                 address = residency.weights.region.data_ptr()
                 graphs = (runner.decode_graphs, runner.prefill_graphs)
                 await manager.sleep(SleepRequest(level=level))
-                blockers = _take_block_at(address, residency.weights.region.nbytes)
+                blockers = _fill_fitting_free_blocks(residency.weights.region.nbytes)
                 await manager.wake_up(WakeUpRequest())
                 del blockers
                 assert residency.weights.region.data_ptr() != address
@@ -173,18 +173,22 @@ def test_torch_storage_on_cuda_serves_the_same_after_a_wake_that_moved_it(tiny_m
     asyncio.run(scenario())
 
 
-def _take_block_at(address: int, nbytes: int) -> list[torch.Tensor]:
-    """Allocate blocks of `nbytes` until one sits at `address` (torch's cache holds that block, free); -> them all.
-    The cache hands out the smallest free block that fits, so free blocks that earlier tests of this process left
-    come first (a first version gave up after 8 and failed after test_engine_cuda.py). Each takes at least
-    `nbytes` of the free memory of its pool (torch keeps blocks of up to 1 MiB apart from larger ones), and none
-    makes a new segment while a block that fits is free, so the old block comes within that pool's reserved
-    bytes // nbytes + 1 allocations."""
-    taken: list[torch.Tensor] = []
+def _fill_fitting_free_blocks(nbytes: int) -> list[torch.Tensor]:
+    """Allocate blocks of `nbytes` until torch's cache has no free block that fits one (it then reserves more from
+    the driver); -> them all. The weights' old block is free in that cache, so a restore of `nbytes` can no longer
+    land on it. Hunting for the old address itself fails: the freed block merges with free neighbours, and best-fit
+    splits the merged block from its start, so no allocation need begin at the old address. Each allocation takes
+    at least `nbytes` of the pool's free memory (torch keeps blocks of up to 1 MiB apart from larger ones), so the
+    pool grows within its reserved bytes // nbytes + 1 allocations."""
     pool = "small_pool" if nbytes <= 2**20 else "large_pool"
-    max_tries = torch.cuda.memory_stats()[f"reserved_bytes.{pool}.current"] // nbytes + 1
-    for _ in range(max_tries):
+
+    def reserved() -> int:
+        return torch.cuda.memory_stats()[f"reserved_bytes.{pool}.current"]
+
+    reserved_before = reserved()
+    taken: list[torch.Tensor] = []
+    for _ in range(reserved_before // nbytes + 1):
         taken.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
-        if taken[-1].data_ptr() == address:
+        if reserved() > reserved_before:
             return taken
-    pytest.fail(f"torch's cache did not hand out the weights' old block in {max_tries} allocations of {nbytes} B")
+    pytest.fail(f"torch's {pool} never grew in {len(taken)} allocations of {nbytes} B")

@@ -10,6 +10,7 @@ With expert parallelism a rank with nothing of its own to run still runs `execut
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 
@@ -93,7 +94,10 @@ class ModelRunner:
             prefill = PrefillGraphs(self.model, self.kv_caches, self.device, max_num_seqs, max_blocks, prefill_tokens)
         with torch.cuda.device(self.device):
             # Emptied before and after, torch's cache holds nothing of the warm-ups: what the device reservation
-            # grows by is the graphs' pool (live graphs keep it through empty_cache).
+            # grows by is the graphs' pool (live graphs keep it through empty_cache). Garbage goes first: entering
+            # a capture collects it too, and the pools of dead graphs (an earlier engine's, this runner's old set
+            # held in a cycle) freed in there would net off against this pool (a CUDA test measured 0 bytes).
+            gc.collect()
             torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.device)
             pool = torch.cuda.graph_pool_handle()
