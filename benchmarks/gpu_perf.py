@@ -40,7 +40,16 @@ from perf import engine_side, moe, transformers_side
 from perf.cli import DTYPES, engine_benchmark_parser, parse_checked, progress
 from perf.presets import PRESETS, Workload, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
-from perf.report import agreement, bandwidth_bound, comparison, result_stem, targets, to_markdown, write_report
+from perf.report import (
+    agreement,
+    bandwidth_bound,
+    comparison,
+    prefill_graphs_stem,
+    result_stem,
+    targets,
+    to_markdown,
+    write_report,
+)  # fmt: skip
 from perf.timing import kernel_busy_ms, median
 
 from tidal.worker.loader.model_loader import LoadedModel
@@ -59,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--moe-ab", action="store_true", help="decode again on the grouped MoE path, same process")
     parser.add_argument(
-        "--prefill-graph-tokens", type=int, default=0, metavar="TOKENS",
-        help="prompt steps of up to TOKENS tokens replay CUDA graphs (the engine's cuda_graph_prefill_tokens)",
+        "--prefill-graph-tokens", type=int, default=engine_side.DEFAULT_PREFILL_GRAPH_TOKENS, metavar="TOKENS",
+        help="prompt steps of up to TOKENS tokens replay CUDA graphs (the engine's cuda_graph_prefill_tokens; 0: none)",
     )  # fmt: skip
     return parse_checked(parser, argv)
 
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stem = result_stem(preset.name, env, args.smoke) + ("-grouped" if args.moe_path == "grouped" else "")
     stem += "" if args.kv_cache_dtype == "auto" else "-kv-fp8"  # never over the bf16 cache's record
     stem += "" if args.weight_dtype == "auto" else "-w-fp8"
-    stem += f"-prefill-graphs-{args.prefill_graph_tokens}" if args.prefill_graph_tokens else ""
+    stem += prefill_graphs_stem(args.prefill_graph_tokens, engine_side.DEFAULT_PREFILL_GRAPH_TOKENS)
     outputs: dict[str, dict[int, list[list[int]]]] = {"tidal": {}, "transformers": {}}
 
     def save() -> None:

@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 from perf import moe
 from perf.device import H200_BF16_DENSE_TFLOPS, ISSUE_COPY_TBS
-from perf.engine_side import build_engine, decode_plan, engine_config, prefill_plan, step_tokens
+from perf.engine_side import (
+    DEFAULT_PREFILL_GRAPH_TOKENS,
+    build_engine,
+    decode_plan,
+    engine_config,
+    prefill_plan,
+    step_tokens,
+)
 from perf.presets import PRESETS, default_workload, random_prompts, write_model_dir
 from perf.random_model import build_random_model
 from perf.step_bound import ModelShape, bound_line, decode_bound, step_bound
@@ -235,8 +242,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDType), default="auto")
     parser.add_argument("--weight-dtype", choices=get_args(WeightDType), default="auto")
     parser.add_argument(
-        "--prefill-graph-tokens", type=int, default=0, metavar="TOKENS",
-        help="build the engine with prompt-step CUDA graphs up to TOKENS; --prefill then times their replay too",
+        "--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS, metavar="TOKENS",
+        help="the engine's prompt-step CUDA graphs (0: none); --prefill then times their replay beside eager",
     )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda:0")

@@ -147,6 +147,14 @@ def result_stem(preset: str, environment: dict[str, Any], smoke: bool) -> str:
     return f"perf-{preset}-{slug}" + ("-smoke" if smoke else "")
 
 
+def prefill_graphs_stem(tokens: int, default: int) -> str:
+    """A record's name says when its prompt steps ran otherwise than the engine's default: eagerly (0) or with
+    graphs up to another size; records from before the default turned on (2026-12-06) ran them eagerly."""
+    if tokens == default:
+        return ""
+    return "-eager-prompts" if tokens == 0 else f"-prefill-graphs-{tokens}"
+
+
 def write_report(report: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"

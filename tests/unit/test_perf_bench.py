@@ -19,6 +19,7 @@ from perf.report import (  # noqa: E402
     common_prefix,
     comparison,
     moe_ab_markdown,
+    prefill_graphs_stem,
     result_stem,
     targets,
     to_markdown,
@@ -108,6 +109,12 @@ def test_workload_refuses_nothing_to_time():
     with pytest.raises(ValueError, match="nothing would be timed"):
         Workload.model_validate({**SMOKE_WORKLOAD.model_dump(), "decode_warmup_tokens": 6})
     assert Workload.model_validate(SMOKE_WORKLOAD.model_dump()).max_num_seqs == 6
+
+
+def test_a_record_names_prompt_graphs_only_off_the_engines_default():
+    assert prefill_graphs_stem(2048, default=2048) == ""
+    assert prefill_graphs_stem(0, default=2048) == "-eager-prompts"
+    assert prefill_graphs_stem(512, default=2048) == "-prefill-graphs-512"
 
 
 def test_result_stem():

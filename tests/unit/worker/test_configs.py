@@ -51,3 +51,9 @@ def test_engine_config_checks():
     for seed in (-1, 2**64):  # else a traceback from torch's generator when the engine is built, not exit code 2
         with pytest.raises(ValidationError, match="seed"):
             EngineConfig(model_path=Path("/m"), seed=seed)
+
+
+def test_prompt_steps_replay_graphs_by_default_up_to_the_step_size():
+    assert EngineConfig(model_path=Path("/m")).prefill_graph_tokens == 2048
+    assert EngineConfig(model_path=Path("/m"), max_num_batched_tokens=512).prefill_graph_tokens == 512
+    assert EngineConfig(model_path=Path("/m"), cuda_graph_prefill_tokens=0).prefill_graph_tokens == 0
