@@ -5,11 +5,13 @@ step by step.
 
 Prints, per decode batch size, each kernel's share of a graphed forward (torch.profiler; the sum set against the wall
 time shows launch gaps) under the step's hardware bound (perf/step_bound.py: its bytes at the issue's copy bandwidth
-against its FLOPs at the H200's dense bf16 peak, both from perf/device.py; the larger binds); with --gemm, each
-linear layer's shape timed alone at M = the batch sizes (distinct weight copies in turn, so L2 holds none of them, as
-in a real forward); with --prefill N, the forward of one N-token prompt, eager as the engine runs prefill by default:
-the host's time to queue it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well
-under wall (with --prefill-graph-tokens, the same step replayed from its CUDA graph beside it); with --offline, the
+against its FLOPs at the H200's dense bf16 peak, the FP8 peak for projections held in FP8, all from
+perf/device.py; the larger binds); with --gemm, each linear layer's shape timed alone at M = the batch sizes
+(distinct weight copies in turn, so L2 holds none of them, as in a real forward); with --prefill N, the forward of
+one N-token prompt run eagerly (as the engine runs a prompt step larger than its graphs): the host's time to queue
+it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well under wall, and beside
+it the same step replayed from its CUDA graph where the engine has one (--prefill-graph-tokens, by default the
+engine's 2048; 0 for none); with --offline, the
 issue's offline workload step by step: how many steps of each kind, their device time, the host time around them
 and, for a dense model, the sum of their bounds. Nothing is written to disk.
 """
@@ -29,7 +31,7 @@ from typing import get_args
 import torch
 import torch.nn.functional as F
 from perf import moe
-from perf.device import H200_BF16_DENSE_TFLOPS, ISSUE_COPY_TBS
+from perf.device import H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS, ISSUE_COPY_TBS
 from perf.engine_side import (
     DEFAULT_PREFILL_GRAPH_TOKENS,
     build_engine,
@@ -57,7 +59,9 @@ def kernel_table(engine: LLMEngine, shape: ModelShape, batch: int, context_len: 
     touched = moe.touched_experts(engine, input_ids, context_len) if shape.top_k else []
     if touched is None:
         raise RuntimeError(f"batch {batch} x context {context_len} does not fit the KV cache")
-    bound = decode_bound(shape, batch, context_len, sum(touched), ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS)
+    bound = decode_bound(
+        shape, batch, context_len, sum(touched), ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS
+    )
     plan = decode_plan(batch, context_len, engine.config.block_size, input_ids)
     for _ in range(3):
         runner.execute(plan)
@@ -84,8 +88,8 @@ def print_kernels(per_name: dict[str, list[float]], iters: int, unit: str, top: 
 
 
 def prefill_table(engine: LLMEngine, prompt_len: int, iters: int = 10) -> None:
-    """A prompt's forward, eager as the engine runs prefill by default: host queueing time, wall, and the kernels'
-    busy time; then, where the engine has prompt-step CUDA graphs that hold it, the same step replayed."""
+    """A prompt's forward run eagerly (a prompt step larger than the graphs is): host queueing time, wall, and the
+    kernels' busy time; then, where the engine has prompt-step CUDA graphs that hold it, the same step replayed."""
     runner = engine.runner
     prompt = random_prompts(1, prompt_len, runner.model.vocab_size, seed=7)[0]
     plan = prefill_plan(prompt, engine.config.block_size)
@@ -165,7 +169,10 @@ def offline_bound_us(shape: ModelShape, plan: StepPlan) -> float | None:
     cu = plan.cu_seqlens_q
     new_tokens = [b - a for a, b in itertools.pairwise(cu)]
     sampled = len(plan.sample_indices)
-    return step_bound(shape, new_tokens, plan.seq_lens, sampled, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS).bound_us
+    bound = step_bound(
+        shape, new_tokens, plan.seq_lens, sampled, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS
+    )
+    return bound.bound_us
 
 
 def offline_trace(
@@ -209,6 +216,8 @@ def offline_trace(
         kinds[kind].append((dev_ms, wall - dev_ms, tokens, offline_bound_us(shape, plan)))
     print(f"\n## offline {requests} x ({input_len} in, {output_len} out): {total:.2f} s (synchronised steps)")
     figures = f"bytes at {ISSUE_COPY_TBS:g} TB/s, FLOPs at {H200_BF16_DENSE_TFLOPS:g} TFLOP/s"
+    if shape.fp8_matmul_params:
+        figures += f" (through FP8 weights at {H200_FP8_DENSE_TFLOPS:g})"
     print(f"bound: each step's max({figures}), summed over the steps of a kind")
     print(
         f"{'kind':>15} {'steps':>6} {'device s':>9} {'host s':>7} {'tokens':>8} {'ms/step dev':>11} "

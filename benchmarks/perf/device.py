@@ -13,6 +13,8 @@ import transformers
 ISSUE_COPY_TBS = 4.3
 # The H200's dense bf16 tensor-core peak from its spec sheet (no sparsity): the compute side of a step's bound.
 H200_BF16_DENSE_TFLOPS = 989.0
+# Its dense FP8 (e4m3) peak, twice that: the compute side for projections held in FP8, which run as FP8 GEMMs.
+H200_FP8_DENSE_TFLOPS = 1979.0
 
 
 def environment(device: torch.device) -> dict[str, str | None]:

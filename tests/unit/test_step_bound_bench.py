@@ -1,5 +1,6 @@
 """benchmarks/perf/step_bound.py (pure) and step_counts.py (counted on the meta device): a step's hardware bound."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from perf.device import H200_BF16_DENSE_TFLOPS, ISSUE_COPY_TBS  # noqa: E402
+from perf.device import H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS, ISSUE_COPY_TBS  # noqa: E402
 from perf.presets import PRESETS, write_model_dir  # noqa: E402
 from perf.step_bound import (  # noqa: E402
     ModelShape,
@@ -62,6 +63,20 @@ def test_the_8b_decode_bound_at_batch_256_is_its_memory():
 def test_a_large_enough_batch_binds_on_compute():
     b = decode_bound(LLAMA3_8B, 2048, 32, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS)
     assert b.binds == "compute" and b.bound_us == b.compute_us > b.memory_us
+
+
+def test_projections_held_in_fp8_count_at_the_fp8_peak():
+    """The body's projections in FP8 (the LM head never): their FLOPs at twice the rate, the rest at bf16's."""
+    fp8 = dataclasses.replace(LLAMA3_8B, fp8_matmul_params=MATMUL_8B - LM_HEAD)
+    with pytest.raises(ValueError, match="fp8_peak_tflops"):
+        decode_bound(fp8, 2048, 32, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS)
+    b = decode_bound(fp8, 2048, 32, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS)
+    bf16 = decode_bound(LLAMA3_8B, 2048, 32, 0, ISSUE_COPY_TBS, H200_BF16_DENSE_TFLOPS)
+    assert b.flops == bf16.flops and b.fp8_flops == 2 * (MATMUL_8B - LM_HEAD) * 2048
+    assert b.compute_us == pytest.approx(((b.flops - b.fp8_flops) / 989 + b.fp8_flops / 1979) / 1e6)
+    assert b.compute_us < 0.6 * bf16.compute_us
+    assert f"({b.fp8_flops / 1e12:.2f} in FP8 at 1979); " in bound_line(b, None)
+    assert "in FP8" not in bound_line(bf16, None)
 
 
 def test_attention_pairs_are_causal():
@@ -129,3 +144,20 @@ def test_model_shape_of_a_moe_preset_agrees_with_the_moe_step_bytes(tmp_path):
     # Norms aside, every weight a batch-1 step reads is multiplied through: 6.08 GB in bf16. The published 3.3e9
     # active parameters count the embedding table as well (another 0.31e9).
     assert round(active / 1e9, 2) == 3.04 and round(step.batch1_bytes / 1e9, 2) == 6.08
+
+
+def test_model_shape_counts_what_the_fp8_weights_hold(tmp_path):
+    """With weight_dtype fp8: every attention and MLP projection of the 8B (not the LM head), and the experts'
+    stacks of the MoE."""
+    import torch
+    from perf.step_counts import model_shape
+
+    from tidal.worker.layers.fp8_weights import hold_fp8_weights
+
+    model, config = _meta_model("llama3-8b", tmp_path / "dense")
+    hold_fp8_weights(model)
+    shape = model_shape(model, config, torch.bfloat16)
+    assert shape.fp8_matmul_params == 32 * LAYER_MATMUL and not shape.fp8_experts
+    moe, moe_config = _meta_model("qwen3-30b-a3b", tmp_path / "moe")
+    hold_fp8_weights(moe)
+    assert model_shape(moe, moe_config, torch.bfloat16).fp8_experts
