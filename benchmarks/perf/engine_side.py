@@ -65,6 +65,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
     start = time.monotonic()
     engine = LLMEngine.from_loaded_model(config, loaded)
     runner = engine.runner
+    decode, prompt = runner.decode_graphs, runner.prefill_graphs
     facts = {
         "setup_seconds": time.monotonic() - start,
         "num_kv_blocks": runner.num_kv_blocks,
@@ -76,8 +77,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel) -> tuple[LLMEngine, 
         "max_num_seqs": config.max_num_seqs,
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "gpu_memory_fraction": config.gpu_memory_fraction if runner.device.type == "cuda" else None,
-        "cuda_graph_batch_sizes": runner.decode_graphs.sizes if runner.decode_graphs is not None else [],
-        "cuda_graph_prefill_tokens": runner.prefill_graphs.sizes if runner.prefill_graphs is not None else [],
+        "cuda_graph_batch_sizes": decode.sizes if decode is not None else [],
+        "cuda_graph_prefill_tokens": prompt.sizes if prompt is not None else [],
+        # Seconds of setup_seconds spent capturing (kernel compiles included: a cold cache costs most of them).
+        "decode_graph_capture_seconds": decode.capture_seconds if decode is not None else None,
+        "prompt_graph_capture_seconds": prompt.capture_seconds if prompt is not None else None,
         "cuda_graph_pool_gib": runner.graph_pool_bytes / 2**30,
         "cuda_graph_pool_estimate_gib": runner.graph_pool_estimate_bytes / 2**30,
         "async_scheduling": config.async_scheduling,

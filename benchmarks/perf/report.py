@@ -171,6 +171,16 @@ def _f(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _capture_text(setup: dict[str, Any]) -> str:
+    """Setup's seconds of graph capture, where graphs were captured (older records lack them)."""
+    parts = [
+        f"{kind} {setup[key]:.1f} s"
+        for kind, key in (("prompt", "prompt_graph_capture_seconds"), ("decode", "decode_graph_capture_seconds"))
+        if setup.get(key) is not None
+    ]
+    return f" (capturing graphs: {', '.join(parts)})" if parts else ""
+
+
 def prefill_graphs_text(sizes: list[int] | None) -> str:
     """The prompt-step graphs' buckets in a line: their span and count (there are ~20), or none."""
     if not sizes:
@@ -205,7 +215,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             + (f"graphs' pool {pool:.2f} GiB" if pool else "")
             + (f" ({held_back:.2f} GiB held back for it)" if pool and held_back else "")
             + (", " if pool else "")
-            + f"setup {setup['setup_seconds']:.1f} s."
+            + f"setup {setup['setup_seconds']:.1f} s{_capture_text(setup)}."
         )
     if hf.get("error"):
         lines.append(f"transformers: FAILED — {hf['error']}")

@@ -242,8 +242,11 @@ def test_smoke_run_on_cpu_writes_a_consistent_report(tmp_path, preset):
         cuda_graph_prefill_tokens=[16, 32, 64, 128, 256, 384],
         cuda_graph_pool_gib=1.5,
         cuda_graph_pool_estimate_gib=1.75,
+        prompt_graph_capture_seconds=4.12,
+        decode_graph_capture_seconds=11.06,
     )
     gpu_markdown = to_markdown(report)
+    assert "s (capturing graphs: prompt 4.1 s, decode 11.1 s)." in gpu_markdown
     assert "| TTFT, the prompt's kernels busy (ms) | 28.30 | — | |" in gpu_markdown
     pool = "graphs' pool 1.50 GiB (1.75 GiB held back for it), setup"
     assert f"prompt-step CUDA graphs 16 to 384 tokens (6 buckets), {pool}" in gpu_markdown

@@ -103,6 +103,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # [N + 1], one token each
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # batch size -> hidden [bs, H] written by its graph
+        self.capture_seconds = 0.0  # the last capture's, warm-ups and kernel compiles included
 
     def can_run(self, plan: StepPlan) -> bool:
         return (
@@ -115,7 +116,8 @@ class DecodeGraphs:
     def capture(self, pool: GraphPool) -> None:
         start = time.monotonic()
         self._graphs, self._outputs = capture_graphs(self.sizes, self._forward, pool)
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1fs", self.sizes, time.monotonic() - start)
+        self.capture_seconds = time.monotonic() - start
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1fs", self.sizes, self.capture_seconds)
 
     def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """-> hidden [B, H] of a decode-only plan (a view into the graph's output: use it before the next run).

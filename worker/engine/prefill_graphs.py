@@ -78,6 +78,7 @@ class PrefillGraphs:
         # bucket (the sum of the sizes in rows, ~2 GiB of an 8B model's hidden states for buckets up to 8192).
         self._hidden: torch.Tensor | None = None  # [N, H]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0  # the last capture's, warm-ups and kernel compiles included
 
     def size_for(self, num_tokens: int) -> int:
         """The smallest bucket that holds `num_tokens`."""
@@ -95,7 +96,8 @@ class PrefillGraphs:
     def capture(self, pool: GraphPool) -> None:
         start = time.monotonic()
         self._graphs, _ = capture_graphs(self.sizes, self.forward, pool, self._only_padding)  # outputs: _hidden's
-        log.info("captured CUDA graphs for prompt steps of %s tokens in %.1fs", self.sizes, time.monotonic() - start)
+        self.capture_seconds = time.monotonic() - start
+        log.info("captured CUDA graphs for prompt steps of %s tokens in %.1fs", self.sizes, self.capture_seconds)
 
     def run(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """-> hidden [T, H] of the plan's tokens (a view into the graph's output: use it before the next run)."""
