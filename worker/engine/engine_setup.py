@@ -72,10 +72,12 @@ def decide_num_kv_blocks(config: EngineConfig, runner: ModelRunner, max_model_le
         return config.num_kv_blocks
     graph_pool_bytes = 0
     if runner.device.type == "cuda":
-        runner.profile(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        step_peak = runner.profile(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
         if not config.enforce_eager:
+            # By default the largest prompt graph is this very step: its profile is not run twice.
+            same_step = config.prefill_graph_tokens == config.max_num_batched_tokens
             graph_pool_bytes = runner.estimate_graph_pool(
-                config.max_num_seqs, max_model_len, config.prefill_graph_tokens
+                config.max_num_seqs, max_model_len, config.prefill_graph_tokens, step_peak if same_step else None
             )
         num_bytes = gpu_kv_cache_bytes(runner.device, config.gpu_memory_fraction, graph_pool_bytes)
     else:

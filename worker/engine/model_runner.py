@@ -175,15 +175,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def estimate_graph_pool(self, max_num_seqs: int, max_model_len: int, prefill_tokens: int = 0) -> int:
+    def estimate_graph_pool(
+        self, max_num_seqs: int, max_model_len: int, prefill_tokens: int = 0, prefill_peak: int | None = None
+    ) -> int:
         """-> the bytes to hold back for the CUDA graphs' pool when the KV cache is sized, and keep it in
         `graph_pool_estimate_bytes`. The pool is private to the graphs: the activations torch's cache kept from the
         profiling run are not reused for it, so without this a cache sized close to the device's limit leaves the
         capture out of memory. Graphs sharing one pool reuse each other's activations, so the pool starts from
         those of the largest captured step: the larger of a profiled decode step of `max_num_seqs` sequences and a
-        prompt step of `prefill_tokens` tokens. `cuda_graphs.graph_pool_estimate` adds what the pool was measured
-        to hold beyond them (the decode graphs' outputs, the allocator's fragmentation). On the high side, as
-        wanted: a profiled step also counts its logits, which the graphs leave to the eager path.
+        prompt step of `prefill_tokens` tokens (`prefill_peak`: that step's profiled peak, when the caller has it
+        already). `cuda_graphs.graph_pool_estimate` adds what the pool was measured to hold beyond them (the decode
+        graphs' outputs, the allocator's fragmentation). On the high side, as wanted: a profiled step also counts
+        its logits, which the graphs leave to the eager path.
 
         The decode profile runs at a context of one token, so it takes no split-K attention workspace, which the
         graphs (captured for `max_model_len`) do at small batches. That workspace is left to the slack:
@@ -192,7 +195,9 @@ class ModelRunner:
         for 4 query heads of 128 per KV head, and each layer's is freed before the next layer's is taken."""
         peak = self.profile(max_num_seqs, max_num_seqs, max_model_len)
         if prefill_tokens > 0:
-            peak = max(peak, self.profile(prefill_tokens, max_num_seqs, max_model_len))
+            if prefill_peak is None:
+                prefill_peak = self.profile(prefill_tokens, max_num_seqs, max_model_len)
+            peak = max(peak, prefill_peak)
         row_bytes = self.model.hidden_size * self.dtype.itemsize
         estimate = graph_pool_estimate(peak, max_num_seqs, row_bytes)
         self.graph_pool_estimate_bytes = estimate
