@@ -49,7 +49,7 @@ from perf.report import (
     targets,
     to_markdown,
     write_report,
-)  # fmt: skip
+)
 from perf.timing import kernel_busy_ms, median
 
 from tidal.worker.loader.model_loader import LoadedModel

@@ -74,13 +74,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
+def default_tile(head_dim_p2: int, tokens_inner: bool) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of any launch `choose_tile` does not single out."""
+    return (64 if head_dim_p2 <= 128 else 32), 4, (TOKENS_INNER_V_STAGES if tokens_inner else STAGES)
+
+
 def choose_tile(
     programs: int, num_splits: int, head_dim_p2: int, tokens_inner: bool, num_sms: int
 ) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) for a launch of `programs` (sequence, KV head) pairs; shapes only."""
     if tokens_inner and num_splits == 1 and head_dim_p2 <= 128 and programs >= MANY_PROGRAMS_PER_SM * num_sms:
         return MANY_PROGRAMS_TILE
-    return (64 if head_dim_p2 <= 128 else 32), 4, (TOKENS_INNER_V_STAGES if tokens_inner else STAGES)
+    return default_tile(head_dim_p2, tokens_inner)
 
 
 def paged_decode_attention_triton(
@@ -113,11 +118,12 @@ def paged_decode_attention_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
     tokens_inner = is_tokens_innermost(v_cache)
-    programs = batch * num_kv_heads
     if block_n is None and num_warps is None and num_stages is None:
-        block_n, num_warps, num_stages = choose_tile(programs, num_splits, head_dim_p2, tokens_inner, num_sms)
-    else:
-        default_block_n, default_warps, default_stages = choose_tile(0, num_splits, head_dim_p2, tokens_inner, num_sms)
+        block_n, num_warps, num_stages = choose_tile(
+            batch * num_kv_heads, num_splits, head_dim_p2, tokens_inner, num_sms
+        )
+    else:  # a sweep's tile: what it leaves unset is the plain default
+        default_block_n, default_warps, default_stages = default_tile(head_dim_p2, tokens_inner)
         block_n = default_block_n if block_n is None else block_n
         num_warps = default_warps if num_warps is None else num_warps
         num_stages = default_stages if num_stages is None else num_stages
