@@ -350,7 +350,7 @@ class LLMEngine:
         with torch.inference_mode():
             targets = to_device(int64_tensor(plan.prompt_logit_targets), logits.device)
             ks = [self._requests[seq_id].seq.params.prompt_logprobs or 0 for seq_id, _ in plan.prompt_logit_positions]
-            return DeviceLogprobs(logits.log_softmax(dim=-1), targets, ks)
+            return DeviceLogprobs(logits.float().log_softmax(dim=-1), targets, ks)
 
     def _sample_batch(self, pending: list[PendingToken], seq_ids: list[int]) -> SampleBatch:
         params = [_row_params(p.request.seq) for p in pending]  # the rows of `seq_ids`, in the same order

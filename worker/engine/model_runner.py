@@ -132,10 +132,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """-> logits [S + P, V] fp32 of the plan's sampled rows then its prompt-logprob rows (P is almost always 0),
-        or None when there are none. Only
-        queues the work on a GPU. `previous_tokens` [S'] int64 on the device: what the previous step sampled,
-        where the plan's unknown input tokens come from (async scheduling)."""
+        """-> logits [S + P, V] (the model's dtype) of the plan's sampled rows then its prompt-logprob rows (P is
+        almost always 0), or None when there are none. Only queues the work on a GPU. `previous_tokens` [S'] int64
+        on the device: what the previous step sampled, where the plan's unknown input tokens come from (async
+        scheduling)."""
         if not self.kv_caches:
             raise RuntimeError("the KV cache is not allocated")
         if plan.unknown_rows and previous_tokens is None:

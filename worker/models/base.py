@@ -62,7 +62,7 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] fp32."""
+        """hidden [S, H] -> logits [S, V] in the model's dtype (the sampler widens what it edits)."""
 
     @property
     @abstractmethod
