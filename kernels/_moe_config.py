@@ -1,6 +1,6 @@
 """Tile shapes for the MoE grouped GEMMs, chosen from the batch size (pure, no torch)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -9,6 +9,8 @@ class GemmTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    # W @ rows^T in the K loop (`grouped_gemm_kernel`'s SWAP_AB): the weight tile is the dot's first operand.
+    swap_ab: bool = False
 
 
 # Shared memory a block may use on the GPUs we tune for (H100/H200: 227 KiB); a tile set above it cannot launch.
@@ -45,7 +47,7 @@ def default_moe_config(
         while (
             tiles.num_stages > 1 and shared_memory_bytes(config.block_m, tiles, element_size) > MAX_SHARED_MEMORY_BYTES
         ):
-            tiles = GemmTiles(tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages - 1)
+            tiles = replace(tiles, num_stages=tiles.num_stages - 1)
         fitted[name] = tiles
     return MoeConfig(config.block_m, fitted["gate_up"], fitted["down"], config.group_m)
 
@@ -95,6 +97,26 @@ TUNED_MOE_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], 
         (64, MoeConfig(16, GemmTiles(128, 128, 8, 3), GemmTiles(64, 128, 4, 3))),
         (256, MoeConfig(32, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))),
     ),
+    # Mixtral-8x7B: 8 experts of width 14336, top-2. Both passes swapped (W @ rows^T) at one and at 8 tokens:
+    # 180.9 us a layer against 188.6 for the default at one token (a second sweep with longer K steps,
+    # moe-sweep-mixtral-8x7b-t1-h200.txt), 567.9 against 599.0 at eight (moe-sweep-mixtral-8x7b-h200.json). More
+    # tokens take the default tiles, not swept since the swap.
+    (8, 2, 4096, 14336): (
+        (1, MoeConfig(16, GemmTiles(64, 128, 4, 3, swap_ab=True), GemmTiles(64, 256, 4, 3, swap_ab=True))),
+        (8, MoeConfig(16, GemmTiles(128, 128, 8, 3, swap_ab=True), GemmTiles(64, 128, 4, 4, swap_ab=True))),
+    ),
+}
+
+
+# e4m3 experts widened in registers (W8A16), measured on an H200 (sweep_moe.py --weight-dtype fp8 --swap-ab only;
+# benchmarks/results/moe-sweep-<shape>-fp8-h200.json); a shape missing here takes the bf16 table. Up to 64 tokens the
+# bf16 entries stayed best (the swapped tiles' best came within 1%); from 65 to 256 the gate/up pass swapped
+# (W @ rows^T) at 16-row blocks measured 245 us a layer at 256 tokens against 265 us for the bf16 entry.
+TUNED_FP8_MOE_CONFIGS: dict[tuple[int, int, int, int], tuple[tuple[int, MoeConfig], ...]] = {
+    (128, 8, 2048, 768): (
+        *TUNED_MOE_CONFIGS[(128, 8, 2048, 768)][:2],
+        (256, MoeConfig(16, GemmTiles(64, 128, 4, 3, swap_ab=True), GemmTiles(128, 64, 4, 4))),
+    ),
 }
 
 
@@ -114,11 +136,20 @@ def quantizes_activations(num_tokens: int, top_k: int, num_experts: int) -> bool
 
 
 def tuned_moe_config(
-    num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, element_size: int = 2
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    element_size: int = 2,
+    fp8_experts: bool = False,
 ) -> MoeConfig:
-    """The swept config for this expert shape and token count where there is one (bf16), else the default."""
+    """The swept config for this expert shape and token count where there is one (16-bit activations; e4m3 experts
+    widened in registers read their own table first), else the default."""
     if element_size == 2:
-        for up_to, config in TUNED_MOE_CONFIGS.get((num_experts, top_k, hidden, inter), ()):
+        dims = (num_experts, top_k, hidden, inter)
+        table = TUNED_FP8_MOE_CONFIGS.get(dims) if fp8_experts else None
+        for up_to, config in table or TUNED_MOE_CONFIGS.get(dims, ()):
             if num_tokens <= up_to:
                 return config
     return default_moe_config(num_tokens, top_k, num_experts, element_size)

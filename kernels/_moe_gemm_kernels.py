@@ -12,6 +12,12 @@ activations clamped to fp16 (as the dense small-batch kernels do: an H100 sweep 
 to bf16, 2-3% at 64 tokens, 8% at 1024), and the fp32 accumulators are multiplied by their columns' scales once,
 after the K loop. fp32 activations keep fp32 products.
 
+With SWAP_AB the K loop multiplies W's tile by the rows' (W @ rows^T) and transposes the product once at the end.
+Same arithmetic, but the weight tile becomes the dot's first operand. On Hopper that operand can stay in registers
+(wgmma), where a widened e4m3 tile is made anyway, and a BLOCK_M of 16 or 32 rows fills the instruction's N side.
+Unswapped, the widened weight tile is the second operand, which wgmma reads from shared memory only, and the few rows
+of a decode batch fill 16 or 32 of its 64-row M side. For grouped GEMMs with a few rows per expert.
+
 With A_SCALED as well (W8A8, for batches whose experts get many rows each: `_moe_config.quantizes_activations`) the
 activations come quantized too, e4m3 rows with one fp32 scale each (pass 1: hidden's rows, by token; pass 2: the
 sorted intermediate rows), and the dot runs on the FP8 tensor cores with no widening; the epilogue multiplies by
@@ -55,6 +61,7 @@ def grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,  # multiply W @ rows^T (see the module's docstring)
 ):
     # Grouped ordering: GROUP_M consecutive M-blocks sweep the N tiles together, so weight tiles are reused from L2.
     pid = tl.program_id(0)
@@ -76,30 +83,60 @@ def grouped_gemm_kernel(
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * a_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_base = w_ptr + expert.to(tl.int64) * w_stride_e
-    w_ptrs = w_base + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N], W^T tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if GATE_UP:
-        up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_ok = k + ks < K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_SCALED and not A_SCALED:
-            a = beside_fp8(a, IS_FP32)  # fp16, where e4m3 widens in one conversion (bf16 takes two)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if W_SCALED and not A_SCALED:
-            w = w.to(a.dtype)  # exact: e4m3 values are fp16 values
-        acc += exact_dot(a, w, IS_FP32 and not A_SCALED)
+    if SWAP_AB:
+        # Transposed tiles: W's [BLOCK_N, BLOCK_K] (K contiguous, as stored) is the dot's first operand, the rows'
+        # [BLOCK_K, BLOCK_M] its second; the product [BLOCK_N, BLOCK_M] is transposed once after the K loop.
+        a_ptrs = a_ptr + a_rows[None, :] * a_stride + ks[:, None]  # [BLOCK_K, BLOCK_M]
+        w_ptrs = w_base + cols[:, None].to(tl.int64) * w_stride_n + ks[None, :]  # [BLOCK_N, BLOCK_K]
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if GATE_UP:
-            w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
+            acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_ok = k + ks < K
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
             if W_SCALED and not A_SCALED:
-                w_up = w_up.to(a.dtype)
-            acc_up += exact_dot(a, w_up, IS_FP32 and not A_SCALED)
-            up_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+                a = beside_fp8(a, IS_FP32)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_SCALED and not A_SCALED:
+                w = w.to(a.dtype)
+            acc_t += exact_dot(w, a, IS_FP32 and not A_SCALED)
+            if GATE_UP:
+                w_up = tl.load(up_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                if W_SCALED and not A_SCALED:
+                    w_up = w_up.to(a.dtype)
+                acc_up_t += exact_dot(w_up, a, IS_FP32 and not A_SCALED)
+                up_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+        if GATE_UP:
+            acc_up = tl.trans(acc_up_t)
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * a_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_base + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N], W^T tile
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GATE_UP:
+            up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_ok = k + ks < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_SCALED and not A_SCALED:
+                a = beside_fp8(a, IS_FP32)  # fp16, where e4m3 widens in one conversion (bf16 takes two)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W_SCALED and not A_SCALED:
+                w = w.to(a.dtype)  # exact: e4m3 values are fp16 values
+            acc += exact_dot(a, w, IS_FP32 and not A_SCALED)
+            if GATE_UP:
+                w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if W_SCALED and not A_SCALED:
+                    w_up = w_up.to(a.dtype)
+                acc_up += exact_dot(a, w_up, IS_FP32 and not A_SCALED)
+                up_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
     if W_SCALED:
         scale_ptrs = w_scale_ptr + expert.to(tl.int64) * w_scale_stride_e + cols

@@ -342,7 +342,9 @@ def fused_moe_experts_triton(
     element_size = max(hidden.element_size(), w13.element_size())
     if config is None and w8a8:
         config = default_moe_config(num_tokens, top_k, num_experts, element_size=1, fp8_activations=True)
-    config = config or tuned_moe_config(num_tokens, top_k, num_experts, hidden_size, inter, element_size)
+    config = config or tuned_moe_config(
+        num_tokens, top_k, num_experts, hidden_size, inter, element_size, fp8_experts=scales is not None
+    )
     if w8a8 and min(config.gate_up.block_k, config.down.block_k) < FP8_DOT_MIN_K:
         raise ValueError(
             f"W8A8 grouped GEMMs need K tiles of at least {FP8_DOT_MIN_K} (e4m3 dots), got {config.gate_up.block_k} "
@@ -392,6 +394,7 @@ def fused_moe_experts_triton(
             BLOCK_K=tiles.block_k,
             GROUP_M=config.group_m,
             IS_FP32=hidden.dtype == torch.float32,
+            SWAP_AB=tiles.swap_ab,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

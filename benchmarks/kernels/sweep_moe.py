@@ -4,7 +4,10 @@ tiles with the down tiles fixed, then the down tiles with the best gate/up), for
 token count. Decode token counts are timed as CUDA graphs (as the engine runs them), prefill counts plainly.
 
     python benchmarks/kernels/sweep_moe.py --shape qwen3-30b-a3b [--tokens 1 8 64 256 2048 8192] [--out DIR]
-        [--weight-dtype fp8]
+        [--weight-dtype fp8] [--block-m 16 32] [--swap-ab also|never|only]
+
+Decode token counts also try every tile swapped (`GemmTiles.swap_ab`: W @ rows^T in the K loop) unless
+--swap-ab never; the config the engine uses now (`tuned_moe_config`) is timed beside the default.
 
 Prints one line per config and the best per token count with its gain over the default; --out writes the JSON the
 config table in kernels/_moe_config.py is read from (benchmarks/results/moe-sweep-<shape>[-fp8]-<gpu>.json).
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,7 +26,13 @@ import torch
 import triton
 from common import bench_ms, gpu_tag, graph_ms
 
-from tidal.kernels._moe_config import MAX_SHARED_MEMORY_BYTES, GemmTiles, MoeConfig, default_moe_config
+from tidal.kernels._moe_config import (
+    MAX_SHARED_MEMORY_BYTES,
+    GemmTiles,
+    MoeConfig,
+    default_moe_config,
+    tuned_moe_config,
+)
 from tidal.kernels._moe_config import shared_memory_bytes as smem
 from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.fused_moe import fused_moe_triton
@@ -42,6 +51,11 @@ TILES = [
     GemmTiles(128, 64, 8, 4),
     GemmTiles(128, 128, 8, 3),
     GemmTiles(256, 64, 8, 3),
+    # Deeper pipelines and longer K steps, for weight-streaming batches (a few rows per expert).
+    GemmTiles(64, 256, 4, 3),
+    GemmTiles(64, 128, 4, 5),
+    GemmTiles(128, 128, 4, 4),
+    GemmTiles(64, 128, 8, 3),
 ]
 
 
@@ -54,19 +68,32 @@ def block_ms_for(tokens: int) -> list[int]:
 
 
 def describe(c: MoeConfig) -> str:
-    g, d = c.gate_up, c.down
-    return (
-        f"m{c.block_m} gu(n{g.block_n} k{g.block_k} w{g.num_warps} s{g.num_stages}) "
-        f"dn(n{d.block_n} k{d.block_k} w{d.num_warps} s{d.num_stages})"
-    )
+    def tiles(t: GemmTiles) -> str:
+        return f"n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}{' swap' if t.swap_ab else ''}"
+
+    return f"m{c.block_m} gu({tiles(c.gate_up)}) dn({tiles(c.down)})"
+
+
+def candidate_tiles(tokens: int, swap_ab: str) -> list[GemmTiles]:
+    """TILES, swapped too for decode token counts (a few rows per expert, where swapping can pay)."""
+    plain = [] if swap_ab == "only" else list(TILES)
+    if swap_ab == "never" or tokens > GRAPHED_UP_TO:
+        return plain
+    return plain + [replace(t, swap_ab=True) for t in TILES]
 
 
 def fits(config: MoeConfig) -> bool:
     return all(smem(config.block_m, t, 2) <= MAX_SHARED_MEMORY_BYTES for t in (config.gate_up, config.down))
 
 
-def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy]):
-    experts, top_k, hidden, _ = shape
+def sweep_tokens(
+    tokens: int,
+    shape: tuple[int, int, int, int],
+    weights: list[ExpertCopy],
+    block_ms: list[int] | None = None,
+    swap_ab: str = "also",
+):
+    experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
 
@@ -82,10 +109,14 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
     default = default_moe_config(tokens, top_k, experts)
     results = {describe(default): (default, timed(default))}
     print(f"T{tokens:<6} default {describe(default):<50} {results[describe(default)][1] * 1e3:9.1f} us", flush=True)
-    for block_m in block_ms_for(tokens):
+    in_use = tuned_moe_config(tokens, top_k, experts, hidden, inter, fp8_experts=weights[0].scales is not None)
+    results.setdefault(describe(in_use), (in_use, timed(in_use)))
+    in_use_ms = results[describe(in_use)][1]
+    print(f"T{tokens:<6} in use  {describe(in_use):<50} {in_use_ms * 1e3:9.1f} us", flush=True)
+    for block_m in block_ms or block_ms_for(tokens):
         best = MoeConfig(block_m, default.gate_up, default.down)
         for side in ("gate_up", "down"):
-            for tiles in TILES:
+            for tiles in candidate_tiles(tokens, swap_ab):
                 config = (
                     MoeConfig(block_m, tiles, best.down)
                     if side == "gate_up"
@@ -103,8 +134,19 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
             best = min((r for r in results.values() if r[0].block_m == block_m), key=lambda r: r[1])[0]
     winner, ms = min(results.values(), key=lambda r: r[1])
     base = results[describe(default)][1]
-    print(f"T{tokens:<6} BEST {describe(winner)}: {ms * 1e3:.1f} us, default {base * 1e3:.1f} us ({base / ms:.2f}x)")
-    return {"tokens": tokens, "best": asdict(winner), "best_ms": ms, "default": asdict(default), "default_ms": base}
+    print(
+        f"T{tokens:<6} BEST {describe(winner)}: {ms * 1e3:.1f} us, default {base * 1e3:.1f} us ({base / ms:.2f}x), "
+        f"in use {in_use_ms * 1e3:.1f} us ({in_use_ms / ms:.2f}x)"
+    )
+    return {
+        "tokens": tokens,
+        "best": asdict(winner),
+        "best_ms": ms,
+        "default": asdict(default),
+        "default_ms": base,
+        "in_use": asdict(in_use),
+        "in_use_ms": in_use_ms,
+    }
 
 
 class ExpertCopy(NamedTuple):
@@ -144,11 +186,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 2048, 8192])
     parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
+    parser.add_argument("--block-m", type=int, nargs="+", default=None, help="only these M blocks (default: by count)")
+    parser.add_argument("--swap-ab", choices=["also", "never", "only"], default="also", help="swapped tiles (decode)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
-    rows = [sweep_tokens(t, shape, weights) for t in args.tokens]
+    rows = [sweep_tokens(t, shape, weights, args.block_m, args.swap_ab) for t in args.tokens]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""

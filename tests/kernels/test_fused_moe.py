@@ -6,6 +6,7 @@ from tolerances import DOT_DTYPES, assert_close
 
 from tidal.kernels._moe_config import (
     MAX_SHARED_MEMORY_BYTES,
+    TUNED_FP8_MOE_CONFIGS,
     TUNED_MOE_CONFIGS,
     GemmTiles,
     MoeConfig,
@@ -29,6 +30,13 @@ SMALL = MoeConfig(
     block_m=16,
     gate_up=GemmTiles(block_n=16, block_k=32, num_warps=4, num_stages=2),
     down=GemmTiles(block_n=32, block_k=16, num_warps=4, num_stages=2),
+    group_m=2,
+)
+# The same tiles with W @ rows^T in both passes' K loops.
+SWAPPED = MoeConfig(
+    block_m=16,
+    gate_up=GemmTiles(block_n=16, block_k=32, num_warps=4, num_stages=2, swap_ab=True),
+    down=GemmTiles(block_n=32, block_k=16, num_warps=4, num_stages=2, swap_ab=True),
     group_m=2,
 )
 
@@ -55,11 +63,12 @@ def test_topk_route_matches_reference(device, tokens, num_experts, top_k, renorm
     ("tokens", "num_experts", "top_k", "hidden", "inter"),
     [(1, 4, 2, 64, 32), (7, 8, 2, 48, 40), (45, 6, 3, 64, 24), (0, 4, 1, 32, 16), (50, 130, 3, 32, 16)],
 )
-def test_fused_moe_matches_reference(device, dtype, tokens, num_experts, top_k, hidden, inter):
+@pytest.mark.parametrize("config", [SMALL, SWAPPED], ids=["plain", "swapped"])
+def test_fused_moe_matches_reference(device, dtype, tokens, num_experts, top_k, hidden, inter, config):
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
     logits = torch.randn(tokens, num_experts, device=device)
-    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=SMALL)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
     assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
 
 
@@ -103,8 +112,31 @@ def test_tuned_configs_apply_to_their_shape_in_bf16_only():
     assert tuned_moe_config(256, 8, 128, 2048, 768) == table[-1][1]
     assert tuned_moe_config(257, 8, 128, 2048, 768) == default_moe_config(257, 8, 128)  # past the table
     assert tuned_moe_config(1, 8, 128, 2048, 768, element_size=4) == default_moe_config(1, 8, 128, 4)
-    assert tuned_moe_config(1, 2, 8, 4096, 14336) == default_moe_config(1, 2, 8)  # a shape not swept
-    assert [up_to for up_to, _ in table] == sorted(up_to for up_to, _ in table)
+    assert tuned_moe_config(1, 8, 64, 2048, 768) == default_moe_config(1, 8, 64)  # a shape not swept
+    mixtral = TUNED_MOE_CONFIGS[(8, 2, 4096, 14336)]
+    assert tuned_moe_config(1, 2, 8, 4096, 14336) == mixtral[0][1]
+    assert tuned_moe_config(9, 2, 8, 4096, 14336) == default_moe_config(9, 2, 8)  # past its table
+    for entries in (*TUNED_MOE_CONFIGS.values(), *TUNED_FP8_MOE_CONFIGS.values()):
+        assert [up_to for up_to, _ in entries] == sorted(up_to for up_to, _ in entries)
+
+
+def test_fp8_experts_read_their_own_table_first():
+    qwen3 = (128, 8, 2048, 768)
+    fp8 = TUNED_FP8_MOE_CONFIGS[qwen3]
+    assert tuned_moe_config(256, 8, 128, 2048, 768, fp8_experts=True) == fp8[-1][1]
+    assert fp8[-1][1].gate_up.swap_ab and not TUNED_MOE_CONFIGS[qwen3][-1][1].gate_up.swap_ab
+    assert tuned_moe_config(100, 8, 128, 2048, 768, fp8_experts=True) == fp8[-1][1]
+    assert tuned_moe_config(64, 8, 128, 2048, 768, fp8_experts=True) == TUNED_MOE_CONFIGS[qwen3][1][1]
+    # A shape without an FP8 entry takes the bf16 table; past the FP8 table, the default.
+    assert tuned_moe_config(1, 2, 8, 4096, 14336, fp8_experts=True) == tuned_moe_config(1, 2, 8, 4096, 14336)
+    assert tuned_moe_config(257, 8, 128, 2048, 768, fp8_experts=True) == default_moe_config(257, 8, 128)
+
+
+def test_every_tuned_tile_set_fits_shared_memory():
+    for entries in (*TUNED_MOE_CONFIGS.values(), *TUNED_FP8_MOE_CONFIGS.values()):
+        for _, config in entries:
+            for tiles in (config.gate_up, config.down):
+                assert shared_memory_bytes(config.block_m, tiles, 2) <= MAX_SHARED_MEMORY_BYTES
 
 
 def test_alignment_chunks_cover_small_and_large_batches():

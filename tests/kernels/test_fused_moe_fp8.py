@@ -27,6 +27,10 @@ from tidal.kernels.small_batch_linear import NormInput
 # are 32, the least an e4m3 dot takes on a GPU (48 = 32 + a masked tail of 16).
 GROUPED = MoeConfig(16, GemmTiles(16, 16, 4, 1), GemmTiles(16, 16, 4, 1), group_m=2)
 GROUPED_W8A8 = MoeConfig(16, GemmTiles(16, 32, 4, 1), GemmTiles(16, 32, 4, 1), group_m=2)
+# The same tiles with W @ rows^T in the K loop (gate/up swapped, down too in the second).
+SWAPPED = MoeConfig(16, GemmTiles(16, 16, 4, 1, swap_ab=True), GemmTiles(16, 16, 4, 1), group_m=2)
+SWAPPED_BOTH = MoeConfig(16, GemmTiles(16, 16, 4, 1, swap_ab=True), GemmTiles(16, 16, 4, 1, swap_ab=True), group_m=2)
+SWAPPED_W8A8 = MoeConfig(16, GemmTiles(16, 32, 4, 1, swap_ab=True), GemmTiles(16, 32, 4, 1, swap_ab=True), group_m=2)
 SMALL = SmallBatchMoeConfig(gate_up=GemvTiles(16, 16, 4), down=GemvTiles(16, 16, 4))
 
 
@@ -64,14 +68,15 @@ def test_reference_equals_the_dequantized_experts():
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("config", [GROUPED, SWAPPED, SWAPPED_BOTH], ids=["plain", "swapped-gate-up", "swapped"])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "hidden", "inter"), [(1, 8, 2, 32, 24), (7, 10, 4, 48, 32)])
-def test_grouped_gemms_match_reference(device, dtype, tokens, num_experts, top_k, hidden, inter):
+def test_grouped_gemms_match_reference(device, dtype, tokens, num_experts, top_k, hidden, inter, config):
     torch.manual_seed(1)
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     q13, q2, scales = _fp8_experts(num_experts, hidden, inter, device)
     weights, ids = topk_route_reference(torch.randn(tokens, num_experts, device=device), top_k, True)
-    got = fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED, scales=scales)
+    got = fused_moe_experts_triton(x, q13, q2, weights, ids, config, scales=scales)
     assert got.dtype == dtype
     # The kernels round the intermediate to the dtype, the reference keeps it in fp32; the spread channels make it
     # up to 5x larger than unit weights would (on an H100 one fp16 element of 336 was 1.3x past scale 2).
@@ -147,6 +152,8 @@ def test_many_rows_per_expert_run_w8a8_as_the_reference_computes_it(
     got = fused_moe_experts_triton(x, q13, q2, weights, ids, GROUPED_W8A8, scales=scales)
     w8a8 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales, fp8_activations=True)
     assert_close(got, w8a8, scale=4.0)
+    swapped = fused_moe_experts_triton(x, q13, q2, weights, ids, SWAPPED_W8A8, scales=scales)
+    assert_close(swapped, w8a8, scale=4.0)
     w8a16 = fused_moe_experts_reference(x, q13, q2, weights, ids, scales)
     assert (got.float() - w8a16.float()).norm() / w8a16.float().norm() < 0.08  # e4m3 rows: ~3% per operand
     with pytest.raises(ValueError, match="W8A8 grouped GEMMs need K tiles of at least 32"):
