@@ -6,6 +6,7 @@ bf16; kernels-h200-attention-fp8-v-layout.md) and prints the default beside the 
 
     cd benchmarks/kernels && python bench_attention.py [--batch 256 --context 400 --cache fp8 --top 12]
         [--splits 0 2 --block-n 64 128]   (a narrower grid: each variant compiles its own kernel)
+        [--heads 32 4]                    (query and KV heads; the default is the 8B's 32 / 8)
 """
 
 import argparse
@@ -171,11 +172,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--splits", type=int, nargs="+", default=SWEEP_SPLITS, help="0: the wrapper's choice")
     parser.add_argument("--block-n", type=int, nargs="+", default=SWEEP_BLOCK_N)
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"),
+                        help="query and KV heads (Qwen3-30B-A3B: 32 4)")  # fmt: skip
     args = parser.parse_args()
     sweep = decode_sweep(args.splits, args.block_n)
     cache_dtype = FP8_E4M3 if args.cache == "fp8" else torch.bfloat16
-    rows = bench_decode(batch=args.batch, context=args.context, sweep=False, cache_dtype=cache_dtype,
-                        variants=sweep)  # fmt: skip
+    rows = bench_decode(batch=args.batch, context=args.context, num_heads=args.heads[0], num_kv_heads=args.heads[1],
+                        sweep=False, cache_dtype=cache_dtype, variants=sweep)  # fmt: skip
     print(f"{rows[0].shape}; {len(sweep)} tile variants")
     sdpa = rows[-1]
     timed = sorted((r for r in rows[:-1] if not r.impl.endswith("[CUDA graph]")), key=lambda r: r.ms)

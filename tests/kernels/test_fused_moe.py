@@ -21,6 +21,7 @@ from tidal.kernels.fused_moe import (
     fused_moe_experts_triton,
     fused_moe_reference,
     fused_moe_triton,
+    sort_pairs_by_expert,
     topk_route,
     topk_route_reference,
     topk_route_triton,
@@ -155,6 +156,36 @@ def test_alignment_across_many_chunks_matches_reference(device, tokens, top_k, n
     weights, ids = topk_route_reference(logits, top_k, True)
     got = fused_moe_experts_triton(x, w13, w2, weights, ids.to(device), config=SMALL)
     assert_close(got, fused_moe_experts_reference(x, w13, w2, weights, ids))
+
+
+def reference_layout(ids: list[int], num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """(sorted rows, expert of each M-block): each expert's pairs in their order, padded with the sentinel N."""
+    rows: list[int] = []
+    block_expert: list[int] = []
+    for expert in range(num_experts):
+        pairs = [p for p, e in enumerate(ids) if e == expert]
+        padded = -(-len(pairs) // block_m) * block_m
+        rows += pairs + [len(ids)] * (padded - len(pairs))
+        block_expert += [expert] * (padded // block_m)
+    return rows, block_expert
+
+
+# Chunks of 32 pairs for 128 experts, read 32 chunks at a time by the layout program: 75 chunks take three reads
+# (the last partial), 50 two; 8 experts take chunks of up to 512 pairs.
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "num_experts", "block_m"),
+    [(1, 8, 128, 16), (300, 8, 128, 16), (200, 8, 128, 32), (64, 8, 128, 64), (3000, 2, 8, 16), (5, 2, 8, 16)],
+)
+def test_the_sort_matches_a_reference_layout(device, tokens, top_k, num_experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    # Skewed: a few experts take most pairs, some none, so segments differ in length and padding.
+    weights = torch.rand(num_experts, generator=gen) ** 4
+    ids = torch.stack([torch.multinomial(weights, top_k, generator=gen) for _ in range(tokens)]).int()
+    sorted_pairs, block_expert, pair_row, max_blocks = sort_pairs_by_expert(ids.to(device), num_experts, block_m)
+    want_rows, want_blocks = reference_layout(ids.flatten().tolist(), num_experts, block_m)
+    assert sorted_pairs[: len(want_rows)].tolist() == want_rows
+    assert block_expert.tolist() == want_blocks + [-1] * (max_blocks - len(want_blocks))
+    assert all(want_rows[row] == pair for pair, row in enumerate(pair_row.tolist()))
 
 
 def test_dispatch_and_validation_on_cpu():
