@@ -13,10 +13,11 @@ to bf16, 2-3% at 64 tokens, 8% at 1024), and the fp32 accumulators are multiplie
 after the K loop. fp32 activations keep fp32 products.
 
 With SWAP_AB the K loop multiplies W's tile by the rows' (W @ rows^T) and transposes the product once at the end.
-Same arithmetic, but the weight tile becomes the dot's first operand. On Hopper that operand can stay in registers
-(wgmma), where a widened e4m3 tile is made anyway, and a BLOCK_M of 16 or 32 rows fills the instruction's N side.
-Unswapped, the widened weight tile is the second operand, which wgmma reads from shared memory only, and the few rows
-of a decode batch fill 16 or 32 of its 64-row M side. For grouped GEMMs with a few rows per expert.
+Same arithmetic, but the weight tile becomes the dot's first operand, which Hopper's wgmma takes from registers,
+where a widened e4m3 tile is made anyway, and a BLOCK_M of 16 or 32 rows fills the instruction's N side. Compiled
+for sm_90 with e4m3 weights and 16-row blocks, the unswapped loop becomes mma.sync and the swapped one wgmma with
+the weights in registers (tests/kernels/test_register_report.py checks both). For grouped GEMMs with a few rows per
+expert.
 
 With A_SCALED as well (W8A8, for batches whose experts get many rows each: `_moe_config.quantizes_activations`) the
 activations come quantized too, e4m3 rows with one fp32 scale each (pass 1: hidden's rows, by token; pass 2: the

@@ -63,3 +63,47 @@ def test_the_report_sees_a_spill() -> None:
     result = _run("-c", SPILLING_DOWN_PASS)
     assert result.returncode == 0, result.stdout + result.stderr
     assert int(result.stdout.split()[-1]) > 0
+
+
+SWAPPED_OPERANDS = """
+import re
+import sys
+import torch
+import triton
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import SM90, ASTSource, _empty, bind_sm90, recording
+import tidal.kernels.fused_moe as fused_moe
+from tidal.kernels._moe_config import GemmTiles, MoeConfig
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from tidal.kernels.moe_expert_scales import ExpertScales
+
+# Qwen3-30B-A3B's e4m3 experts at 256 tokens: the gate/up pass with 16-row blocks, plain and swapped.
+w13, w2 = _empty(128, 1536, 2048, dtype=FP8_E4M3), _empty(128, 2048, 768, dtype=FP8_E4M3)
+scales = ExpertScales(_empty(128, 1536, dtype=torch.float32), _empty(128, 2048, dtype=torch.float32))
+for swap in (False, True):
+    tiles = GemmTiles(64, 128, 4, 3, swap_ab=swap)
+    with recording() as launches:
+        fused_moe.fused_moe_experts_triton(_empty(256, 2048), w13, w2, _empty(256, 8, dtype=torch.float32),
+                                           _empty(256, 8, dtype=torch.int32), MoeConfig(16, tiles, tiles),
+                                           allow_small_batch=False, scales=scales)
+    gate_up = bind_sm90([l for l in launches if l.kernel.__name__ == "grouped_gemm_kernel"][0])
+    source = ASTSource(fn=gate_up.kernel, signature=gate_up.signature, constexprs=gate_up.constexprs,
+                       attrs=gate_up.attrs)
+    compiled = triton.compile(source, target=SM90, options=gate_up.options.__dict__)
+    dots = [line for line in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in line]
+    # The first operand (%w..., the weight tile) typed as a register tensor in wgmma's operand layout.
+    register_weights = any(re.search(r"warp_group_dot %w\\w*, .*\\} : tensor<\\w+, #ttg.dot_op<\\{opIdx = 0", d)
+                           for d in dots)
+    print(swap, len(re.findall(r"wgmma\\.mma_async", compiled.asm["ptx"])), register_weights)
+"""
+
+
+@pytest.mark.slow
+def test_swapped_fp8_tiles_put_the_widened_weights_in_wgmma_registers() -> None:
+    """Why `GemmTiles.swap_ab` pays for e4m3 experts: unswapped, 16-row blocks compile to mma.sync; swapped, the
+    widened weight tile is wgmma's register operand (a Triton upgrade that changes this should be seen)."""
+    result = _run("-c", SWAPPED_OPERANDS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    plain, swapped = (line.split() for line in result.stdout.strip().splitlines()[-2:])
+    assert plain == ["False", "0", "False"], result.stdout
+    assert swapped[0] == "True" and int(swapped[1]) > 0 and swapped[2] == "True", result.stdout
