@@ -216,20 +216,26 @@ def sweep_qwen3_qkv_rope(top: int = 6, fp8: bool = False) -> None:
     positions = torch.tensor([100], device="cuda")
     slots = torch.tensor([100], device="cuda")
     timed = []
-    for split_k, block_k, warps in itertools.product((1, 2, 4, 8), (64, 128, 256), (4, 8)):
+    # None: the defaults the engine runs (`qkv_rope_store_triton` chooses), timed beside the grid.
+    grid = [*itertools.product((1, 2, 4, 8), (64, 128, 256), (4, 8)), (None, None, None)]
+    for split_k, block_k, warps in grid:
 
-        def all_layers(s: int = split_k, k: int = block_k, w: int = warps) -> None:
+        def all_layers(s: int | None = split_k, k: int | None = block_k, w: int | None = warps) -> None:
             for weight, scale in weights:
                 qkv_rope_store_triton(norm_in.scaled, weight, None, norm_in.partial_sq, EPS, positions, cos_sin,
                                       k_cache, v_cache, slots, q_heads, kv_heads, head_norm, head_norm, split_k=s,
                                       block_k=k, num_warps=w, weight_scale=scale)  # fmt: skip
 
-        timed.append((graph_ms(all_layers) / layers, f"split_k={split_k} block_k={block_k} num_warps={warps}"))
+        label = "in use (defaults)" if split_k is None else f"split_k={split_k} block_k={block_k} num_warps={warps}"
+        timed.append((graph_ms(all_layers) / layers, label))
     timed.sort()
     nbytes = weights[0][0].numel() * weights[0][0].element_size()
     print(f"qkv + q/k norm + rotary + KV store {tuple(weights[0][0].shape)} {weights[0][0].dtype}, 1 row:")
     for ms, config in timed[:top]:
         print(f"    {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s  {config}", flush=True)
+    for rank, (ms, config) in enumerate(timed, 1):
+        if config.startswith("in use"):
+            print(f"  {config}: {ms * 1e3:7.2f} us  {nbytes / ms / 1e9:.2f} TB/s (rank {rank})", flush=True)
 
 
 def sweep(top: int = 3) -> None:
