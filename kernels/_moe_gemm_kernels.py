@@ -90,54 +90,35 @@ def grouped_gemm_kernel(
         # [BLOCK_K, BLOCK_M] its second; the product [BLOCK_N, BLOCK_M] is transposed once after the K loop.
         a_ptrs = a_ptr + a_rows[None, :] * a_stride + ks[:, None]  # [BLOCK_K, BLOCK_M]
         w_ptrs = w_base + cols[:, None].to(tl.int64) * w_stride_n + ks[None, :]  # [BLOCK_N, BLOCK_K]
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        if GATE_UP:
-            up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
-            acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = k + ks < K
-            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            if W_SCALED and not A_SCALED:
-                a = beside_fp8(a, IS_FP32)
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if W_SCALED and not A_SCALED:
-                w = w.to(a.dtype)
-            acc_t += exact_dot(w, a, IS_FP32 and not A_SCALED)
-            if GATE_UP:
-                w_up = tl.load(up_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                if W_SCALED and not A_SCALED:
-                    w_up = w_up.to(a.dtype)
-                acc_up_t += exact_dot(w_up, a, IS_FP32 and not A_SCALED)
-                up_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
-        if GATE_UP:
-            acc_up = tl.trans(acc_up_t)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         a_ptrs = a_ptr + a_rows[:, None] * a_stride + ks[None, :]  # [BLOCK_M, BLOCK_K]
         w_ptrs = w_base + cols[None, :].to(tl.int64) * w_stride_n + ks[:, None]  # [BLOCK_K, BLOCK_N], W^T tile
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATE_UP:
+        up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
+        acc_up = tl.zeros_like(acc)
+    for k in range(0, K, BLOCK_K):
+        a_mask, w_mask = _tile_masks(row_ok, col_ok, k + ks < K, SWAP_AB)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if W_SCALED and not A_SCALED:
+            a = beside_fp8(a, IS_FP32)  # fp16, where e4m3 widens in one conversion (bf16 takes two)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if W_SCALED and not A_SCALED:
+            w = w.to(a.dtype)  # exact: e4m3 values are fp16 values
+        acc += _tile_product(a, w, IS_FP32 and not A_SCALED, SWAP_AB)
         if GATE_UP:
-            up_ptrs = w_ptrs + N * w_stride_n  # up rows follow the N gate rows
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = k + ks < K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
             if W_SCALED and not A_SCALED:
-                a = beside_fp8(a, IS_FP32)  # fp16, where e4m3 widens in one conversion (bf16 takes two)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            if W_SCALED and not A_SCALED:
-                w = w.to(a.dtype)  # exact: e4m3 values are fp16 values
-            acc += exact_dot(a, w, IS_FP32 and not A_SCALED)
-            if GATE_UP:
-                w_up = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                if W_SCALED and not A_SCALED:
-                    w_up = w_up.to(a.dtype)
-                acc_up += exact_dot(a, w_up, IS_FP32 and not A_SCALED)
-                up_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+                w_up = w_up.to(a.dtype)
+            acc_up += _tile_product(a, w_up, IS_FP32 and not A_SCALED, SWAP_AB)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SWAP_AB:  # back to [BLOCK_M, BLOCK_N] for the epilogue
+        acc = tl.trans(acc)
+        if GATE_UP:
+            acc_up = tl.trans(acc_up)
 
     if W_SCALED:
         scale_ptrs = w_scale_ptr + expert.to(tl.int64) * w_scale_stride_e + cols
@@ -156,6 +137,24 @@ def grouped_gemm_kernel(
     else:
         weight = tl.load(routing_weights_ptr + pairs, mask=row_ok, other=0.0)  # [BLOCK_M]
         tl.store(c_ptrs, (acc * weight[:, None]).to(c_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _tile_masks(row_ok, col_ok, k_ok, SWAP_AB: tl.constexpr):
+    """(the rows' tile mask, the weight tile's mask) of one K step, in the orientation SWAP_AB loads them."""
+    if SWAP_AB:
+        return k_ok[:, None] & row_ok[None, :], col_ok[:, None] & k_ok[None, :]
+    else:
+        return row_ok[:, None] & k_ok[None, :], k_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _tile_product(a, w, EXACT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K step's product: rows @ W^T, or with SWAP_AB W @ rows^T (the weight tile as the dot's first operand)."""
+    if SWAP_AB:
+        return exact_dot(w, a, EXACT)
+    else:
+        return exact_dot(a, w, EXACT)
 
 
 @triton.jit
