@@ -82,8 +82,14 @@ class Sampler:
     ) -> tuple[torch.Tensor, DeviceLogprobs | None]:
         """As `sample_on_device`, and the logprobs of `batch.logprob_rows` (in that order), also queued only."""
         lp_rows = batch.logprob_rows
-        if _edits_or_scores(batch):
-            logits = logits.float()  # a copy for bf16 logits (a no-op for fp32): edits land in fp32
+        has_edits = has_penalties = False
+        if batch.has_control_columns:
+            for params in batch.params:
+                has_edits |= params.has_logit_edits
+                has_penalties |= params.has_penalties
+        # Every stage past the choice needs the whole batch in fp32: a copy for bf16 logits (a no-op for fp32).
+        if lp_rows or batch.matchers is not None or has_edits or has_penalties:
+            logits = logits.float()
         raw = None
         if lp_rows:
             raw_rows = [i for i in lp_rows if batch.params[i].logprobs_mode == "raw"]
@@ -92,10 +98,6 @@ class Sampler:
         penalised = None
         if batch.has_control_columns:
             logits = logits.contiguous()  # the edits write through a flat view (a no-op for a linear's output)
-            has_edits = has_penalties = False
-            for params in batch.params:
-                has_edits |= params.has_logit_edits
-                has_penalties |= params.has_penalties
             if has_edits:
                 self._edits.apply(logits, batch)
             if has_penalties:
@@ -188,11 +190,3 @@ class Sampler:
             noise.index_copy_(0, to_device(int64_tensor(shared_rows), device), shared)
         sampled = (probs / noise).argmax(dim=-1)  # [R]
         return greedy.index_copy_(0, rows_t, sampled), scaled, random_rows
-
-
-def _edits_or_scores(batch: SampleBatch) -> bool:
-    """Whether a stage beyond the choice runs on this batch: logprobs, a grammar's mask, logit edits or penalties
-    (each of which needs the whole batch's logits in fp32)."""
-    if batch.logprob_rows or batch.matchers is not None:
-        return True
-    return batch.has_control_columns and any(p.has_logit_edits or p.has_penalties for p in batch.params)
