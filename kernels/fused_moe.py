@@ -44,6 +44,7 @@ from tidal.kernels.fused_moe_small_batch import (
     small_batch_moe_into_residual,
     small_batch_moe_routed,
 )
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.moe_expert_scales import ExpertScales, check_expert_weights
 from tidal.kernels.small_batch_linear import NormInput
 
@@ -263,7 +264,8 @@ def auto_small_batch_config(num_tokens: int, top_k: int, w13: torch.Tensor) -> S
     if os.environ.get("TIDAL_MOE_SMALL_BATCH", "1") == "0":
         return None
     num_experts, two_inter, hidden_size = w13.shape
-    return small_batch_moe_config(num_tokens, top_k, num_experts, hidden_size, two_inter // 2)
+    fp8_experts = w13.dtype == FP8_E4M3
+    return small_batch_moe_config(num_tokens, top_k, num_experts, hidden_size, two_inter // 2, fp8_experts)
 
 
 def align_chunk(num_pairs: int, experts_p2: int) -> int:

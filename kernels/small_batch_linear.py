@@ -74,13 +74,29 @@ TUNED_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
 }
 
 
-def choose_config(n_out: int, k_in: int, gated: bool = False) -> LaunchConfig:
-    """A shape in TUNED_LINEAR_CONFIGS takes its entry. Otherwise tiles measured on an H200 at one row
-    (benchmarks/kernels/bench_small_batch_linear.py --sweep), each the best or within 1% of it for the 8B shapes:
-    narrow outputs (o, down: 4096) take 32 outputs by 512 inputs, so 128 programs each stream a long run of K; wider
-    ones (qkv, LM head) 64 by 256; the gated gate/up pair, whose program reads two tiles per step, 64 by 128 with
-    three in flight. K narrower than the tile takes a narrower tile."""
-    tuned = TUNED_LINEAR_CONFIGS.get((n_out, k_in, gated))
+# The same for e4m3 weights (FP8 weights, kernels/fp8_linear.py). A K step of e4m3 weights is half the bytes, and the
+# kernel widens each weight and (x4: every warp holds the activations' whole tile) each activation in registers, so
+# per byte the loop issues ~4.5x the instructions of a 16-bit one (sm_90 SASS of the 8B o projection: 1,055 a 16 KB
+# step against 235 a 32 KB step). Wider tiles spread the activations' conversion over more weights, and a split of K
+# keeps enough programs. Measured on an H100 over 32 (8B) or 48 (Qwen3-30B-A3B) layers' weights in a graph
+# (bench_small_batch_linear.py --sweep [--shape qwen3-30b-a3b] --weight-dtype fp8): the 8B o 10.69 us against 12.67
+# on the rule's tile, its down 25.50 against 34.80 (its gate/up keeps the rule's, the best of the grid); Qwen3's o
+# 7.71 us against 8.29 or more for its 16-bit entry. A shape in neither table takes TUNED_LINEAR_CONFIGS, then the rule.
+TUNED_FP8_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
+    (4096, 4096, False): LaunchConfig(128, 256, 4, 4, split_k=4),
+    (4096, 14336, False): LaunchConfig(128, 256, 8, 4, split_k=4),
+    (2048, 4096, False): LaunchConfig(64, 512, 4, 4, split_k=4),
+}
+
+
+def choose_config(n_out: int, k_in: int, gated: bool = False, fp8_weights: bool = False) -> LaunchConfig:
+    """A shape in TUNED_LINEAR_CONFIGS (for e4m3 weights TUNED_FP8_LINEAR_CONFIGS first) takes its entry. Otherwise
+    tiles measured on an H200 at one row (benchmarks/kernels/bench_small_batch_linear.py --sweep), each the best or
+    within 1% of it for the 8B shapes: narrow outputs (o, down: 4096) take 32 outputs by 512 inputs, so 128 programs
+    each stream a long run of K; wider ones (qkv, LM head) 64 by 256; the gated gate/up pair, whose program reads two
+    tiles per step, 64 by 128 with three in flight. K narrower than the tile takes a narrower tile."""
+    key = (n_out, k_in, gated)
+    tuned = (TUNED_FP8_LINEAR_CONFIGS.get(key) if fp8_weights else None) or TUNED_LINEAR_CONFIGS.get(key)
     if tuned is not None:
         return tuned
     if gated:
@@ -212,7 +228,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
     num_rows, k_in = a.shape
-    config = config or choose_config(n_out, k_in, gated)
+    config = config or choose_config(n_out, k_in, gated, weight.dtype == FP8_E4M3)
     if config.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {config.split_k}")
     num_programs = triton.cdiv(n_out, config.block_n)

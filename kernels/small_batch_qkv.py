@@ -43,6 +43,11 @@ WHOLE_HEAD_WARPS = 4
 # head_dim 128; benchmarks/kernels/register_report.py, register-report-sm90.txt), so it runs, at a speed no one
 # has measured.
 
+# Half-head launches keep these defaults on e4m3 weights too. Alone, the 8B's qkv at one row took 13.56 us with the
+# whole half a program, 256 inputs a step and K split in two, against 14.50 on the defaults (H100, 32 layers' weights
+# in a graph: bench_small_batch_linear.py --sweep --shape llama3-8b-qkv-rope --weight-dtype fp8); inside the decode
+# step (profile_steps.py) it made batch 1 3,743-3,755 us against 3,727 and batch 8 3,891-3,926 against 3,831.
+
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:
     if not (is_neox and rotary_dim == head_dim and head_dim % 2 == 0):
@@ -143,10 +148,13 @@ def qkv_rope_store_triton(
     num_stages: int = 4,
     num_warps: int | None = None,
     weight_scale: torch.Tensor | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
-    tile at 4 warps)."""
+    tile at 4 warps). block_n: dims of each half a program takes (a power of two of at least 16, at most the half's
+    next power of two; None: the half with a q/k norm, which needs whole heads, else 32, or 16 for narrower
+    halves)."""
     head_dim = _check(
         a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
     )
@@ -154,13 +162,19 @@ def qkv_rope_store_triton(
     half = head_dim // 2
     if qk_norm and half not in WHOLE_HEAD_HALVES:
         raise ValueError(f"a q/k norm needs head_dim 2 * {WHOLE_HEAD_HALVES}, got {head_dim}")
+    widest = max(16, triton.next_power_of_2(half))
+    if block_n is not None and (block_n & (block_n - 1) or not 16 <= block_n <= widest):
+        raise ValueError(f"block_n must be a power of two from 16 to {widest} (the half-head), got {block_n}")
+    if qk_norm and block_n not in (None, half):
+        raise ValueError(f"a q/k norm takes whole heads: block_n must be the half-head {half}, got {block_n}")
     num_rows, k_in = a.shape
     q = torch.empty((num_rows, num_q_heads, head_dim), dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return q
     # A q/k norm needs the whole head in one program. Otherwise 32 or 16 of a half: a tensor-core tile is at least 16
     # wide, and lanes past the half are masked.
-    block_n = half if qk_norm else (32 if half >= 32 else 16)
+    if block_n is None:
+        block_n = half if qk_norm else (32 if half >= 32 else 16)
     if block_k is None:
         block_k = WHOLE_HEAD_STEP_ELEMENTS // block_n if qk_norm else 8192 // max(block_n, 32)
     if num_warps is None:

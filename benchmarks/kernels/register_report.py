@@ -3,17 +3,17 @@ a machine with no GPU.
 
     python benchmarks/kernels/register_report.py [--model ...]   # exit status 1 if one spills
 
-Each wrapper runs on CPU tensors of the model's shapes (allocated, never touched) with its Triton kernels swapped
-for recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`,
-`TUNED_LINEAR_CONFIGS` and the qkv defaults, with their constexprs) is captured without running: Qwen3-30B-A3B's
-expert kernels at every token count of its table, its projections at one and two rows, the 8B's at one row, and
-a whole-head qkv at head_dim 256; and Qwen3-30B-A3B's FP8 experts: the small-batch kernels with their scales, the
-grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8 tensor cores; compiled here before any GPU
-has run them). Each recorded launch is bound by Triton's own launcher code for an sm_90 backend
-(the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on), compiled for sm_90, and ptxas
--v (Triton's) reports its resources. A spill moves a tile that should stay in registers to local
-memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake
-to catch before device time goes on it (tests/kernels/test_register_report.py runs this on every push).
+Each wrapper runs on CPU tensors of the model's shapes (allocated, never touched) with its Triton kernels swapped for
+recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`,
+`TUNED_LINEAR_CONFIGS`, their FP8 tables and the qkv defaults, with their constexprs) is captured without running:
+Qwen3-30B-A3B's expert kernels at every token count of its table, its projections at one and two rows, the 8B's at one
+row, a whole-head qkv at head_dim 256, the FP8 table's projections on e4m3 weights; and Qwen3-30B-A3B's FP8 experts:
+the small-batch kernels with their scales, the grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8
+tensor cores; compiled here before any GPU has run them). Each recorded launch is bound by Triton's own launcher code
+for an sm_90 backend (the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on), compiled for
+sm_90, and ptxas -v (Triton's) reports its resources. A spill moves a tile that should stay in registers to local
+memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake to
+catch before device time goes on it (tests/kernels/test_register_report.py runs this on every push).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import tidal.kernels.fused_moe as fused_moe
 import tidal.kernels.fused_moe_small_batch as moe_small_batch
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
-from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS
+from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS, small_batch_moe_config
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.rotary_store_kv import HeadNorm
@@ -227,10 +227,29 @@ def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -
     )  # fmt: skip
 
 
+def fp8_projections_launches() -> list[Launch]:
+    """The small-batch projections on e4m3 weights at one row, as `choose_config` tiles them from
+    TUNED_FP8_LINEAR_CONFIGS: the 8B's o, gate/up and down, and Qwen3-30B-A3B's o."""
+    fp8, scale = FP8_E4M3, torch.float32
+    with recording() as launches:
+        for hidden, attention, inter in ((4096, 4096, 14336), (2048, 4096, None)):
+            residual, gamma = _empty(1, hidden), _empty(hidden)
+            small_batch_linear.linear_rows_into_residual_triton(_empty(1, attention), _empty(hidden, attention,
+                dtype=fp8), residual, gamma, weight_scale=_empty(hidden, dtype=scale))  # fmt: skip
+            if inter is None:
+                continue
+            partials = _empty(hidden // 32, 1, dtype=torch.float32)
+            small_batch_linear.linear_rows_triton(_empty(1, hidden), _empty(2 * inter, hidden, dtype=fp8), None,
+                partials, 1e-6, gated=True, weight_scale=_empty(2 * inter, dtype=scale))  # fmt: skip
+            small_batch_linear.linear_rows_into_residual_triton(_empty(1, inter), _empty(hidden, inter, dtype=fp8),
+                residual, gamma, weight_scale=_empty(hidden, dtype=scale))  # fmt: skip
+    return launches
+
+
 def qwen3_30b_a3b_fp8_experts_launches() -> list[Launch]:
-    """Qwen3-30B-A3B's FP8 experts: the small-batch kernels at every token count of their table (the bf16 tiles),
-    the grouped GEMMs W8A16 at 64 and 256 tokens (the tuned tiles) and W8A8 at 1024 and 4096 (the default tiles,
-    with the activations' threshold set as a measured one would be)."""
+    """Qwen3-30B-A3B's FP8 experts: the small-batch kernels at every token count of their table (the FP8 entries where
+    there are, else the 16-bit ones), the grouped GEMMs W8A16 at 64 and 256 tokens (the tuned tiles) and W8A8 at
+    1024 and 4096 (the default tiles, with the activations' threshold set as a measured one would be)."""
     hidden, experts, top_k, inter = 2048, 128, 8, 768
     w13, w2 = _empty(experts, 2 * inter, hidden, dtype=FP8_E4M3), _empty(experts, hidden, inter, dtype=FP8_E4M3)
     scales = ExpertScales(_empty(experts, 2 * inter, dtype=torch.float32), _empty(experts, hidden, dtype=torch.float32))
@@ -238,8 +257,9 @@ def qwen3_30b_a3b_fp8_experts_launches() -> list[Launch]:
     moe_config.FP8_ACTIVATIONS_MIN_ROWS_PER_EXPERT = 32
     try:
         with recording() as launches:
-            for tokens, config in TUNED_SMALL_BATCH_CONFIGS[(experts, top_k, hidden, inter)]:
+            for tokens, _ in TUNED_SMALL_BATCH_CONFIGS[(experts, top_k, hidden, inter)]:
                 logits = _empty(tokens, experts, dtype=torch.float32)
+                config = small_batch_moe_config(tokens, top_k, experts, hidden, inter, fp8_experts=True)
                 fused_moe.fused_moe_triton(_empty(tokens, hidden), w13, w2, logits, top_k, True, config, scales)
             for tokens in (64, 256, 1024, 4096):
                 weights, ids = _empty(tokens, top_k, dtype=torch.float32), _empty(tokens, top_k, dtype=torch.int32)
@@ -263,6 +283,7 @@ MODELS: dict[str, Callable[[], list[Launch]]] = {
     "llama3-8b": llama3_8b_launches,
     "qkv-head-dim-256": whole_head_256_launches,
     "qwen3-30b-a3b-fp8-experts": qwen3_30b_a3b_fp8_experts_launches,
+    "fp8-projections": fp8_projections_launches,
 }
 
 

@@ -46,6 +46,9 @@ from tidal.kernels.fused_moe import fused_moe_triton
 GATE_UP_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (128, 256, 512) for w in (4, 8)]
 # The down pass loads its pairs' tiles side by side ([pairs, n, k] a step), so its K steps are shorter.
 DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128, 256) for w in (4, 8)]
+# e4m3 experts load half the bytes a step: their grids add the twice-as-long K steps.
+FP8_GATE_UP_TILES = [*GATE_UP_TILES, *(GemvTiles(n, 1024, w) for n in (8, 16, 32) for w in (4, 8))]
+FP8_DOWN_TILES = [*DOWN_TILES, *(GemvTiles(n, 512, w) for n in (8, 16, 32) for w in (4, 8))]
 # Software-pipeline depths of the K loops (GemvTiles.stages): 1 is the unpipelined loop.
 STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
@@ -77,6 +80,8 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
     logits = torch.randn(tokens, experts, device="cuda")
     distinct = int(logits.topk(top_k, dim=-1).indices.unique().numel())
     w13, w2, scales = weights[0]
+    fp8 = scales is not None
+    gate_up_tiles, down_tiles = (FP8_GATE_UP_TILES, FP8_DOWN_TILES) if fp8 else (GATE_UP_TILES, DOWN_TILES)
     expert_bytes = distinct * 3 * hidden * inter * w13.element_size()
 
     def timed(config) -> float:  # a MoeConfig (grouped) or a SmallBatchMoeConfig
@@ -91,7 +96,7 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
         tbs = expert_bytes / (ms * 1e-3) / 1e12
         print(f"T{tokens:<3} {name:<58} {ms * 1e3:8.2f} us {tbs:6.2f} TB/s", flush=True)
 
-    grouped_config = tuned_moe_config(tokens, top_k, experts, hidden, inter)
+    grouped_config = tuned_moe_config(tokens, top_k, experts, hidden, inter, fp8_experts=fp8)
     grouped_ms = timed(grouped_config)
     report("grouped (tuned tiles)", grouped_ms)
     want = fused_moe_triton(x, w13, w2, logits, top_k, True, grouped_config, scales)
@@ -117,18 +122,18 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
             try_config(config)
         return min(results.values(), key=lambda r: r[1])[0]
 
-    tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter) if from_tuned else None
+    tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter, fp8) if from_tuned else None
     start = best = tuned or default_small_batch_config(top_k)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
     best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
-    best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in GATE_UP_TILES)
+    best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in gate_up_tiles)
     best = best_of(replace(best, down=replace(best.down, stages=s)) for s in STAGES)
-    best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in DOWN_TILES)
+    best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
     best = best_of(replace(best, down_splits=s) for s in (1, 2, 4, 8) if top_k % s == 0)
     if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
-        best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in DOWN_TILES)
+        best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
     best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
     best_ms = results[describe(best)][1]
     err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want))
@@ -175,7 +180,8 @@ def main() -> None:
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
     rows = [sweep_tokens(t, shape, weights, args.from_tuned) for t in sorted(args.tokens)]
-    print("\nTUNED_SMALL_BATCH_CONFIGS entry (kernels/_moe_small_batch_config.py):")
+    table = "TUNED_FP8_SMALL_BATCH_CONFIGS" if args.weight_dtype == "fp8" else "TUNED_SMALL_BATCH_CONFIGS"
+    print(f"\n{table} entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

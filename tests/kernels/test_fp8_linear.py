@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from tolerances import DOT_DTYPES, assert_close
 
+from tidal.kernels import small_batch_linear
 from tidal.kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from tidal.kernels.fp8_linear import (
     MIN_SCALE,
@@ -24,6 +25,7 @@ from tidal.kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from tidal.kernels.rotary import build_cos_sin_cache
 from tidal.kernels.small_batch_linear import (
     LaunchConfig,
+    choose_config,
     linear_rows_into_residual_reference,
     linear_rows_into_residual_triton,
     linear_rows_reference,
@@ -203,3 +205,57 @@ def test_fp8_linear_takes_quantized_rows():
     w8, ws = _fp8_weight(32, 64, "cpu")
     rows = quantized_rows_reference(x)
     assert torch.equal(fp8_linear(rows, w8, ws), fp8_linear(x, w8, ws))
+
+
+def test_e4m3_weights_take_their_own_tuned_tiles_first():
+    """The FP8 table, then the 16-bit one, then the rule; 16-bit weights never read the FP8 table."""
+    for shape, config in small_batch_linear.TUNED_FP8_LINEAR_CONFIGS.items():
+        assert choose_config(*shape, fp8_weights=True) == config
+        assert choose_config(*shape) == small_batch_linear.TUNED_LINEAR_CONFIGS.get(shape, choose_config(*shape))
+        assert choose_config(*shape) != config
+    router = (128, 2048, False)  # a 16-bit entry with no FP8 one
+    assert router not in small_batch_linear.TUNED_FP8_LINEAR_CONFIGS
+    assert choose_config(*router, fp8_weights=True) == small_batch_linear.TUNED_LINEAR_CONFIGS[router]
+    assert choose_config(100, 96, fp8_weights=True) == choose_config(100, 96)  # in neither: the rule
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_launch_over_e4m3_weights_uses_the_fp8_table(device, monkeypatch, gated):
+    """Without a config the wrapper looks the shape up as e4m3: here an FP8 entry of one warp and a split of K
+    (few warps a program convert the activations fewer times) gives the reference result."""
+    rows, n_out, k_in = 2, 48, 96
+    entry = LaunchConfig(16, 32, 1, 2, split_k=2)
+    monkeypatch.setitem(small_batch_linear.TUNED_FP8_LINEAR_CONFIGS, (n_out, k_in, gated), entry)
+    launched = []
+    kernel = small_batch_linear.linear_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(small_batch_linear, "linear_rows_kernel", Spy())
+    a = torch.randn(rows, k_in, device=device)
+    w8, ws = _fp8_weight(2 * n_out if gated else n_out, k_in, device)
+    got = linear_rows_triton(a, w8, gated=gated, weight_scale=ws)
+    assert launched == [(3, 2)]  # 48 outputs by 16, each K split in two: the FP8 entry's grid
+    assert_close(got, linear_rows_reference(a, w8, gated=gated, weight_scale=ws), scale=2)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_qkv_half_head_tiles_of_any_width_over_fp8_weights(device, block_n):
+    """`block_n` sets the dims of each half a program takes (the sweep's axis); the result does not depend on it."""
+    heads, kv_heads, head_dim, k_in, rows = 2, 1, 64, 48, 2
+    a = torch.randn(rows, k_in, device=device)
+    w8, ws = _fp8_weight((heads + 2 * kv_heads) * head_dim, k_in, device)
+    positions = torch.tensor([3, 11], device=device)
+    cos_sin = build_cos_sin_cache(head_dim, 32, 10000.0, None, torch.float32, device)
+    slots = torch.tensor([1, 6], device=device)
+    caches = [torch.zeros(2, 4, kv_heads, head_dim, device=device) for _ in range(4)]
+    got_q = qkv_rope_store_triton(a, w8, None, None, 0.0, positions, cos_sin, caches[0], caches[1], slots, heads,
+                                  kv_heads, block_k=16, weight_scale=ws, block_n=block_n)  # fmt: skip
+    want_q = qkv_rope_store_reference(a, w8, None, None, 0.0, positions, cos_sin, caches[2], caches[3], slots, heads,
+                                      kv_heads, weight_scale=ws)  # fmt: skip
+    assert_close(got_q, want_q, scale=3)
+    assert_close(caches[0], caches[2], scale=3)
+    assert_close(caches[1], caches[3], scale=3)

@@ -12,6 +12,7 @@ import tidal.worker.layers.moe as moe_layer
 from tidal.kernels._moe_small_batch_config import (
     DEFAULT_MAX_EXPERT_WIDTH,
     DEFAULT_MAX_PAIRS,
+    TUNED_FP8_SMALL_BATCH_CONFIGS,
     TUNED_SMALL_BATCH_CONFIGS,
     GemvTiles,
     SmallBatchMoeConfig,
@@ -31,6 +32,7 @@ from tidal.kernels.fused_moe import (
     fused_moe_triton,
     topk_route_triton,
 )
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.small_batch_linear import NormInput
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -141,6 +143,23 @@ def test_a_tuned_shape_takes_its_table(monkeypatch):
     assert small_batch_moe_config(1, 8, 128, 2048, 768) == TINY
     assert small_batch_moe_config(3, 8, 128, 2048, 768) == wide
     assert small_batch_moe_config(5, 8, 128, 2048, 768) is None  # past the table: grouped GEMMs
+
+
+def test_e4m3_experts_take_their_table_for_the_counts_it_has(monkeypatch):
+    """The FP8 entries first; a count past them takes the 16-bit entry, and past that the grouped GEMMs still."""
+    shape = (128, 8, 2048, 768)
+    wide = SmallBatchMoeConfig(GemvTiles(32, 512, 8), GemvTiles(8, 256, 4), down_splits=2)
+    fp8_one = SmallBatchMoeConfig(GemvTiles(32, 1024, 4, 3), GemvTiles(8, 512, 4), down_splits=8)
+    monkeypatch.setitem(TUNED_SMALL_BATCH_CONFIGS, shape, ((1, TINY), (4, wide)))
+    monkeypatch.setitem(TUNED_FP8_SMALL_BATCH_CONFIGS, shape, ((1, fp8_one),))
+    assert small_batch_moe_config(1, 8, 128, 2048, 768, fp8_experts=True) == fp8_one
+    assert small_batch_moe_config(1, 8, 128, 2048, 768) == TINY  # 16-bit experts never read the FP8 table
+    assert small_batch_moe_config(3, 8, 128, 2048, 768, fp8_experts=True) == wide
+    assert small_batch_moe_config(5, 8, 128, 2048, 768, fp8_experts=True) is None
+    # The wrapper tells e4m3 stacks apart by their dtype (meta: shapes only).
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=FP8_E4M3, device="meta")
+    assert auto_small_batch_config(1, 8, w13) == fp8_one
+    assert auto_small_batch_config(1, 8, w13.to(torch.bfloat16)) == TINY
 
 
 def test_default_down_tiles_keep_one_step_of_loads_near_constant():

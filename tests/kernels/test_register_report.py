@@ -36,6 +36,9 @@ def test_tuned_launches_spill_no_registers() -> None:
         assert kernel in result.stdout, result.stdout
     # FP8 experts: the grouped GEMMs W8A16 and W8A8 (e4m3 operands on the tensor cores) compile for sm_90 unspilled.
     assert "W_SCALED=1 A_SCALED=0" in result.stdout and "W_SCALED=1 A_SCALED=1" in result.stdout, result.stdout
+    # The projections on e4m3 weights take their own table's wide, split tiles (TUNED_FP8_LINEAR_CONFIGS).
+    fp8_projections = [line for line in result.stdout.splitlines() if line.startswith("fp8-projections ")]
+    assert any("SPLIT_K=4 BLOCK_M=16 BLOCK_N=128 BLOCK_K=256" in line for line in fp8_projections), result.stdout
 
 
 SPILLING_DOWN_PASS = """

@@ -164,3 +164,19 @@ def test_rejects_bad_shapes():
         rows17 = torch.zeros(17, dtype=torch.long)
         qkv_rope_store_triton(torch.randn(17, 8), torch.randn(64, 8), None, None, 0.0, rows17, torch.zeros(8, 16),
                               cache, cache, rows17, 2, 1)  # fmt: skip
+
+
+def test_rejects_bad_tile_widths():
+    """block_n: a power of two from 16 to the half-head's next power of two; whole heads (a q/k norm) only the half."""
+    heads, kv_heads, head_dim = 2, 1, 64  # halves of 32
+    a, idx = torch.randn(2, 8), torch.zeros(2, dtype=torch.long)
+    weight, cos_sin = torch.randn((heads + 2 * kv_heads) * head_dim, 8), torch.zeros(8, head_dim)
+    cache = torch.zeros(2, 4, kv_heads, head_dim)
+    norm = HeadNorm(torch.ones(head_dim), 1e-6)
+    for block_n in (8, 24, 64):
+        with pytest.raises(ValueError, match="block_n must be a power of two"):
+            qkv_rope_store_triton(a, weight, None, None, 0.0, idx, cos_sin, cache, cache, idx, heads, kv_heads,
+                                  block_n=block_n)  # fmt: skip
+    with pytest.raises(ValueError, match="whole heads"):
+        qkv_rope_store_triton(a, weight, None, None, 0.0, idx, cos_sin, cache, cache, idx, heads, kv_heads, norm,
+                              norm, block_n=16)  # fmt: skip
