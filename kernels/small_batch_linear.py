@@ -81,7 +81,7 @@ TUNED_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
 # keeps enough programs. Measured on an H100 over 32 (8B) or 48 (Qwen3-30B-A3B) layers' weights in a graph
 # (bench_small_batch_linear.py --sweep [--shape qwen3-30b-a3b] --weight-dtype fp8): the 8B o 10.69 us against 12.67
 # on the rule's tile, its down 25.50 against 34.80 (its gate/up keeps the rule's, the best of the grid); Qwen3's o
-# 7.71 us against 8.29 or more for its 16-bit entry. A shape in neither table takes TUNED_LINEAR_CONFIGS, then the rule.
+# 7.71 us against 8.29 or more for its 16-bit entry. A shape missing here takes its 16-bit entry, then the rule.
 TUNED_FP8_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
     (4096, 4096, False): LaunchConfig(128, 256, 4, 4, split_k=4),
     (4096, 14336, False): LaunchConfig(128, 256, 8, 4, split_k=4),
