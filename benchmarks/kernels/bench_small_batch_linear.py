@@ -8,8 +8,9 @@ like a decode step runs them over the model's layers; attention is left out (it 
 
 --sweep times tile configs of each fused kernel at one row and prints the best few (what `choose_config` and its
 `TUNED_LINEAR_CONFIGS` are fitted to); --shape picks the model whose projections it sweeps (the 8B's by default;
-qwen3-30b-a3b: the attention projections and the router of its expert layers; qwen3-30b-a3b-qkv-rope: its qkv
-with the q/k norms, rotary and KV-cache write folded in); --weight-dtype fp8 sweeps those two on e4m3 weights.
+llama3-8b-qkv-rope: its qkv with the rotary and KV-cache write folded in; qwen3-30b-a3b: the attention projections
+and the router of its expert layers; qwen3-30b-a3b-qkv-rope: its qkv with the q/k norms too); --weight-dtype fp8
+sweeps on e4m3 weights with their own grid (`TUNED_FP8_LINEAR_CONFIGS`).
 """
 
 import argparse
