@@ -105,16 +105,20 @@ def small_batch_moe_config(
         return None
     dims = (num_experts, top_k, hidden, inter)
     if fp8_experts:
-        fp8_table = TUNED_FP8_SMALL_BATCH_CONFIGS.get(dims, ())
-        tuned = next((config for up_to, config in fp8_table if num_tokens <= up_to), None)
+        tuned = _entry(TUNED_FP8_SMALL_BATCH_CONFIGS.get(dims, ()), num_tokens)
         if tuned is not None:
             return tuned
     table = TUNED_SMALL_BATCH_CONFIGS.get(dims)
     if table is not None:
-        return next((config for up_to, config in table if num_tokens <= up_to), None)
+        return _entry(table, num_tokens)
     if inter > DEFAULT_MAX_EXPERT_WIDTH or num_tokens * top_k > DEFAULT_MAX_PAIRS:
         return None
     return default_small_batch_config(top_k)
+
+
+def _entry(table: tuple[tuple[int, SmallBatchMoeConfig], ...], num_tokens: int) -> SmallBatchMoeConfig | None:
+    """The first entry of a table (ascending token counts) that covers num_tokens; None past its last."""
+    return next((config for up_to, config in table if num_tokens <= up_to), None)
 
 
 def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:
