@@ -110,3 +110,41 @@ def test_swapped_fp8_tiles_put_the_widened_weights_in_wgmma_registers() -> None:
     plain, swapped = (line.split() for line in result.stdout.strip().splitlines()[-2:])
     assert plain == ["False", "0", "False"], result.stdout
     assert swapped[0] == "True" and int(swapped[1]) > 0 and swapped[2] == "True", result.stdout
+
+
+SWAPPED_PROJECTION = """
+import re
+import sys
+import torch
+import triton
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import SM90, ASTSource, _empty, bind_sm90, recording
+import tidal.kernels.small_batch_linear as small_batch_linear
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
+
+# The 8B's e4m3 o projection at one row, 128 outputs by 256 inputs a program, plain and swapped.
+for swap in (False, True):
+    config = small_batch_linear.LaunchConfig(128, 256, 4, 4, split_k=4, swap_ab=swap)
+    with recording() as launches:
+        small_batch_linear.linear_rows_into_residual_triton(_empty(1, 4096), _empty(4096, 4096, dtype=FP8_E4M3),
+                                                            _empty(1, 4096), _empty(4096), config=config,
+                                                            weight_scale=_empty(4096, dtype=torch.float32))
+    (bound,) = [bind_sm90(launch) for launch in launches]
+    source = ASTSource(fn=bound.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
+    compiled = triton.compile(source, target=SM90, options=bound.options.__dict__)
+    dots = [line for line in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in line]
+    register_weights = any(re.search(r"warp_group_dot %\\w+, .*\\} : tensor<\\w+, #ttg.dot_op<\\{opIdx = 0", d)
+                           for d in dots)
+    print(swap, len(re.findall(r"wgmma\\.mma_async", compiled.asm["ptx"])), register_weights)
+"""
+
+
+@pytest.mark.slow
+def test_swapped_projection_puts_the_widened_weights_in_wgmma_registers() -> None:
+    """`LaunchConfig.swap_ab`: at one row the plain K loop compiles to mma.sync (every warp widening the whole
+    activation tile), the swapped one to wgmma with the widened e4m3 weight tile as its register operand."""
+    result = _run("-c", SWAPPED_PROJECTION)
+    assert result.returncode == 0, result.stdout + result.stderr
+    plain, swapped = (line.split() for line in result.stdout.strip().splitlines()[-2:])
+    assert plain == ["False", "0", "False"], result.stdout
+    assert swapped[0] == "True" and int(swapped[1]) > 0 and swapped[2] == "True", result.stdout
