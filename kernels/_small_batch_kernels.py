@@ -36,22 +36,14 @@ def _products(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
 ):
     """(a @ W[outs]^T, a @ W[outs + second_offset]^T when PAIRED), each [BLOCK_M, BLOCK_N] fp32. An e4m3 W (FP8
     weights, their scales left to the caller's epilogue) is multiplied in fp16 beside 16-bit activations: e4m3 converts
     to fp16 in one packed instruction (to bf16 it takes two), fp16 holds every e4m3 value exactly and a bf16 row more
-    finely, clamped to fp16's range; in fp32 beside fp32 ones. SWAP_AB sums W @ a^T instead and transposes once after
-    the loop: the weight tile becomes the dot's first operand, which on Hopper (BLOCK_N a multiple of 64) wgmma takes
-    from registers, where an e4m3 tile is widened anyway, and the activations go through shared memory once a program
-    instead of into every warp's registers (mma.sync hands each warp the whole [BLOCK_M, BLOCK_K] tile to widen)."""
+    finely, clamped to fp16's range; in fp32 beside fp32 ones."""
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_in
@@ -61,23 +53,11 @@ def _products(
         if W_FP8:
             a = beside_fp8(a, IS_FP32)
         w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0).to(a.dtype)  # [BLOCK_N, BLOCK_K]
-        acc = _add_products(acc, a, w, IS_FP32, SWAP_AB)
+        acc = exact_dot(a, tl.trans(w), IS_FP32, acc)
         if PAIRED:
             w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0).to(a.dtype)
-            acc2 = _add_products(acc2, a, w2, IS_FP32, SWAP_AB)
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        acc2 = tl.trans(acc2)
+            acc2 = exact_dot(a, tl.trans(w2), IS_FP32, acc2)
     return acc, acc2
-
-
-@triton.jit
-def _add_products(acc, a, w, IS_FP32: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc + a @ w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB acc + w @ a^T ([BLOCK_N, BLOCK_M])."""
-    if SWAP_AB:
-        return exact_dot(w, tl.trans(a), IS_FP32, acc)
-    else:
-        return exact_dot(a, tl.trans(w), IS_FP32, acc)
 
 
 @triton.jit
@@ -183,7 +163,6 @@ def linear_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (N-tile, split): BLOCK_N outputs of every row over the split's share of K (all of it when SPLIT_K is
@@ -213,7 +192,7 @@ def linear_rows_kernel(
         gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
     acc, acc_up = _products(
         a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
-        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
     if SPLIT_K > 1:
@@ -303,7 +282,6 @@ def qkv_rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (tile, split): BLOCK_N dims of the first half of one head and the same dims of its second half (a
@@ -336,7 +314,7 @@ def qkv_rope_kernel(
                                         True)  # fmt: skip
     x1, x2 = _products(
         a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
-        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     let_next_kernel_launch(USE_PDL)
     if SPLIT_K > 1:

@@ -59,10 +59,6 @@ class LaunchConfig:
     # Programs per output tile, each over 1/split_k of K; the last to finish adds the partials in a fixed order and
     # runs the epilogue (kernels/_split_k.py). More programs in flight for a projection with few output tiles.
     split_k: int = 1
-    # The K loop sums W @ a^T and transposes once (kernels/_small_batch_kernels.py `_products`): on Hopper, with
-    # block_n a multiple of 64, the weight tile is wgmma's register operand, which suits e4m3 weights widened in
-    # registers; the same bits either way (fp32 sums of the same products, in the same K order).
-    swap_ab: bool = False
 
 
 # Measured best at one row on an H200 for shapes the rule in `choose_config` serves poorly, by (outputs, inputs,
@@ -277,7 +273,6 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=64,
-        SWAP_AB=config.swap_ab,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(a.device),

@@ -149,13 +149,12 @@ def qkv_rope_store_triton(
     num_warps: int | None = None,
     weight_scale: torch.Tensor | None = None,
     block_n: int | None = None,
-    swap_ab: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
     tile at 4 warps). block_n: dims of each half a program takes (a power of two of at least 16, at most the half's
     next power of two; None: the half with a q/k norm, which needs whole heads, else 32, or 16 for narrower
-    halves). swap_ab: the K loop sums W @ a^T (as `LaunchConfig.swap_ab`)."""
+    halves)."""
     head_dim = _check(
         a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
     )
@@ -210,7 +209,6 @@ def qkv_rope_store_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_P=64,
-        SWAP_AB=swap_ab,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(a.device),

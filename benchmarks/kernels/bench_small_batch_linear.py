@@ -137,14 +137,9 @@ def _sweep_configs(n_out: int, k_in: int, splits: tuple[int, ...], gated: bool, 
             if k * split <= k_in
         ]
     # Every warp of a program widens the activations' whole [16, BLOCK_K] tile for its share of the outputs, so fewer
-    # warps a program convert less per weight byte; more programs (splits) then fill the SMs. Swapped operands
-    # (W @ a^T) make the weight tile wgmma's register operand instead, for tiles of 64 or 128 outputs a warpgroup.
-    grid = itertools.product((32, 64, 128), (256, 512, 1024), ((1, 3), (2, 3), (4, 3), (4, 4)), splits, (False, True))
-    configs = [
-        LaunchConfig(n, k, warps, stages, split_k=split, swap_ab=swap)
-        for n, k, (warps, stages), split, swap in grid
-        if not swap or (n >= 64 and warps == 4)
-    ]
+    # warps a program convert less per weight byte; more programs (splits) then fill the SMs.
+    grid = itertools.product((32, 64, 128), (256, 512, 1024), ((1, 3), (2, 3), (4, 3), (4, 4)), splits)
+    configs = [LaunchConfig(n, k, warps, stages, split_k=split) for n, k, (warps, stages), split in grid]
     return [
         c
         for c in configs
@@ -276,28 +271,23 @@ def sweep_qkv_rope(model: dict, top: int = 6, fp8: bool = False) -> None:
         grid = [(None, *c) for c in itertools.product((1, 2, 4, 8), (64, 128, 256), (4, 8))]
     elif fp8:  # the whole half a program (64 dims) too: more bytes a step beside the activations it converts
         grid = [
-            (n, s, k, w, swap)
-            for n, s, k, w, swap in itertools.product(
-                (32, 64), (1, 2, 4), (128, 256, 512, 1024), (1, 2, 4), (False, True)
-            )
+            (n, s, k, w)
+            for n, s, k, w in itertools.product((32, 64), (1, 2, 4), (128, 256, 512, 1024), (1, 2, 4))
             if 3 * k * (32 + 2 * n) <= SHARED_BYTES  # three stages of the activations' and the pair's tiles
-            and (not swap or (n == 64 and w == 4))  # W @ a^T: a warpgroup's 64 outputs for wgmma
         ]
     else:
-        grid = [(None, *c, False) for c in itertools.product((1, 2, 4), (128, 256, 512), (4, 8))]
-    for block_n, split_k, block_k, warps, swap_ab in [*grid, (None, None, None, None, False)]:
+        grid = [(None, *c) for c in itertools.product((1, 2, 4), (128, 256, 512), (4, 8))]
+    for block_n, split_k, block_k, warps in [*grid, (None, None, None, None)]:
 
         def all_layers(
-            n: int | None = block_n, s: int | None = split_k, k: int | None = block_k, w: int | None = warps,
-            swap: bool = swap_ab,
-        ) -> None:  # fmt: skip
+            n: int | None = block_n, s: int | None = split_k, k: int | None = block_k, w: int | None = warps
+        ) -> None:
             for weight, scale in weights:
                 qkv_rope_store_triton(norm_in.scaled, weight, None, norm_in.partial_sq, EPS, positions, cos_sin,
                                       k_cache, v_cache, slots, q_heads, kv_heads, head_norm, head_norm, split_k=s,
-                                      block_k=k, num_warps=w, weight_scale=scale, block_n=n, swap_ab=swap)  # fmt: skip
+                                      block_k=k, num_warps=w, weight_scale=scale, block_n=n)  # fmt: skip
 
         label = f"split_k={split_k} block_k={block_k} num_warps={warps}" + (f" block_n={block_n}" if block_n else "")
-        label += " swap_ab" if swap_ab else ""
         if split_k is None:
             label = "in use (defaults)"
         try:

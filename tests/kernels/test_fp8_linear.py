@@ -242,23 +242,9 @@ def test_a_launch_over_e4m3_weights_uses_the_fp8_table(device, monkeypatch, gate
     assert_close(got, linear_rows_reference(a, w8, gated=gated, weight_scale=ws), scale=2)
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_swapped_operands_over_fp8_weights(device, gated):
-    """W @ a^T over e4m3 weights (`swap_ab`, the weight tile as the dot's first operand) at the tile widths wgmma
-    takes on Hopper: the reference result, split or not."""
-    rows, n_out, k_in = 1, 128, 96
-    a = torch.randn(rows, k_in, dtype=torch.bfloat16 if device == "cuda" else torch.float16, device=device)
-    w8, ws = _fp8_weight(2 * n_out if gated else n_out, k_in, device)
-    want = linear_rows_reference(a, w8, gated=gated, weight_scale=ws)
-    for split_k in (1, 3):
-        config = LaunchConfig(64, 32, 4, 2, split_k=split_k, swap_ab=True)
-        assert_close(linear_rows_triton(a, w8, gated=gated, config=config, weight_scale=ws), want, scale=2)
-
-
-@pytest.mark.parametrize(("block_n", "swap_ab"), [(16, False), (32, False), (32, True)])
-def test_qkv_half_head_tiles_of_any_width_over_fp8_weights(device, block_n, swap_ab):
-    """`block_n` sets the dims of each half a program takes and `swap_ab` the order of the dot's operands (the sweep's
-    axes); the result does not depend on them."""
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_qkv_half_head_tiles_of_any_width_over_fp8_weights(device, block_n):
+    """`block_n` sets the dims of each half a program takes (the sweep's axis); the result does not depend on it."""
     heads, kv_heads, head_dim, k_in, rows = 2, 1, 64, 48, 2
     a = torch.randn(rows, k_in, device=device)
     w8, ws = _fp8_weight((heads + 2 * kv_heads) * head_dim, k_in, device)
@@ -267,7 +253,7 @@ def test_qkv_half_head_tiles_of_any_width_over_fp8_weights(device, block_n, swap
     slots = torch.tensor([1, 6], device=device)
     caches = [torch.zeros(2, 4, kv_heads, head_dim, device=device) for _ in range(4)]
     got_q = qkv_rope_store_triton(a, w8, None, None, 0.0, positions, cos_sin, caches[0], caches[1], slots, heads,
-                                  kv_heads, block_k=16, weight_scale=ws, block_n=block_n, swap_ab=swap_ab)  # fmt: skip
+                                  kv_heads, block_k=16, weight_scale=ws, block_n=block_n)  # fmt: skip
     want_q = qkv_rope_store_reference(a, w8, None, None, 0.0, positions, cos_sin, caches[2], caches[3], slots, heads,
                                       kv_heads, weight_scale=ws)  # fmt: skip
     assert_close(got_q, want_q, scale=3)

@@ -147,33 +147,6 @@ def test_split_k_equals_the_unsplit_kernel(device, dtype, split_k, variant):
     assert not arrival_counters(torch.device(device), 1).any()
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("variant", ["plain", "row_scale", "gated", "into_residual"])
-def test_swapped_operands_give_the_unswapped_result(device, dtype, variant):
-    """`swap_ab` sums W @ a^T and transposes once: the same products in the same K order, with every epilogue and
-    a split of K, so the results agree up to the tensor cores' own order of a step's fp32 sums."""
-    rows, n_out, k_in = 3, 48, 80
-    a, weight, b = _inputs(rows, 2 * n_out if variant == "gated" else n_out, k_in, dtype, device, bias=True)
-    for split_k in (1, 2):
-        plain = LaunchConfig(SMALL.block_n, SMALL.block_k, SMALL.num_warps, SMALL.num_stages, split_k=split_k)
-        swapped = LaunchConfig(plain.block_n, plain.block_k, plain.num_warps, plain.num_stages, split_k, swap_ab=True)
-        if variant == "into_residual":
-            residual = torch.randn(rows, n_out, dtype=dtype, device=device)
-            gamma = torch.rand(n_out, dtype=dtype, device=device) + 0.5
-            got_h, got = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=swapped)
-            want_h, want = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=plain)
-            assert_close(got_h, want_h)
-            assert_close(got.scaled, want.scaled)
-            torch.testing.assert_close(got.partial_sq, want.partial_sq, rtol=1e-2, atol=1e-3)
-        else:
-            kwargs = {"norm_partials": _partials(a.float() * 3, 4), "eps": 1e-6} if variant != "plain" else {}
-            gated = variant == "gated"
-            got = linear_rows_triton(a, weight, b, gated=gated, config=swapped, **kwargs)
-            assert_close(got, linear_rows_triton(a, weight, b, gated=gated, config=plain, **kwargs))
-            assert_close(got, linear_rows_reference(a, weight, b, gated=gated, **kwargs), scale=3)
-    assert not arrival_counters(torch.device(device), 1).any()
-
-
 def test_split_k_runs_are_bitwise_equal(device):
     """Which split arrives last varies from run to run on a GPU; the sum's order does not."""
     a, weight, _ = _inputs(2, 64, 256, torch.float32, device, bias=False)
