@@ -30,21 +30,6 @@ class GemvTiles:
 
 
 @dataclass(frozen=True)
-class OneLaunch:
-    """Gate/up and down in one persistent launch (kernels/_moe_one_launch_kernel.py): `programs_per_sm` programs per
-    multiprocessor of `num_warps` warps take the config's gate/up tiles and down tiles (block_n; each down unit
-    reads the whole expert width at once, so the down tiles' block_k and stages do not apply) from a queue."""
-
-    programs_per_sm: int
-    num_warps: int
-
-
-# The most W2 elements a one-launch down unit may hold per thread (its pairs x block_n x the width rounded up to a
-# power of two, over the program's threads): 128 bf16 values are 64 registers. A wider tile falls back to two launches.
-ONE_LAUNCH_DOWN_ELEMENTS_PER_THREAD = 128
-
-
-@dataclass(frozen=True)
 class SmallBatchMoeConfig:
     gate_up: GemvTiles
     down: GemvTiles
@@ -59,9 +44,6 @@ class SmallBatchMoeConfig:
     # (cuBLAS projections and RMSNorm launches) around the same expert kernels: which is faster depends on how well
     # the small-batch projections serve the model's attention shapes at this count.
     fuse_into_layer: bool = True
-    # Both passes in one persistent launch, the down pass's weights streaming while gate/up's last units finish
-    # (None: a gate/up launch, then a down launch). Applies where `fits_one_launch` says the down tile fits.
-    one_launch: OneLaunch | None = None
 
 
 # Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,
@@ -143,15 +125,6 @@ def fit_tiles(tiles: GemvTiles, n: int, k: int) -> GemvTiles:
     """`tiles` narrowed to a small problem: no wider than the next power of two of N and K (at least 16)."""
     return GemvTiles(min(tiles.block_n, max(16, _next_power_of_2(n))), min(tiles.block_k, max(16, _next_power_of_2(k))),
                      tiles.num_warps, tiles.stages)  # fmt: skip
-
-
-def fits_one_launch(config: SmallBatchMoeConfig, top_k: int, inter: int) -> bool:
-    """Whether the config asks for one launch and its down unit's whole-width W2 tile fits the registers it may use."""
-    if config.one_launch is None:
-        return False
-    pairs = _next_power_of_2(top_k // down_splits(config, top_k))
-    elements = pairs * config.down.block_n * _next_power_of_2(inter)
-    return elements <= ONE_LAUNCH_DOWN_ELEMENTS_PER_THREAD * 32 * config.one_launch.num_warps
 
 
 def down_splits(config: SmallBatchMoeConfig, top_k: int) -> int:

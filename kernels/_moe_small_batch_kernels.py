@@ -116,48 +116,8 @@ def pair_gate_up_kernel(
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    gate_up_tile(
-        tl.program_id(0), tl.program_id(1), hidden_ptr, w13_ptr, w13_scale_ptr, inter_ptr, logits_ptr, weights_ptr,
-        ids_ptr, norm_partials_ptr, hidden_size, inter_size, num_experts, logits_stride, num_tokens, num_partials, eps,
-        TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE, ROUTE, ROW_SCALE, W_SCALED, BLOCK_N, BLOCK_K, BLOCK_P, STAGES,
-        USE_PDL,
-    )  # fmt: skip
-
-
-@triton.jit
-def gate_up_tile(
-    pair,
-    n_tile,
-    hidden_ptr,
-    w13_ptr,
-    w13_scale_ptr,
-    inter_ptr,
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    norm_partials_ptr,
-    hidden_size,
-    inter_size,
-    num_experts,
-    logits_stride,
-    num_tokens,
-    num_partials,
-    eps,
-    TOP_K: tl.constexpr,
-    TOP_K_P2: tl.constexpr,
-    EXPERTS_P2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUTE: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
-    W_SCALED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    STAGES: tl.constexpr,
-    LET_NEXT_LAUNCH: tl.constexpr,  # let a PDL-launched next kernel start once the K loop is done
-):
-    """One (pair, N-tile) of `pair_gate_up_kernel` (its parameters): silu(gate) * up of BLOCK_N intermediate columns
-    of the pair, stored to inter_ptr. Also a work unit of the one-launch kernel (_moe_one_launch_kernel.py)."""
+    pair = tl.program_id(0)
+    n_tile = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
     if ROUTE:
         # Every N-tile of the pair routes the token again (E logits, a few KB at most): cheaper than a launch.
@@ -194,7 +154,7 @@ def gate_up_tile(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    let_next_kernel_launch(LET_NEXT_LAUNCH)
+    let_next_kernel_launch(USE_PDL)
     if W_SCALED:
         scale_ptrs = w13_scale_ptr + expert.to(tl.int64) * (2 * inter_size) + cols
         gate = gate * tl.load(scale_ptrs, mask=col_ok, other=0.0)
@@ -251,8 +211,10 @@ def token_down_kernel(
     w_ptrs = w2_ptr + w_rows[:, :, None] * inter_size + ks[None, None, :]  # [PAIRS_P2, BLOCK_N, BLOCK_K]
     w_tile_ok = (slot_ok[:, None] & col_ok[None, :])[:, :, None]
     token = (row // SPLITS).to(tl.int64)
-    # Before the K loop, so these loads' round trip overlaps the weight stream instead of following it.
-    res, gamma = residual_tiles(residual_ptr, gamma_ptr, token, cols, col_ok, hidden_size, INTO_RESIDUAL, BLOCK_N)
+    if INTO_RESIDUAL:
+        # Before the K loop, so these loads' round trip overlaps the weight stream instead of following it.
+        res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
     for k in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
         k_ok = k + ks < inter_size
@@ -262,61 +224,13 @@ def token_down_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
-    down_epilogue(acc, w_rows, slot_ok, col_ok, cols, weights, token, h_tile, tl.num_programs(1), row % SPLITS,
-                  w2_scale_ptr, out_ptr, gamma, res, scaled_ptr, partial_sq_ptr, workspace_ptr, counters_ptr,
-                  num_tokens, hidden_size, SPLITS, INTO_RESIDUAL, W_SCALED, BLOCK_N)  # fmt: skip
-
-
-@triton.jit
-def residual_tiles(residual_ptr, gamma_ptr, token, cols, col_ok, hidden_size, INTO_RESIDUAL: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """-> (the token's residual stream, the next norm's weight) over this H-tile in fp32; zeros (unused) unless
-    INTO_RESIDUAL."""
-    if INTO_RESIDUAL:
-        res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
-        gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    else:
-        res = tl.zeros([BLOCK_N], tl.float32)
-        gamma = res
-    return res, gamma
-
-
-@triton.jit
-def down_epilogue(
-    acc,  # [PAIRS_P2, BLOCK_N] fp32: each pair's W2 @ intermediate over this H-tile
-    w_rows,  # [PAIRS_P2, BLOCK_N] int64: the pairs' expert rows of W2 (expert * H + column)
-    slot_ok,
-    col_ok,
-    cols,
-    weights,  # [PAIRS_P2] fp32 routing weights
-    token,
-    h_tile,
-    h_tiles,
-    split,
-    w2_scale_ptr,
-    out_ptr,
-    gamma,  # INTO_RESIDUAL: [BLOCK_N] fp32 tiles of the next norm's weight and of the residual stream
-    res,
-    scaled_ptr,
-    partial_sq_ptr,
-    workspace_ptr,
-    counters_ptr,
-    num_tokens,
-    hidden_size,
-    SPLITS: tl.constexpr,
-    INTO_RESIDUAL: tl.constexpr,
-    W_SCALED: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """The down pass after its products, shared by `token_down_kernel` and the one-launch kernel's down units:
-    FP8 scales, the routing-weighted sum over the pairs, the split sum, and the store (into the residual stream)."""
     if W_SCALED:
         acc *= tl.load(w2_scale_ptr + w_rows, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)  # [PAIRS_P2, N]
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
     writes = True
     if SPLITS > 1:
-        tile = token * h_tiles + h_tile
-        total, writes = sum_splits_last(total, workspace_ptr, counters_ptr, tile, split, SPLITS, BLOCK_N)
+        tile = token * tl.num_programs(1) + h_tile
+        total, writes = sum_splits_last(total, workspace_ptr, counters_ptr, tile, row % SPLITS, SPLITS, BLOCK_N)
     if INTO_RESIDUAL:
         store_into_residual(total, token, h_tile, cols, col_ok, num_tokens, hidden_size, out_ptr, res, gamma,
                             scaled_ptr, partial_sq_ptr, writes)  # fmt: skip

@@ -19,11 +19,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-from tidal.kernels._device import multiprocessor_count, pdl_launch_options
-from tidal.kernels._moe_one_launch_kernel import moe_one_launch_kernel
-from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles, fits_one_launch
+from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles
 from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, token_down_kernel
-from tidal.kernels._split_k import arrival_counters, split_buffers
+from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
 from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.small_batch_linear import NormInput
@@ -103,80 +102,6 @@ def _down(
     return NormInput(scaled, partial_sq)
 
 
-def _experts(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    config: SmallBatchMoeConfig,
-    route: tuple[torch.Tensor, bool] | None,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    out: torch.Tensor,
-    norm: tuple[torch.Tensor, float] | None = None,
-    into: _IntoResidual | None = None,
-    scales: ExpertScales | None = None,
-) -> NormInput:
-    """Both passes, in one launch where the config asks for it and its down tile fits, else in two."""
-    if fits_one_launch(config, top_k, w2.shape[2]):
-        return _one_launch(hidden, w13, w2, top_k, config, route, weights, ids, out, norm, into, scales)
-    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, norm, _scale(scales, 0))
-    return _down(intermediate, w2, weights, ids, out, top_k, config, into, _scale(scales, 1))
-
-
-def _one_launch(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    config: SmallBatchMoeConfig,
-    route: tuple[torch.Tensor, bool] | None,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    out: torch.Tensor,
-    norm: tuple[torch.Tensor, float] | None,
-    into: _IntoResidual | None,
-    scales: ExpertScales | None,
-) -> NormInput:
-    """`_gate_up` then `_down`, as one persistent launch (_moe_one_launch_kernel.py); the same arguments."""
-    assert config.one_launch is not None
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    gate_up = fit_tiles(config.gate_up, inter, hidden_size)
-    down = fit_tiles(config.down, hidden_size, inter)
-    splits = down_splits(config, top_k)
-    n_tiles = triton.cdiv(inter, gate_up.block_n)
-    h_tiles = triton.cdiv(hidden_size, down.block_n)
-    pairs = num_tokens * top_k
-    intermediate = torch.empty(pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    workspace, _ = split_buffers(weights, num_tokens * h_tiles, splits, down.block_n)
-    # One counter buffer: the split sums' (one per output tile), then the queue's two, then one per pair; every
-    # launch leaves all of them at zero.
-    queue_at = num_tokens * h_tiles
-    counters = arrival_counters(hidden.device, queue_at + 2 + pairs)
-    scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
-    partial_sq = torch.empty((h_tiles if into else 0, num_tokens), dtype=torch.float32, device=out.device)
-    residual, gamma = into if into is not None else (out, out)  # unused without `into`
-    logits, renormalize = route if route is not None else (weights, False)  # logits unused without routing
-    partials, eps = norm if norm is not None else (weights, 0.0)  # partials unused without the norm
-    w13_scale, w2_scale = (scales.w13, scales.w2) if scales is not None else (weights, weights)
-    units = pairs * n_tiles + num_tokens * splits * h_tiles
-    programs = min(units, multiprocessor_count(hidden.device) * config.one_launch.programs_per_sm)
-    moe_one_launch_kernel[(programs,)](
-        hidden, w13, w13_scale, w2, w2_scale, intermediate, logits, weights, ids, partials, out, residual, gamma,
-        scaled, partial_sq, workspace, counters, counters[queue_at:], counters[queue_at + 2 :], num_tokens,
-        hidden_size, inter, num_experts, logits.stride(0), partials.shape[0] if norm else 0, eps, n_tiles, h_tiles,
-        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, W_SCALED=scales is not None,
-        PAIRS=top_k // splits, PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits,
-        INTO_RESIDUAL=into is not None, GATE_UP_BLOCK_N=gate_up.block_n, GATE_UP_BLOCK_K=gate_up.block_k,
-        GATE_UP_STAGES=gate_up.stages, DOWN_BLOCK_N=down.block_n, WIDTH_P2=triton.next_power_of_2(inter),
-        BLOCK_P=_BLOCK_P, num_warps=config.one_launch.num_warps, **pdl_launch_options(hidden.device),
-    )  # fmt: skip
-    return NormInput(scaled, partial_sq)
-
-
 def _check_layout(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, scales: ExpertScales | None) -> None:
     for name, t in (
         ("hidden", hidden),
@@ -210,7 +135,8 @@ def small_batch_moe_routed(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=hidden.device)
-    _experts(hidden, w13, w2, top_k, config, (logits, renormalize), weights, ids, out, scales=scales)
+    intermediate = _gate_up(hidden, w13, top_k, config, (logits, renormalize), weights, ids, scale=_scale(scales, 0))
+    _down(intermediate, w2, weights, ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -234,7 +160,8 @@ def small_batch_moe_experts(
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    _experts(hidden, w13, w2, top_k, config, None, topk_weights, topk_ids, out, scales=scales)
+    intermediate = _gate_up(hidden, w13, top_k, config, None, topk_weights, topk_ids, scale=_scale(scales, 0))
+    _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -287,6 +214,8 @@ def small_batch_moe_into_residual(
         route: tuple[torch.Tensor, bool] | None = (logits, routing.renormalize)
     else:
         weights, ids, route = routing.weights, routing.ids, None
-    into = _IntoResidual(residual, next_gamma)
-    next_input = _experts(hidden, w13, w2, top_k, config, route, weights, ids, out, (x.partial_sq, eps), into, scales)
+    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, (x.partial_sq, eps), _scale(scales, 0))
+    next_input = _down(
+        intermediate, w2, weights, ids, out, top_k, config, _IntoResidual(residual, next_gamma), _scale(scales, 1)
+    )
     return out, next_input

@@ -53,7 +53,6 @@ SM90 = GPUTarget("cuda", 90, 32)
 RECORDED: list[tuple[ModuleType, str]] = [
     (moe_small_batch, "pair_gate_up_kernel"),
     (moe_small_batch, "token_down_kernel"),
-    (moe_small_batch, "moe_one_launch_kernel"),
     (fused_moe, "topk_softmax_kernel"),
     (fused_moe, "expert_histogram_kernel"),
     (fused_moe, "expert_layout_kernel"),

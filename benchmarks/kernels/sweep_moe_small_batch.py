@@ -3,14 +3,13 @@ sort) against the grouped path with its tuned tiles, on a model's expert shape a
 as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
 
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--from-tuned]
-        [--out DIR] [--weight-dtype fp8] [--one-launch-only]
+        [--out DIR] [--weight-dtype fp8]
 
 Per token count: the grouped path, the small-batch default config (with --from-tuned the table's entry for the
 count, where it has one), then a coordinate descent over the small-batch config (gate/up load stages, then its tiles
 at those stages; the same for the down pass; the down pass's splits, with the down tiles again for a split; routing
-in a top-k launch of its own instead of folded into gate/up; then both passes in one persistent launch, over launch
-shapes and down widths, then gate/up stages and tiles in that launch), one line each with us/call and the achieved
-bandwidth (bytes of the distinct experts the tokens chose, over the time). A config whose pipeline buffers do not fit in
+in a top-k launch of its own instead of folded into gate/up), one line each with us/call and the achieved bandwidth
+(bytes of the distinct experts the tokens chose, over the time). A config whose pipeline buffers do not fit in
 shared memory is reported and skipped. The op is timed in its unfused form (no norm scaling, no residual add), as
 `fused_moe` runs it; whether a token count fuses into the decoder layer (`fuse_into_layer`) is measured by
 profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1, and a --from-tuned entry keeps its table's value. Ends with the
@@ -38,10 +37,8 @@ from triton.runtime.errors import OutOfResources
 from tidal.kernels._moe_config import tuned_moe_config
 from tidal.kernels._moe_small_batch_config import (
     GemvTiles,
-    OneLaunch,
     SmallBatchMoeConfig,
     default_small_batch_config,
-    fits_one_launch,
     small_batch_moe_config,
 )
 from tidal.kernels.fused_moe import fused_moe_triton
@@ -52,10 +49,6 @@ DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128,
 # e4m3 experts load half the bytes a step: their grids add the twice-as-long K steps.
 FP8_GATE_UP_TILES = [*GATE_UP_TILES, *(GemvTiles(n, 1024, w) for n in (8, 16, 32) for w in (4, 8))]
 FP8_DOWN_TILES = [*DOWN_TILES, *(GemvTiles(n, 512, w) for n in (8, 16, 32) for w in (4, 8))]
-# Both passes in one persistent launch (SmallBatchMoeConfig.one_launch): programs per multiprocessor x warps, and the
-# down units' output columns (each holds its whole-width W2 tile, so only narrow ones fit).
-ONE_LAUNCHES = [OneLaunch(p, w) for p in (1, 2, 3, 4) for w in (4, 8)]
-ONE_LAUNCH_DOWN_N = (8, 16, 32)
 # Software-pipeline depths of the K loops (GemvTiles.stages): 1 is the unpipelined loop.
 STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
@@ -65,9 +58,7 @@ def describe(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
     gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps} st{g.stages})"
     routing = "" if config.fold_routing else " topk-launch"
-    one = config.one_launch
-    launch = "" if one is None else f" one-launch(p{one.programs_per_sm} w{one.num_warps})"
-    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps} st{d.stages}) s{config.down_splits}{routing}{launch}"
+    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps} st{d.stages}) s{config.down_splits}{routing}"
 
 
 def literal(config: SmallBatchMoeConfig) -> str:
@@ -79,13 +70,11 @@ def literal(config: SmallBatchMoeConfig) -> str:
         # Not swept here (the decoder's A/B decides it), but carried from a --from-tuned start so the printed entry
         # keeps the table's choice.
         + ("" if config.fuse_into_layer else ", fuse_into_layer=False")
-        + ("" if config.one_launch is None else f", one_launch={config.one_launch!r}")
         + ")"
     )
 
 
-def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool,
-                 one_launch_only: bool = False):  # fmt: skip
+def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool):
     experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
@@ -134,23 +123,18 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
         return min(results.values(), key=lambda r: r[1])[0]
 
     tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter, fp8) if from_tuned else None
-    # The two-launch descent first; the one-launch walk starts from its best.
-    start = best = replace(tuned or default_small_batch_config(top_k), one_launch=None)
+    start = best = tuned or default_small_batch_config(top_k)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
-    if not one_launch_only:
-        best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
-        best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in gate_up_tiles)
-        best = best_of(replace(best, down=replace(best.down, stages=s)) for s in STAGES)
+    best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
+    best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in gate_up_tiles)
+    best = best_of(replace(best, down=replace(best.down, stages=s)) for s in STAGES)
+    best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
+    best = best_of(replace(best, down_splits=s) for s in (1, 2, 4, 8) if top_k % s == 0)
+    if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
         best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
-        best = best_of(replace(best, down_splits=s) for s in (1, 2, 4, 8) if top_k % s == 0)
-        if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
-            best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
-        best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
-    two_launch_best = best
-    best_one = sweep_one_launch(best, top_k, inter, gate_up_tiles, best_of, results)
-    best = min(best, best_one, key=lambda c: results[describe(c)][1]) if best_one else best
+    best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
     best_ms = results[describe(best)][1]
     err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want))
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
@@ -171,39 +155,7 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
         "start": "tuned" if tuned else "default",
         "start_ms": results[describe(start)][1],
         "relative_error_vs_grouped": err,
-        "best_two_launches": asdict(two_launch_best),
-        "best_two_launches_ms": results[describe(two_launch_best)][1],
-        "best_one_launch": asdict(best_one) if best_one else None,
-        "best_one_launch_ms": results[describe(best_one)][1] if best_one else None,
     }
-
-
-def sweep_one_launch(start: SmallBatchMoeConfig, top_k: int, inter: int, gate_up_tiles: list[GemvTiles], best_of,
-                     results: dict) -> SmallBatchMoeConfig | None:  # fmt: skip
-    """The two-launch best as one launch: launch shapes and down widths first, then its gate/up tiles; -> the
-    fastest one-launch config tried, or None where no down tile fits."""
-
-    def candidates(base: SmallBatchMoeConfig, launches: Iterable[OneLaunch], widths: Iterable[int]):
-        for launch in launches:
-            for n in widths:
-                config = replace(base, down=replace(base.down, block_n=n), one_launch=launch)
-                if fits_one_launch(config, top_k, inter):
-                    yield config
-
-    def fastest(configs: list[SmallBatchMoeConfig]) -> SmallBatchMoeConfig | None:
-        best_of(configs)
-        timed = [c for c in configs if describe(c) in results]
-        return min(timed, key=lambda c: results[describe(c)][1]) if timed else None
-
-    one = fastest(list(candidates(start, ONE_LAUNCHES, ONE_LAUNCH_DOWN_N)))
-    if one is None:
-        return None
-    assert one.one_launch is not None
-    gate_up = [replace(one, gate_up=replace(one.gate_up, stages=s)) for s in STAGES]
-    one = fastest([one, *gate_up]) or one
-    tiles = [replace(one, gate_up=replace(t, stages=one.gate_up.stages, num_warps=one.one_launch.num_warps))
-             for t in gate_up_tiles]  # fmt: skip
-    return fastest([one, *tiles]) or one
 
 
 def table_entry(shape: tuple[int, int, int, int], rows: list[dict]) -> str:
@@ -222,22 +174,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--from-tuned", action="store_true", help="start at the table's config for each count")
     parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
-    parser.add_argument("--one-launch-only", action="store_true",
-                        help="skip the two-launch descent: its start config, then the one-launch walk")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
-    rows = [sweep_tokens(t, shape, weights, args.from_tuned, args.one_launch_only) for t in sorted(args.tokens)]
+    rows = [sweep_tokens(t, shape, weights, args.from_tuned) for t in sorted(args.tokens)]
     table = "TUNED_FP8_SMALL_BATCH_CONFIGS" if args.weight_dtype == "fp8" else "TUNED_SMALL_BATCH_CONFIGS"
     print(f"\n{table} entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
-        one = "-one-launch" if args.one_launch_only else ""
-        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}{one}-{gpu_tag()}.json"
+        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-{gpu_tag()}.json"
         path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
         print(f"wrote {path}")
 

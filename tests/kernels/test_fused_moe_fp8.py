@@ -8,7 +8,7 @@ from tolerances import DOT_DTYPES, assert_close
 
 import tidal.kernels._moe_config as moe_config
 from tidal.kernels._moe_config import GemmTiles, MoeConfig, quantizes_activations
-from tidal.kernels._moe_small_batch_config import GemvTiles, OneLaunch, SmallBatchMoeConfig
+from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig
 from tidal.kernels.fp8_linear import quantize_rows_reference
 from tidal.kernels.fused_moe import (
     fused_moe_experts_reference,
@@ -86,23 +86,19 @@ def test_grouped_gemms_match_reference(device, dtype, tokens, num_experts, top_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("fold_routing", [True, False])
-@pytest.mark.parametrize("one_launch", [None, OneLaunch(2, 4)])
-def test_small_batch_matches_reference(device, dtype, splits, fold_routing, one_launch):
+def test_small_batch_matches_reference(device, dtype, splits, fold_routing):
     torch.manual_seed(2)
     tokens, num_experts, top_k, hidden, inter = 3, 12, 4, 48, 40
     x = torch.randn(tokens, hidden, device=device).to(dtype)
     q13, q2, scales = _fp8_experts(num_experts, hidden, inter, device)
     logits = torch.randn(tokens, num_experts, device=device)
-    config = SmallBatchMoeConfig(
-        SMALL.gate_up, SMALL.down, down_splits=splits, fold_routing=fold_routing, one_launch=one_launch
-    )
+    config = SmallBatchMoeConfig(SMALL.gate_up, SMALL.down, down_splits=splits, fold_routing=fold_routing)
     got = fused_moe_triton(x, q13, q2, logits, top_k, True, config=config, scales=scales)
     assert_close(got, fused_moe_reference(x, q13, q2, logits, top_k, True, scales), scale=2.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("one_launch", [None, OneLaunch(2, 4)])
-def test_small_batch_into_residual_matches_reference(device, dtype, one_launch):
+def test_small_batch_into_residual_matches_reference(device, dtype):
     torch.manual_seed(3)
     tokens, num_experts, top_k, hidden, inter = 2, 8, 2, 32, 24
     h = torch.randn(tokens, hidden, device=device).to(dtype)
@@ -115,8 +111,7 @@ def test_small_batch_into_residual_matches_reference(device, dtype, one_launch):
     residual = torch.randn(tokens, hidden, device=device).to(dtype)
     next_gamma = torch.rand(hidden, device=device).add(0.5).to(dtype)
     args = (x, 1e-6, q13, q2, logits, top_k, True, residual, next_gamma)
-    config = SmallBatchMoeConfig(SMALL.gate_up, SMALL.down, one_launch=one_launch)
-    got_h, got_next = fused_moe_into_residual_triton(*args, config, scales)
+    got_h, got_next = fused_moe_into_residual_triton(*args, SMALL, scales)
     want_h, want_next = fused_moe_into_residual_reference(*args, scales)
     assert_close(got_h, want_h, scale=2.0)
     assert_close(got_next.scaled, want_next.scaled, scale=2.0)

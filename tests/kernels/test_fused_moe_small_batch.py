@@ -15,12 +15,10 @@ from tidal.kernels._moe_small_batch_config import (
     TUNED_FP8_SMALL_BATCH_CONFIGS,
     TUNED_SMALL_BATCH_CONFIGS,
     GemvTiles,
-    OneLaunch,
     SmallBatchMoeConfig,
     default_small_batch_config,
     down_splits,
     fit_tiles,
-    fits_one_launch,
     small_batch_moe_config,
 )
 from tidal.kernels._split_k import arrival_counters
@@ -301,71 +299,3 @@ def test_into_residual_reference_is_the_unfused_layer():
     torch.testing.assert_close(got_h, want_h)
     torch.testing.assert_close(got_next.scaled, want_h * next_gamma)
     torch.testing.assert_close(got_next.partial_sq[0], want_h.pow(2).sum(dim=1))
-
-
-# Two programs per multiprocessor (4 under the interpreter's stand-in count), 4 warps: fewer programs than units.
-ONE_LAUNCH = OneLaunch(programs_per_sm=2, num_warps=4)
-
-
-def _counters_left(device: str) -> torch.Tensor:
-    return arrival_counters(torch.device(device), 1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("tokens", "num_experts", "top_k", "hidden", "inter", "splits"),
-    [
-        (1, 16, 8, 64, 48, 8),  # Qwen3-MoE-like at one token: one pair per down unit; I not a power of two
-        (2, 100, 8, 32, 16, 2),  # four pairs per down unit, each routed again by the unit
-        (3, 8, 2, 48, 40, 1),  # Mixtral-like; H not a multiple of the tiles
-        (2, 130, 4, 32, 16, 4),  # past 128 experts the routing picks the top k one by one
-    ],
-)
-def test_one_launch_matches_reference_and_leaves_its_counters_at_zero(device, dtype, tokens, num_experts, top_k,
-                                                                       hidden, inter, splits):  # fmt: skip
-    """Gate/up and down from one queue: the reference's output with routing folded in and given, twice in a row
-    with the same bits (the second launch finds the queue and the pairs' counters reset by the first)."""
-    x = torch.randn(tokens, hidden, device=device).to(dtype)
-    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
-    logits = torch.randn(tokens, num_experts, device=device)
-    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=splits, one_launch=ONE_LAUNCH)
-    assert fits_one_launch(config, top_k, inter)
-    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
-    assert not _counters_left(device).any()
-    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
-    assert torch.equal(fused_moe_triton(x, w13, w2, logits, top_k, True, config=config), got)
-    weights, ids = topk_route_triton(logits, top_k, True)
-    given = fused_moe_experts_triton(x, w13, w2, weights, ids, config=config)
-    assert_close(given, fused_moe_experts_reference(x, w13, w2, weights, ids), scale=2.0)
-    assert not _counters_left(device).any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 8])
-def test_one_launch_into_residual_matches_reference(device, dtype, splits):
-    tokens, num_experts, top_k, hidden, inter = 1, 16, 8, 64, 48
-    h = (torch.randn(tokens, hidden, device=device) * 3).to(dtype)
-    gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
-    next_gamma = (torch.rand(hidden, device=device) + 0.5).to(dtype)
-    residual = torch.randn(tokens, hidden, device=device).to(dtype)
-    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
-    logits = torch.randn(tokens, num_experts, device=device)
-    args = (_norm_input(h, gamma, num_partials=3), 1e-6, w13, w2, logits, top_k, True, residual, next_gamma)
-    config = SmallBatchMoeConfig(TINY.gate_up, TINY.down, down_splits=splits, one_launch=ONE_LAUNCH)
-    got_h, got_next = fused_moe_into_residual_triton(*args, config)
-    want_h, want_next = fused_moe_into_residual_reference(*args)
-    assert_close(got_h, want_h, scale=2.0)
-    assert_close(got_next.scaled, want_next.scaled, scale=2.0)
-    torch.testing.assert_close(got_next.partial_sq.sum(dim=0), got_h.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-5)
-    assert not _counters_left(device).any()
-
-
-def test_one_launch_only_where_the_down_tile_fits_the_registers():
-    """A down unit holds its pairs' whole-width W2 tile: Qwen3-30B-A3B's (768 wide, one pair a unit at 8 splits)
-    fits; Mixtral's 14336-wide experts go back to two launches, as does a config that does not ask."""
-    qwen = SmallBatchMoeConfig(GemvTiles(32, 256, 4), GemvTiles(16, 256, 4), down_splits=8, one_launch=ONE_LAUNCH)
-    assert fits_one_launch(qwen, 8, 768)  # 16 x 1024 elements over 128 threads: 128 each
-    two_pairs_a_unit = SmallBatchMoeConfig(qwen.gate_up, qwen.down, down_splits=4, one_launch=ONE_LAUNCH)
-    assert not fits_one_launch(two_pairs_a_unit, 8, 768)  # 256 each
-    assert not fits_one_launch(qwen, 2, 14336)
-    assert not fits_one_launch(SmallBatchMoeConfig(qwen.gate_up, qwen.down, down_splits=8), 8, 768)
