@@ -23,12 +23,12 @@ import sys
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 import tidal.kernels._moe_small_batch_kernels as moe_small_batch_kernels
 import tidal.kernels._small_batch_kernels as small_batch_kernels
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.worker.models.decoder as decoder
+from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
 from tidal.kernels.small_batch_linear import LaunchConfig
 
 PROJECTIONS = {"o": (2048, 4096), "router": (128, 2048)}  # (outputs, inputs) of Qwen3-30B-A3B's
@@ -37,9 +37,8 @@ QKV_INPUTS = 2048
 
 @triton.jit
 def wait_then_let_next_launch(USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous_kernel(USE_PDL)
+    let_next_kernel_launch(USE_PDL)
 
 
 @triton.jit
