@@ -78,6 +78,7 @@ class RankFailure:
     rank: int
     reason: str
     delete_pod: bool  # its pod still runs (frozen, or named by a peer): delete it so a replacement is made
+    new_process: bool = False  # failed only for being a new process outside the epoch (it restarted, or replaced)
 
 
 @dataclass(frozen=True)
@@ -183,11 +184,13 @@ def find_failures(
         if why is not None:
             failed[rank] = RankFailure(rank, why, delete_pod=False)
         elif new_process and restarted_recently(slot, now):
-            failed[rank] = RankFailure(rank, "its container restarted (a new process, out of the group)", False)
+            why = "its container restarted (a new process, out of the group)"
+            failed[rank] = RankFailure(rank, why, delete_pod=False, new_process=True)
         elif slot.state is not None and slot.state.group_epoch == 0:
             # Every member of an applied epoch joined it, so a member at epoch 0 is a new process: its container
-            # restarted (a crash) and it reloads in place.
-            failed[rank] = RankFailure(rank, "its worker restarted (a new process, out of the group)", False)
+            # restarted (a crash) and it reloads in place, or its pod was replaced while the view still lists it.
+            why = "its worker restarted (a new process, out of the group)"
+            failed[rank] = RankFailure(rank, why, delete_pod=False, new_process=True)
         elif slot.usable and slot.state is None and silent is not None and silent >= silent_after:
             failed[rank] = RankFailure(rank, f"its worker has not answered /state for {silent:.1f}s", True)
     for slot in slots:
@@ -234,6 +237,36 @@ def wanted_members(slots: list[RankSlot], view: EpochView | None, failures: dict
     return tuple(sorted(out))
 
 
+def _with_loaded_new_processes(
+    slots: list[RankSlot], wanted: tuple[int, ...], failures: dict[int, RankFailure], among: list[int] | None
+) -> tuple[int, ...]:
+    """`wanted` with the failed ranks (of `among`, if given) whose new process is loaded and reachable.
+
+    Once the epoch of the survivors alone was refused (with too few redundant experts, say, their slots cannot hold
+    every expert), the view never drops the failed ranks, so a new process under a failed rank's name would wait
+    for a survivors-only epoch that does not come; it rejoins at once instead, and stays wanted while the epoch
+    that takes it back is in flight.
+    """
+    back = [
+        s.rank
+        for s in slots
+        if (failure := failures.get(s.rank)) is not None
+        and failure.new_process
+        and (among is None or s.rank in among)
+        and s.usable
+        and s.pod is not None
+        and s.pod.group_address is not None
+        and s.state is not None
+        and s.state.model_loaded
+    ]
+    return tuple(sorted({*wanted, *back}))
+
+
+def _new_processes(slots: list[RankSlot], wanted: tuple[int, ...]) -> list[int]:
+    """Wanted ranks whose process has joined no epoch yet (epoch 0): a new process under a member's name."""
+    return [s.rank for s in slots if s.rank in wanted and s.state is not None and s.state.group_epoch == 0]
+
+
 def _broken_without_culprit(slots: list[RankSlot], view: EpochView) -> bool:
     reports = [s.state for s in slots if s.state is not None and s.rank in view.members and broken_in(s, view)]
     if not reports or any(r.group.broken_peer_rank is not None for r in reports):
@@ -253,11 +286,13 @@ def refusal_note(sent: SentEpoch) -> str:
     return f"epoch {sent.epoch} was refused by rank {first.rank}: {first.code}: {first.message}{more}"
 
 
-def _why(view: EpochView | None, wanted: tuple[int, ...]) -> str:
+def _why(view: EpochView | None, wanted: tuple[int, ...], rejoining: list[int]) -> str:
     if view is None:
         return "every rank is loaded: forming the group"
     left, joined = sorted(set(view.members) - set(wanted)), sorted(set(wanted) - set(view.members))
+    back = sorted(set(rejoining) & set(view.members))  # new processes under members' names
     parts = ([f"without ranks {left}"] if left else []) + ([f"with ranks {joined} joining"] if joined else [])
+    parts += [f"with ranks {back} rejoining as new processes"] if back else []
     return ", ".join(parts) or "the same members again"
 
 
@@ -266,12 +301,13 @@ def _epoch_to_send(
 ) -> tuple[str | None, str]:
     """(the reason to send an epoch with `wanted`, or None; a note when none is sent)."""
     pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
+    rejoining = _new_processes(slots, wanted) if view is not None else []
     if pending is not None and not pending.refused:
         if tuple(pending.members) == wanted:
             state = "in flight" if pending.in_flight else "applied; waiting for the ranks to report it"
             return None, f"epoch {pending.epoch} {state}"
-        return _why(view, wanted) + f" (superseding epoch {pending.epoch})", ""
-    if view is not None and view.members == wanted:
+        return _why(view, wanted, rejoining) + f" (superseding epoch {pending.epoch})", ""
+    if view is not None and view.members == wanted and not rejoining:
         if _broken_without_culprit(slots, view):
             return f"epoch {view.epoch} broke with no culprit: the same members again", ""
         return None, ""
@@ -279,7 +315,7 @@ def _epoch_to_send(
         return None, refusal_note(pending)
     if view is None and len(wanted) < size:
         return None, f"waiting for every rank to load ({len(wanted)}/{size})"
-    return _why(view, wanted), ""
+    return _why(view, wanted, rejoining), ""
 
 
 def decide_group(
@@ -290,6 +326,10 @@ def decide_group(
     pending = sent if sent is not None and (view is None or sent.epoch > view.epoch) else None
     failures = find_failures(slots, view, now, silent_after_s(facts.model.spec))
     wanted = wanted_members(slots, view, failures)
+    if pending is not None:
+        # The survivors alone were refused, or the last epoch sent already took the new processes back in.
+        survivors_refused = pending.refused and tuple(pending.members) == wanted
+        wanted = _with_loaded_new_processes(slots, wanted, failures, None if survivors_refused else pending.members)
     if not wanted:
         return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded")
     reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)

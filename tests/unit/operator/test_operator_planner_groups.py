@@ -269,6 +269,32 @@ def test_a_refusal_is_surfaced_and_backed_off_until_the_delay_or_a_change():
     assert [m.rank for m in only_epoch(plan_with(model, pods, ranks, sent=fresh)).members] == [0, 1]
 
 
+def test_a_replacement_rejoins_at_once_when_the_survivors_alone_were_refused():
+    # Too few redundant experts: the survivors' epoch (0, 1, 3) was refused, so the view still lists rank 2, and
+    # its replacement, loaded at epoch 0, must not wait for a survivors-only epoch that will never apply.
+    model = ep_model()
+    pods, ranks = group(model, 3, (0, 1, 3), health="broken")
+    ranks["tiny-r0-2"] = rank_worker(2)  # the replacement's new process, loaded, outside any epoch
+    ranks["tiny-r0-0"] = rank_worker(0, 3, range(N), "broken", broken_peer_rank=2)
+    refusal = EpochRefusal(rank=0, code="experts_unavailable", message="2 slots missing")
+    refused = sent(4, (0, 1, 3), answered=True, refusals=[refusal], answered_age=1.0)
+    for member in (1, 3):
+        ranks[f"tiny-r0-{member}"] = rank_worker(member, 3, range(N), "broken", broken_peer_rank=2)
+    epoch = only_epoch(plan_with(model, pods, ranks, sent=refused))
+    assert epoch.epoch == 5 and [m.rank for m in epoch.members] == [0, 1, 2, 3]
+    assert epoch.reason == "with ranks [2] rejoining as new processes" and epoch.coordinator_rank == 0
+    # While that epoch is in flight the replacement stays in: no flip back to the refused survivors' epoch.
+    assert epochs(plan_with(model, pods, ranks, sent=sent(5, range(N)))) == []
+    # Still loading, it is not taken back: the refused epoch is retried after the delay, as before.
+    ranks["tiny-r0-2"] = rank_worker(2).model_copy(
+        update={"state": ranks["tiny-r0-2"].state.model_copy(update={"model_loaded": False})}
+    )
+    assert epochs(plan_with(model, pods, ranks, sent=refused)) == []
+    # Once every rank reports the new epoch, the group is whole and nothing more is sent.
+    pods, ranks = group(model, 5, range(N))
+    assert epochs(plan_with(model, pods, ranks, sent=sent(5, range(N), answered=True, answered_age=0.5))) == []
+
+
 def test_a_restarted_operator_resumes_from_the_workers_epochs():
     model = ep_model()
     pods, ranks = group(model, 7, (1, 2, 3))  # rank 0's replacement loaded; memory is empty
