@@ -48,11 +48,35 @@ def merge_values(base: Any, overlay: Any) -> Any:
     return copy.deepcopy(overlay)
 
 
+class PodTemplateError(ValueError):
+    """The template leaves no pod Tidal can run: the CRD keeps `podTemplate.spec` free-form, so this is found here."""
+
+
 def _find_worker(spec: dict[str, Any]) -> dict[str, Any] | None:
     return next((c for c in spec.get("containers", []) if c.get("name") == WORKER_CONTAINER), None)
 
 
+def _check_containers(merged: dict[str, Any]) -> None:
+    containers = merged.get("containers")
+    if not isinstance(containers, list) or not _is_named_list(containers):
+        raise PodTemplateError(
+            "spec.worker.podTemplate.spec.containers must be a list of containers that each have a name (items "
+            f"merge into Tidal's by name); after the merge it is {_describe(containers)}"
+        )
+    if _find_worker(merged) is None:
+        raise PodTemplateError(f"spec.worker.podTemplate.spec.containers dropped the {WORKER_CONTAINER!r} container")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "gone (a null removes the key)"
+    if isinstance(value, list):
+        return "a list with an item that has no name"
+    return f"a {type(value).__name__}, not a list"
+
+
 def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
+    _check_containers(merged)
     mine, theirs = _find_worker(built), _find_worker(merged)
     if mine is None or theirs is None:
         raise ValueError("the built pod and the merged pod must both have the worker container")
@@ -72,7 +96,8 @@ def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
 def apply_pod_template(
     pod: dict[str, Any], template_spec: dict[str, Any], labels: dict[str, str], annotations: dict[str, str]
 ) -> dict[str, Any]:
-    """Merge a user's pod template into a pod Tidal built; returns a new pod."""
+    """Merge a user's pod template into a pod Tidal built; returns a new pod. Raises PodTemplateError when the
+    template leaves no named containers or no worker container."""
     merged = copy.deepcopy(pod)
     merged["spec"] = merge_values(pod["spec"], template_spec)
     _reassert_worker(merged["spec"], pod["spec"])

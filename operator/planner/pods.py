@@ -11,7 +11,9 @@ fix nor the roll of the others.
 
 A new pod the API server refuses (`PlanInput.pod_refusals`: the runtime dry-runs what `pods_to_check` lists before
 planning, and remembers a create it refused) is not created, and no running pod is deleted to make room for it: the
-replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message.
+replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message. A
+template the merge itself cannot apply (`PodTemplateError`: no named containers, or no worker container left; the
+CRD keeps the template free-form) is refused the same way, with the operator's message, and is never dry-run.
 
 A rank whose name a pod of someone else's holds (`ObservedChildren.taken_pod_names`) gets no pod: creating one
 would fail for as long as that pod is there, and it is never deleted or adopted. The other ranks go on as usual.
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.operator.builders.merge import PodTemplateError
 from tidal.operator.builders.owner import spec_hash_of
 from tidal.operator.builders.pod import build_pod
 from tidal.operator.builders.weights import Weights
@@ -47,7 +50,8 @@ class PodToCheck:
 @dataclass(frozen=True)
 class PodRefusal:
     pod: str
-    message: str  # the API server's
+    message: str  # the API server's, or why the pod template cannot be merged
+    by: str = "the API server"
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,10 @@ def pods_to_check(inp: PlanInput) -> list[PodToCheck]:
     for slot in facts.slots:
         if slot.name in taken:
             continue
-        new = _new_pod(facts, slot, start)
+        try:
+            new = _new_pod(facts, slot, start)
+        except PodTemplateError:
+            continue  # nothing to ask the API server about: plan_pods reports it
         if new is not None:
             out.append(PodToCheck(manifest=new[0], replaces=new[1] != MISSING))
     return out
@@ -111,7 +118,11 @@ def plan_pods(
             continue
         if slot.name in names_taken:
             continue
-        new = _new_pod(facts, slot, start)
+        try:
+            new = _new_pod(facts, slot, start)
+        except PodTemplateError as err:
+            refused.append(PodRefusal(slot.name, str(err), by="the operator"))
+            continue
         if new is None:
             continue
         manifest, why = new
@@ -148,7 +159,8 @@ def plan_pods(
 
 
 def refusal_message(refused: list[PodRefusal]) -> str | None:
-    """The Degraded message while the API server refuses pods the spec asks for (None: it refuses none)."""
+    """The Degraded message while the API server (or the pod-template merge) refuses pods the spec asks for (None:
+    none is refused)."""
     if not refused:
         return None
     # A few names: the message must stay short with thousands of ranks (a condition's message is bounded).
@@ -156,6 +168,6 @@ def refusal_message(refused: list[PodRefusal]) -> str | None:
     if len(refused) > NAMED_REFUSALS:
         pods += f" and {len(refused) - NAMED_REFUSALS} more"
     return (
-        f"the API server refuses the pod the spec asks for ({pods}): {refused[0].message}. No pod is created or "
+        f"{refused[0].by} refuses the pod the spec asks for ({pods}): {refused[0].message}. No pod is created or "
         "replaced with it, and the running pods are kept: fix spec.worker (its podTemplate)"
     )

@@ -163,7 +163,7 @@ def compute_status(
         put("Ready", False, "RanksNotReady", f"{ready_ranks}/{total} ranks ready")
     if progress.reason is None and refused is not None:
         # Nothing moves, and nothing will until the spec changes: not "Reconciled".
-        put("Progressing", False, REFUSED_REASON, "the API server refuses the pods the spec asks for (see Degraded)")
+        put("Progressing", False, REFUSED_REASON, "the pods the spec asks for are refused (see Degraded)")
     else:
         put("Progressing", progress.reason is not None, progress.reason or "Reconciled", progress.message)
     if degraded is None:

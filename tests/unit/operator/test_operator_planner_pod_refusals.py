@@ -3,6 +3,7 @@ is Degraded with the API server's message and says so in one Warning Event per r
 
 from datetime import UTC, datetime
 
+import pytest
 from operator_fixtures import OPERATOR, TOKEN, healthy, kinds, make_model, pod_for, run, with_status, worker
 
 from tidal.operator.api.conditions import find_condition
@@ -49,6 +50,28 @@ def _running(spec):
     model = make_model(spec)
     pods, ranks = healthy(model)
     return with_status(model, run(model, pods, ranks)), pods, ranks
+
+
+UNMERGEABLE = {  # the CRD keeps the template free-form, so these reach the operator
+    "containers-null": ({"containers": None}, "gone (a null removes the key)"),
+    "container-without-name": ({"containers": [{"image": "busybox"}]}, "an item that has no name"),
+    "containers-a-map": ({"containers": {"worker": {"image": "x"}}}, "a dict, not a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNMERGEABLE))
+def test_a_template_the_merge_cannot_apply_is_refused_by_the_operator(case):
+    template, says = UNMERGEABLE[case]
+    before, pods, ranks = _running({"worker": RESOURCES})
+    spec = {"worker": {**RESOURCES, "podTemplate": {"spec": template}}}
+    changed = make_model(spec, generation=2).model_copy(update={"status": before.status})
+    assert pods_to_check(_input(changed, pods, ranks)) == []  # nothing to dry-run
+    result = run(changed, pods, ranks)
+    assert not any(isinstance(a, DeletePod | CreatePod) for a in result.actions)  # the running pods serve on
+    degraded = _cond(result, "Degraded")
+    assert degraded.status == "True" and degraded.reason == "PodTemplateRefused"
+    assert degraded.message.startswith("the operator refuses the pod the spec asks for") and says in degraded.message
+    assert _cond(result, "Progressing").reason == "PodTemplateRefused"
 
 
 def test_a_running_model_keeps_its_pods_when_the_new_template_is_refused():
