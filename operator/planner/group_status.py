@@ -96,7 +96,7 @@ def _group_state(decision: GroupDecision, states: dict[int, GroupRankState]) -> 
 
 def _served_at(decision: GroupDecision, clock: datetime) -> datetime:
     """When the view's epoch was applied: the last member's answer, when this process sent it; else now."""
-    sent = decision.pending
+    sent = decision.last_sent  # not `pending`, which is only an epoch newer than the view
     if sent is not None and decision.view is not None and sent.epoch == decision.view.epoch and sent.applied_at:
         return sent.applied_at
     return clock

@@ -92,6 +92,7 @@ class GroupDecision:
     wanted: tuple[int, ...]
     send: ReconfigureGroup | None
     note: str  # why nothing is sent although the group is not whole ("" when there is nothing to say)
+    last_sent: SentEpoch | None = None  # the last epoch this process sent, applied or not (its applied_at)
 
 
 def current_view(slots: list[RankSlot]) -> EpochView | None:
@@ -331,12 +332,14 @@ def decide_group(
         survivors_refused = pending.refused and tuple(pending.members) == wanted
         wanted = _with_loaded_new_processes(slots, wanted, failures, None if survivors_refused else pending.members)
     if not wanted:
-        return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded")
+        return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded", sent)
     reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)
     if reason is None:
-        return GroupDecision(replica, view, pending, failures, wanted, None, note)
+        return GroupDecision(replica, view, pending, failures, wanted, None, note, sent)
     if asleep or any(s.asleep for s in slots if s.rank in wanted):
-        return GroupDecision(replica, view, pending, failures, wanted, None, "asleep: the epoch waits for the wake")
+        return GroupDecision(
+            replica, view, pending, failures, wanted, None, "asleep: the epoch waits for the wake", sent
+        )
     by_rank = {s.rank: s for s in slots}
     seen = [s.state.group_epoch for s in slots if s.state is not None]
     epoch = max([*seen, view.epoch if view else 0, sent.epoch if sent else 0]) + 1
@@ -356,7 +359,7 @@ def decide_group(
         reason=reason,
         recovery=bool(failures),
     )
-    return GroupDecision(replica, view, pending, failures, wanted, send, "")
+    return GroupDecision(replica, view, pending, failures, wanted, send, "", sent)
 
 
 def _reports(slot: RankSlot, epoch: int) -> bool:

@@ -295,6 +295,26 @@ def test_a_replacement_rejoins_at_once_when_the_survivors_alone_were_refused():
     assert epochs(plan_with(model, pods, ranks, sent=sent(5, range(N), answered=True, answered_age=0.5))) == []
 
 
+def test_recovery_times_count_from_when_the_epoch_applied_not_from_the_pass_that_sees_it():
+    model = ep_model()
+    pods, ranks = group(model, 1, range(N))
+    model = ep_with_status(model, plan_with(model, pods, ranks))
+    lost = [p for p in pods if p.rank != 2]
+    failed = plan_with(model, lost, {k: v for k, v in ranks.items() if k != "tiny-r0-2"}, seconds=10.0)
+    model = ep_with_status(model, failed)
+    # The survivors' epoch applied 1 s after the failure was seen; the next pass looks only at 40 s (one held by a
+    # slow weight update, say).
+    applied = SentEpoch(
+        epoch=2, members=[0, 1, 3], coordinator_rank=0, sent_at=T0 + timedelta(seconds=10), age_s=30.0,
+        answered=True, answered_age_s=29.0, applied_at=T0 + timedelta(seconds=11),
+    )  # fmt: skip
+    survivors_pods, survivors = group(model, 2, (0, 1, 3), loaded={0, 1, 3})
+    survivors_pods = [p for p in survivors_pods if p.rank != 2]
+    seen_late = plan_with(model, survivors_pods, survivors, sent={0: applied}, seconds=40.0)
+    rec = seen_late.status.groups[0].last_recovery
+    assert rec.survivors_serving_at == T0 + timedelta(seconds=11) and rec.interruption_seconds == 1.0
+
+
 def test_a_restarted_operator_resumes_from_the_workers_epochs():
     model = ep_model()
     pods, ranks = group(model, 7, (1, 2, 3))  # rank 0's replacement loaded; memory is empty
