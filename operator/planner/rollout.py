@@ -11,8 +11,11 @@ While the model sleeps the roll waits: a sleeping rank serves nothing, and readi
 sleep for long, perhaps through more spec changes, is work for nothing. When the model is to wake, a rank still asleep
 behind the desired weights gets its update before its wake (the worker stages it into its host copy while asleep), at
 either sleep level: woken first, it would serve the old weights until the roll reached it (level 1), or read them
-from disk only to replace them (level 2). A worker that wakes itself for a request (`wakes_on_request`) does not wait
-for the operator's wake: its sleeping ranks get their update at once, as if the model were to wake.
+from disk only to replace them (level 2). In an expert-parallel group whose other ranks are being replaced or still
+load (their pods start on the desired weights) the sleepers are updated alone, so the group never forms on two
+versions; while an awake rank of the group serves the old weights, they wake on those and the group rolls whole. A
+worker that wakes itself for a request (`wakes_on_request`) does not wait for the operator's wake: its sleeping ranks
+get their update at once, as if the model were to wake.
 """
 
 from dataclasses import dataclass
@@ -93,6 +96,14 @@ def plan_rollout(
             # A replica still asleep serves nothing: its update costs no capacity, and it is woken only once it
             # holds the desired weights (`sleep.plan_sleep`, or a request it wakes for), never on the old ones.
             actions += _updates(stale, replica, view)
+            continue
+        sleeping = [s for s in stale if s.loaded and s.asleep]
+        if sleeping and not any(s.loaded and not s.asleep for s in stale):
+            # A group whose other ranks are being replaced or still loading (their pods start on the desired
+            # weights): its sleeping ranks take the update now, before the wake, or the group would form on two
+            # versions. While an awake rank of the group still serves the old weights, the sleepers wake on those
+            # too, and the whole group rolls once every rank is ready.
+            actions += _updates(sleeping, replica, view)
             continue
         # Only a replica whose every rank is ready and awake is updated; the others get there first (a rank that
         # does not serve and would start on other weights is replaced: `pods.py`).

@@ -172,6 +172,25 @@ def test_a_sleeper_behind_the_desired_weights_gets_them_before_it_wakes(level):
     assert _updates(result) == [] and len([a for a in result.actions if isinstance(a, WakeRank)]) == 2
 
 
+def test_a_sleeping_rank_whose_group_is_being_replaced_gets_the_update_before_its_wake():
+    # Asleep on base; one edit asks for v2 and Awake while rank 1's pod is gone. Its replacement starts on v2, so
+    # rank 0 woken on base would form a group on two versions: it takes v2 first.
+    base = make_model({"expertParallel": 2})
+    first = run(base, *healthy(base))
+    model = with_status(make_model({"expertParallel": 2, **V2}, generation=2), first)
+    rank0 = pod_for(model, 0, 0, group_port=7100, pod_ip="10.0.0.1")
+    sleeping = {rank0.name: worker(asleep=True, level=1, rank=0, world_size=2)}
+    result = run(model, [rank0], sleeping)
+    assert [u.pod for u in _updates(result)] == ["tiny-r0-0"]
+    assert not any(isinstance(a, WakeRank) for a in result.actions)
+    # While an awake rank of the group still serves base (restarted in place), rank 0 wakes on base like it: the
+    # group rolls whole once every rank is ready.
+    rank1 = pod_for(model, 0, 1, group_port=7100, pod_ip="10.0.0.2")
+    both = {**sleeping, rank1.name: worker(rank=1, world_size=2)}
+    result = run(model, [rank0, rank1], both)
+    assert _updates(result) == [] and [a.pod for a in result.actions if isinstance(a, WakeRank)] == ["tiny-r0-0"]
+
+
 def test_a_sleeper_update_takes_no_unavailability_budget_and_an_awake_model_is_not_woken_by_it():
     # Asleep replicas serve nothing: each is updated before its wake, however many there are.
     model, pods, _ = _served_base(3, {"updateStrategy": {"maxUnavailable": 1}})
