@@ -61,38 +61,6 @@ def _products(
 
 
 @triton.jit
-def _weight_tiles(w_ptr, w_stride, k_len, outs, out_mask, second_offset, PAIRED: tl.constexpr,
-                  BLOCK_K: tl.constexpr):  # fmt: skip
-    """A program's whole share of W as one [BLOCK_N, BLOCK_K] tile (and the paired one at `second_offset` rows when
-    PAIRED), in W's dtype. Weights are no kernel's output, so this may run before `wait_for_previous_kernel`: their
-    stream then overlaps the previous kernel instead of following it (see `weights_first` in small_batch_linear)."""
-    ks = tl.arange(0, BLOCK_K)
-    w_offsets = outs[:, None] * w_stride + ks[None, :]
-    w_mask = out_mask[:, None] & (ks < k_len)[None, :]
-    w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
-    w2 = w
-    if PAIRED:
-        w2 = tl.load(w_ptr + second_offset * w_stride + w_offsets, mask=w_mask, other=0.0)
-    return w, w2
-
-
-@triton.jit
-def _products_of_tiles(a_ptr, a_stride, k_len, rows, row_mask, w, w2, PAIRED: tl.constexpr, IS_FP32: tl.constexpr,
-                       BLOCK_K: tl.constexpr):  # fmt: skip
-    """_products over one K step whose weight tiles `_weight_tiles` loaded: the same sums, fp32 [BLOCK_M, BLOCK_N]."""
-    ks = tl.arange(0, BLOCK_K)
-    a = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & (ks < k_len)[None, :],
-                other=0.0)  # fmt: skip
-    if w.dtype == tl.float8e4nv:
-        a = beside_fp8(a, IS_FP32)
-    acc = exact_dot(a, tl.trans(w.to(a.dtype)), IS_FP32)
-    acc2 = acc
-    if PAIRED:
-        acc2 = exact_dot(a, tl.trans(w2.to(a.dtype)), IS_FP32)
-    return acc, acc2
-
-
-@triton.jit
 def beside_fp8(a, IS_FP32: tl.constexpr):
     """Activations a in the type their products with e4m3 weights run in (see _products)."""
     if IS_FP32:
@@ -195,22 +163,18 @@ def linear_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    WEIGHTS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (N-tile, split): BLOCK_N outputs of every row over the split's share of K (all of it when SPLIT_K is
     1). With SPLIT_K > 1 the split that arrives last on its tile adds the partials and alone runs the epilogue, its
-    stores masked by `finishes` (see _split_k.py). WEIGHTS_FIRST: the split's share of K is one BLOCK_K step, whose
-    weight tile loads before the wait for the previous kernel."""
+    stores masked by `finishes` (see _split_k.py)."""
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     out_mask = outs < n_out
     k_start, k_len = _split_share(k_in, SPLIT_K, BLOCK_K)
-    if WEIGHTS_FIRST:
-        w_tile, w_tile_up = _weight_tiles(w_ptr + k_start, w_stride, k_len, outs, out_mask, n_out, GATED, BLOCK_K)
-    wait_for_previous_kernel(USE_PDL)
     # The epilogue's small inputs are loaded before the K loop: each is a dependent round trip to L2 or memory, which
     # here overlaps the weight stream instead of following it (at one row a projection of a few MB takes only a few
     # us, and every round trip after the loop adds to it).
@@ -226,14 +190,10 @@ def linear_rows_kernel(
         res_mask = row_mask[:, None] & out_mask[None, :]
         res = tl.load(residual_ptr + rows[:, None] * residual_stride + outs[None, :], mask=res_mask, other=0.0)
         gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
-    if WEIGHTS_FIRST:
-        acc, acc_up = _products_of_tiles(a_ptr + k_start, a_stride, k_len, rows, row_mask, w_tile, w_tile_up, GATED,
-                                         IS_FP32, BLOCK_K)  # fmt: skip
-    else:
-        acc, acc_up = _products(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    acc, acc_up = _products(
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, out_mask, n_out, GATED,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
     if SPLIT_K > 1:
         acc, acc_up, finishes = _sum_splits_last(acc, acc_up, workspace_ptr, counters_ptr, pid, GATED, SPLIT_K,
@@ -322,14 +282,14 @@ def qkv_rope_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    WEIGHTS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (tile, split): BLOCK_N dims of the first half of one head and the same dims of its second half (a
     rotary pair, rotate_half style) over the split's share of K, so the rotation happens in the epilogue; q goes out,
     k and v straight into the cache. QK_NORM needs the whole head in one program (TILES_PER_HALF 1, BLOCK_N HALF) to
     normalise q and k heads before rotating them. With SPLIT_K > 1 the split that arrives last on its tile adds the
-    partials and alone runs the epilogue, as in linear_rows_kernel; WEIGHTS_FIRST as there."""
+    partials and alone runs the epilogue, as in linear_rows_kernel."""
+    wait_for_previous_kernel(USE_PDL)
     pid = tl.program_id(0)
     head = pid // TILES_PER_HALF
     dims = (pid % TILES_PER_HALF) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
@@ -338,9 +298,6 @@ def qkv_rope_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < num_rows
     k_start, k_len = _split_share(k_in, SPLIT_K, BLOCK_K)
-    if WEIGHTS_FIRST:
-        w_tile1, w_tile2 = _weight_tiles(w_ptr + k_start, w_stride, k_len, outs, dim_ok, HALF, True, BLOCK_K)
-    wait_for_previous_kernel(USE_PDL)
     # The epilogue's small inputs load before the K loop, their round trips overlapping the weight stream (as in
     # linear_rows_kernel).
     if ROW_SCALE:
@@ -355,14 +312,10 @@ def qkv_rope_kernel(
     slots = tl.load(slot_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
     w_scale1, w_scale2 = _weight_scales(w_scale_ptr, outs, dim_ok, HALF, w_ptr.dtype.element_ty == tl.float8e4nv,
                                         True)  # fmt: skip
-    if WEIGHTS_FIRST:
-        x1, x2 = _products_of_tiles(a_ptr + k_start, a_stride, k_len, rows, row_mask, w_tile1, w_tile2, True, IS_FP32,
-                                    BLOCK_K)  # fmt: skip
-    else:
-        x1, x2 = _products(
-            a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
-            IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
+    x1, x2 = _products(
+        a_ptr + k_start, w_ptr + k_start, a_stride, w_stride, k_len, rows, row_mask, outs, dim_ok, HALF, True,
+        IS_FP32, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     let_next_kernel_launch(USE_PDL)
     if SPLIT_K > 1:
         x1, x2, finishes = _sum_splits_last(x1, x2, workspace_ptr, counters_ptr, pid, True, SPLIT_K, BLOCK_M,

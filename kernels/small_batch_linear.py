@@ -59,10 +59,6 @@ class LaunchConfig:
     # Programs per output tile, each over 1/split_k of K; the last to finish adds the partials in a fixed order and
     # runs the epilogue (kernels/_split_k.py). More programs in flight for a projection with few output tiles.
     split_k: int = 1
-    # The program's whole share of K in one block_k step, its weight tile loaded before the kernel waits on the one
-    # before it (programmatic dependent launch): weights are no kernel's output, so their stream can overlap the
-    # previous kernel's tail instead of starting after it. Needs block_k >= ceil(K / split_k).
-    weights_first: bool = False
 
 
 # Measured best at one row on an H200 for shapes the rule in `choose_config` serves poorly, by (outputs, inputs,
@@ -128,14 +124,6 @@ def _check(
         check_contiguous("bias", bias)
     if a.shape[0] > MAX_ROWS:
         raise ValueError(f"at most {MAX_ROWS} rows, got {a.shape[0]}: use a GEMM")
-
-
-def check_weights_first(weights_first: bool, k_in: int, split_k: int, block_k: int) -> None:
-    """A weights-first launch loads each split's share of K as one tile: block_k must cover it."""
-    if weights_first and triton.cdiv(k_in, split_k) > block_k:
-        raise ValueError(
-            f"weights_first needs the split's share of K in one step: block_k {block_k} < ceil({k_in} / {split_k})"
-        )
 
 
 def check_weight_scale(a: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
@@ -243,7 +231,6 @@ def _launch(
     config = config or choose_config(n_out, k_in, gated, weight.dtype == FP8_E4M3)
     if config.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {config.split_k}")
-    check_weights_first(config.weights_first, k_in, config.split_k, config.block_k)
     num_programs = triton.cdiv(n_out, config.block_n)
     y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
     into_residual = residual is not None
@@ -286,7 +273,6 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         BLOCK_P=64,
-        WEIGHTS_FIRST=config.weights_first,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_launch_options(a.device),

@@ -23,7 +23,7 @@ from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype,
 from tidal.kernels.kv_cache_dtype import check_cache_dtype
 from tidal.kernels.kv_layout import cache_strides, check_kv_layouts
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
-from tidal.kernels.small_batch_linear import MAX_ROWS, check_weight_scale, check_weights_first, linear_rows_reference
+from tidal.kernels.small_batch_linear import MAX_ROWS, check_weight_scale, linear_rows_reference
 
 # Half-head widths a whole-head program takes as one tile: a tensor-core tile is a power of two of at least 16; wider
 # than 128, its two fp32 accumulators of 16 rows would crowd the registers (no supported family has such heads).
@@ -149,13 +149,12 @@ def qkv_rope_store_triton(
     num_warps: int | None = None,
     weight_scale: torch.Tensor | None = None,
     block_n: int | None = None,
-    weights_first: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
     tile at 4 warps). block_n: dims of each half a program takes (a power of two of at least 16, at most the half's
     next power of two; None: the half with a q/k norm, which needs whole heads, else 32, or 16 for narrower
-    halves). weights_first: as `LaunchConfig.weights_first` (block_k must cover a split's share of K)."""
+    halves)."""
     head_dim = _check(
         a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
     )
@@ -187,7 +186,6 @@ def qkv_rope_store_triton(
         split_k = default_split_k(num_tiles, triton.cdiv(k_in, block_k), qk_norm)
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    check_weights_first(weights_first, k_in, split_k, block_k)
     workspace, counters = split_buffers(q, num_tiles, split_k, 2 * MAX_ROWS * block_n)  # a rotary pair's tiles
     # Without the norms the gamma pointers are never read; the weight stands in for them.
     q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
@@ -211,7 +209,6 @@ def qkv_rope_store_triton(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_P=64,
-        WEIGHTS_FIRST=weights_first,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(a.device),

@@ -120,55 +120,31 @@ def test_rejects_bad_inputs():
         linear_rows_into_residual_triton(a, torch.randn(4, 8), torch.randn(2, 5), torch.randn(4))
 
 
-def _assert_same_results(device, dtype, variant, config, baseline):
-    """`config` and `baseline` give one result with every epilogue (up to the fp32 order of the sum), the reference's
-    too, and leave the split counters at zero for the next launch."""
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("split_k", [2, 3, 5])  # 5 over 80 inputs in steps of 32: the last split has no K at all
+@pytest.mark.parametrize("variant", ["plain", "row_scale", "gated", "into_residual"])
+def test_split_k_equals_the_unsplit_kernel(device, dtype, split_k, variant):
+    """The split programs' partials summed by the last one to arrive, with every epilogue: the unsplit result up to
+    the fp32 order of the sum, and the counters back at zero for the next launch."""
     rows, n_out, k_in = 3, 48, 80
     a, weight, b = _inputs(rows, 2 * n_out if variant == "gated" else n_out, k_in, dtype, device, bias=True)
+    split = LaunchConfig(SMALL.block_n, SMALL.block_k, SMALL.num_warps, SMALL.num_stages, split_k=split_k)
+    partials = _partials(a.float() * 3, 4)
     if variant == "into_residual":
         residual = torch.randn(rows, n_out, dtype=dtype, device=device)
         gamma = torch.rand(n_out, dtype=dtype, device=device) + 0.5
-        got_h, got = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=config)
-        want_h, want = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=baseline)
+        got_h, got = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=split)
+        want_h, want = linear_rows_into_residual_triton(a, weight, residual, gamma, b, config=SMALL)
         assert_close(got_h, want_h)
         assert_close(got.scaled, want.scaled)
         torch.testing.assert_close(got.partial_sq, want.partial_sq, rtol=1e-2, atol=1e-3)
     else:
-        kwargs = {"norm_partials": _partials(a.float() * 3, 4), "eps": 1e-6} if variant != "plain" else {}
+        kwargs = {"norm_partials": partials, "eps": 1e-6} if variant != "plain" else {}
         gated = variant == "gated"
-        got = linear_rows_triton(a, weight, b, gated=gated, config=config, **kwargs)
-        assert_close(got, linear_rows_triton(a, weight, b, gated=gated, config=baseline, **kwargs))
+        got = linear_rows_triton(a, weight, b, gated=gated, config=split, **kwargs)
+        assert_close(got, linear_rows_triton(a, weight, b, gated=gated, config=SMALL, **kwargs))
         assert_close(got, linear_rows_reference(a, weight, b, gated=gated, **kwargs), scale=3)
     assert not arrival_counters(torch.device(device), 1).any()
-
-
-VARIANTS = ["plain", "row_scale", "gated", "into_residual"]
-
-
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("split_k", [2, 3, 5])  # 5 over 80 inputs in steps of 32: the last split has no K at all
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_split_k_equals_the_unsplit_kernel(device, dtype, split_k, variant):
-    """The split programs' partials summed by the last one to arrive equal the unsplit kernel's sums."""
-    split = LaunchConfig(SMALL.block_n, SMALL.block_k, SMALL.num_warps, SMALL.num_stages, split_k=split_k)
-    _assert_same_results(device, dtype, variant, split, SMALL)
-
-
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("split_k", [1, 3, 5])  # 80 inputs in one step of 128, or in steps of 32 (5: two get none)
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_weights_first_equals_the_looping_kernel(device, dtype, split_k, variant):
-    """A split's whole share of W as one tile, loaded before the wait on the previous kernel, equals the looping
-    kernel at the same split."""
-    block_k = 32 if split_k > 1 else 128  # the split's share fits one step
-    first = LaunchConfig(16, block_k, 4, 1, split_k=split_k, weights_first=True)
-    _assert_same_results(device, dtype, variant, first, LaunchConfig(16, 32, 4, 2, split_k=split_k))
-
-
-def test_weights_first_needs_the_split_share_in_one_step(device):
-    a, weight, _ = _inputs(1, 16, 80, torch.float32, device, bias=False)
-    with pytest.raises(ValueError, match=r"block_k 32 < ceil\(80 / 2\)"):
-        linear_rows_triton(a, weight, config=LaunchConfig(16, 32, 4, 1, split_k=2, weights_first=True))
 
 
 def test_split_k_runs_are_bitwise_equal(device):

@@ -115,28 +115,6 @@ def test_split_k_changes_only_the_order_of_the_fp32_sums(device, dtype):
             assert_close(got, want)
 
 
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize(("split_k", "qk_norm"), [(1, True), (3, True), (2, False)])
-def test_weights_first_equals_the_looping_kernel(device, dtype, split_k, qk_norm):
-    """The split's share of W as one tile pair loaded before the wait on the previous kernel: the looping kernel's
-    q and cache writes up to the fp32 order of the sum."""
-    a, weight, b, partials, positions, cos_sin, slots = _case(7, 4, 2, 32, 96, dtype, device, True, True)
-    norms = _head_norms(32, dtype, device) if qk_norm else (None, None)
-    caches = _caches(2, 32, dtype, device)
-    results = []
-    for block_k, weights_first in ((16, False), ({1: 128, 2: 64, 3: 32}[split_k], True)):
-        k_cache, v_cache = caches[0].clone(), caches[1].clone()
-        q = qkv_rope_store_triton(a, weight, b, partials, 1e-6, positions, cos_sin, k_cache, v_cache, slots, 4, 2,
-                                  *norms, split_k=split_k, block_k=block_k, weights_first=weights_first)  # fmt: skip
-        results.append((q, k_cache, v_cache))
-    for got, want in zip(results[1], results[0], strict=True):
-        assert_close(got, want)
-    assert not arrival_counters(a.device, 1).any()
-    with pytest.raises(ValueError, match="weights_first needs"):
-        qkv_rope_store_triton(a, weight, b, partials, 1e-6, positions, cos_sin, *caches, slots, 4, 2, *norms,
-                              split_k=split_k, block_k=16, weights_first=True)  # fmt: skip
-
-
 def test_splits_k_without_the_norm_too(device):
     a, weight, b, partials, positions, cos_sin, slots = _case(3, 2, 1, 64, 48, torch.float32, device, True, True)
     caches = _caches(1, 64, torch.float32, device)
