@@ -263,6 +263,16 @@ def _with_loaded_new_processes(
     return tuple(sorted({*wanted, *back}))
 
 
+def _sent_to(slots: list[RankSlot], sent: SentEpoch) -> list[int]:
+    """The members of `sent` whose current process was running when it was sent: one that started later (it
+    crashed and restarted since) never got that epoch, so the survivors go on without it rather than wait."""
+    return [
+        s.rank
+        for s in slots
+        if s.rank in sent.members and (s.pod is None or s.pod.started_at is None or s.pod.started_at <= sent.sent_at)
+    ]
+
+
 def _new_processes(slots: list[RankSlot], wanted: tuple[int, ...]) -> list[int]:
     """Wanted ranks whose process has joined no epoch yet (epoch 0): a new process under a member's name."""
     return [s.rank for s in slots if s.rank in wanted and s.state is not None and s.state.group_epoch == 0]
@@ -330,7 +340,9 @@ def decide_group(
     if pending is not None:
         # The survivors alone were refused, or the last epoch sent already took the new processes back in.
         survivors_refused = pending.refused and tuple(pending.members) == wanted
-        wanted = _with_loaded_new_processes(slots, wanted, failures, None if survivors_refused else pending.members)
+        wanted = _with_loaded_new_processes(
+            slots, wanted, failures, None if survivors_refused else _sent_to(slots, pending)
+        )
     if not wanted:
         return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded", sent)
     reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)

@@ -285,6 +285,11 @@ def test_a_replacement_rejoins_at_once_when_the_survivors_alone_were_refused():
     assert epoch.reason == "with ranks [2] rejoining as new processes" and epoch.coordinator_rank == 0
     # While that epoch is in flight the replacement stays in: no flip back to the refused survivors' epoch.
     assert epochs(plan_with(model, pods, ranks, sent=sent(5, range(N)))) == []
+    # A process that started after the epoch was sent never got it (it crashed again): the survivors go on.
+    pods[2] = pods[2].model_copy(update={"started_at": T0 + timedelta(seconds=5)})
+    again = only_epoch(plan_with(model, pods, ranks, sent=sent(5, range(N)), seconds=6.0))
+    assert [m.rank for m in again.members] == [0, 1, 3] and "superseding epoch 5" in again.reason
+    pods[2] = pods[2].model_copy(update={"started_at": None})
     # Still loading, it is not taken back: the refused epoch is retried after the delay, as before.
     ranks["tiny-r0-2"] = rank_worker(2).model_copy(
         update={"state": ranks["tiny-r0-2"].state.model_copy(update={"model_loaded": False})}
