@@ -15,7 +15,11 @@ MAX_INDEX_BYTES = 100 * 2**20  # a name -> file map; far above what the largest 
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
-    if not directory.is_dir():
+    try:
+        is_dir = directory.is_dir()
+    except OSError as exc:  # is_dir() swallows only "not there": a name too long (ENAMETOOLONG) raises
+        raise CheckpointFilesMissingError([f"{str(directory)[:200]}: {exc.strerror}"]) from exc
+    if not is_dir:
         raise CheckpointFilesMissingError([f"{directory} is not a directory"])
     # exists(), not is_file(): an index or file that is there but not a regular file (a FIFO) is refused when it
     # is read (see header.regular_file_size), rather than silently passed over for other files.

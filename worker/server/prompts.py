@@ -127,13 +127,25 @@ def _named_parameters(function: Callable[..., Any]) -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind in kinds)
 
 
+def unicode_text(text: str, param: str) -> str:
+    """`text`, if it is valid Unicode. JSON may escape a lone UTF-16 surrogate (`"\\ud800"`), which Python keeps in
+    a str but no tokenizer can encode (a TypeError deep inside it): refused here as the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end].encode("unicode_escape").decode("ascii")
+        message = f"the text has a lone UTF-16 surrogate ({bad}) at {exc.start}: not Unicode"
+        raise ApiError(400, message, param=param) from exc
+    return text
+
+
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-    return list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    return list(tokenizer.encode(unicode_text(prompt, "prompt"))) if isinstance(prompt, str) else list(prompt)
 
 
 def text_token_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     # A keyword: Hugging Face's second positional argument is a second text (`text_pair`).
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return list(tokenizer.encode(unicode_text(text, "prompt"), add_special_tokens=add_special_tokens))
 
 
 def token_ids_text(tokenizer: Tokenizer, token_ids: list[int]) -> str:
@@ -173,7 +185,7 @@ def chat_prompt_ids(
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     if not isinstance(text, str):
         raise ApiError(500, f"the chat template returned {type(text).__name__}, expected text")
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return list(tokenizer.encode(unicode_text(text, "messages"), add_special_tokens=add_special_tokens))
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, Any]:
@@ -198,5 +210,5 @@ def _as_template_message(message: ChatMessage) -> dict[str, Any]:
 def _arguments(text: str) -> object:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:  # as sent: the template shows what the model wrote, malformed or not
+    except (json.JSONDecodeError, RecursionError):  # as sent: the template shows what the model wrote, malformed or not
         return text

@@ -117,6 +117,8 @@ def _extension(fields: StructuredOutputs) -> StructuredOutput:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ApiError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs") from exc
+            except RecursionError as exc:  # Python's parser recurses per level: "[[[[...]]]]" exhausts the stack
+                raise ApiError(400, "structured_outputs.json is nested too deeply", param="structured_outputs") from exc
             if not isinstance(schema, dict):
                 raise ApiError(400, "structured_outputs.json must be a JSON schema object", param="structured_outputs")
         return StructuredOutput.json_schema(schema)

@@ -143,6 +143,8 @@ def test_without_an_index_one_file_or_every_safetensors_file(tmp_path):
 def test_missing_directories_weights_and_shards_are_missing_files(tmp_path):
     with pytest.raises(CheckpointFilesMissingError, match="is not a directory"):
         checkpoint_files(tmp_path / "nope")
+    with pytest.raises(CheckpointFilesMissingError, match="too long"):  # is_dir() raises ENAMETOOLONG
+        checkpoint_files(tmp_path / ("a" * 300))
     with pytest.raises(CheckpointFilesMissingError, match=r"no \*\.safetensors"):
         checkpoint_files(tmp_path)
     directory = shards(tmp_path / "c", {"a.safetensors": {"x": torch.zeros(2)}})

@@ -1,5 +1,6 @@
 """Tool fields of a chat request: what is accepted, the 400s of what cannot work, the forced-call structural tag, and
-how a choice's text becomes a message (whole and streamed)."""
+how a choice's text becomes a message (whole and streamed); text no parser or tokenizer takes (a lone surrogate, JSON
+nested too deeply) is the client's error or plain content, never a 500."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 from pydantic import ValidationError
 
 from tidal.worker.server.errors import ApiError
-from tidal.worker.server.prompts import chat_prompt_ids
-from tidal.worker.server.protocol import ChatCompletionRequest, ChatMessage
-from tidal.worker.server.sampling import forced_tool_calls
+from tidal.worker.server.prompts import chat_prompt_ids, completion_prompt_ids, text_token_ids
+from tidal.worker.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tidal.worker.server.sampling import forced_tool_calls, structured_output
 from tidal.worker.server.shaping import ChatShape
 from tidal.worker.server.tool_calls import llama, mistral, qwen
+from tidal.worker.server.tool_calls.format import parse_output
 
 WEATHER = {
     "type": "function",
@@ -183,3 +185,55 @@ def test_streamed_calls_are_a_name_delta_then_an_arguments_delta():
     assert dumped[1] == {"index": 0, "function": {"arguments": "{}"}}
     assert dumped[2]["index"] == 1 and dumped[3]["function"] == {"arguments": '{"city": "Oslo"}'}
     assert shape.stream_finish_reason(0, "stop") == "tool_calls"
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # Python's JSON parser recurses per level: this exhausts its stack
+
+
+def test_replayed_arguments_nested_too_deeply_reach_the_template_as_sent():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    messages = [ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})]
+    tokenizer = _Template()
+    chat_prompt_ids(tokenizer, messages, True, None)
+    assert tokenizer.seen["conversation"][0]["tool_calls"][0]["function"]["arguments"] == DEEP
+
+
+@pytest.mark.parametrize("fmt", [qwen.FORMAT, llama.FORMAT])
+def test_model_output_nested_too_deeply_is_plain_content(fmt):
+    inner = '{"name": "f", "arguments": ' + DEEP + "}"
+    text = f"<tool_call>\n{inner}\n</tool_call>" if fmt is qwen.FORMAT else inner
+    parsed = parse_output(fmt, text)
+    assert parsed.calls == [] and parsed.content == text
+    string_arguments = '{"name": "f", "parameters": ' + json.dumps(DEEP) + "}"  # arguments as a JSON string
+    assert parse_output(llama.FORMAT, string_arguments).calls == []
+
+
+class _Encoder(_Template):
+    def encode(self, text, add_special_tokens=True):
+        text.encode("utf-8")  # what a real tokenizer trips over (as a TypeError, deep inside)
+        return [1]
+
+
+def test_a_lone_surrogate_in_the_text_is_the_clients_error():
+    lone = "a\ud800b"  # JSON may carry "\ud800", which Python keeps in a str
+    with pytest.raises(ApiError) as prompt:
+        completion_prompt_ids(_Encoder(), lone)
+    assert prompt.value.status == 400 and prompt.value.param == "prompt" and "\\ud800" in prompt.value.message
+    with pytest.raises(ApiError) as chat:
+        chat_prompt_ids(_Surrogate(), [ChatMessage(role="user", content=lone)], True, None)
+    assert chat.value.status == 400 and chat.value.param == "messages"
+    with pytest.raises(ApiError):
+        text_token_ids(_Encoder(), lone, add_special_tokens=True)
+    assert completion_prompt_ids(_Encoder(), "a\U0001f600b") == [1]  # a pair written as one character is fine
+
+
+class _Surrogate(_Encoder):
+    def apply_chat_template(self, conversation, **kwargs):
+        return conversation[0]["content"]
+
+
+def test_a_json_schema_string_nested_too_deeply_is_a_400():
+    request = CompletionRequest(model="m", prompt="x", structured_outputs={"json": DEEP})
+    with pytest.raises(ApiError) as refused:
+        structured_output(request)
+    assert refused.value.status == 400 and "nested too deeply" in refused.value.message

@@ -47,7 +47,7 @@ def read_object(text: str, pos: int) -> tuple[dict[str, Any], int] | None:
         return None
     try:
         value, end = _DECODER.raw_decode(text, pos)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # too deep to be a call a client can use: plain text
         return None
     return (value, end) if isinstance(value, dict) else None
 
@@ -68,7 +68,7 @@ def as_call(value: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

@@ -25,7 +25,7 @@ def scan(region: str) -> RegionScan:
             break
         try:
             call = as_call(json.loads(region[pos + len(OPEN) : close]), ("arguments", "parameters"))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # malformed or too deep: the text stays content
             call = None
         if call is None:
             break
