@@ -238,29 +238,26 @@ def wanted_members(slots: list[RankSlot], view: EpochView | None, failures: dict
     return tuple(sorted(out))
 
 
-def _with_loaded_new_processes(
-    slots: list[RankSlot], wanted: tuple[int, ...], failures: dict[int, RankFailure], among: list[int] | None
-) -> tuple[int, ...]:
-    """`wanted` with the failed ranks (of `among`, if given) whose new process is loaded and reachable.
+def _new_processes_back_in(
+    slots: list[RankSlot], failures: dict[int, RankFailure], among: list[int] | None
+) -> dict[int, RankFailure]:
+    """`failures` without the ranks (of `among`, if given) failed only for being a new process that answers /state:
+    `wanted_members` then takes such a process back once it is loaded.
 
     Once the epoch of the survivors alone was refused (with too few redundant experts, say, their slots cannot hold
     every expert), the view never drops the failed ranks, so a new process under a failed rank's name would wait
     for a survivors-only epoch that does not come; it rejoins at once instead, and stays wanted while the epoch
     that takes it back is in flight.
     """
-    back = [
+    back = {
         s.rank
         for s in slots
         if (failure := failures.get(s.rank)) is not None
         and failure.new_process
+        and s.state is not None  # one not answering yet is not kept as "missed a /state" would keep a member
         and (among is None or s.rank in among)
-        and s.usable
-        and s.pod is not None
-        and s.pod.group_address is not None
-        and s.state is not None
-        and s.state.model_loaded
-    ]
-    return tuple(sorted({*wanted, *back}))
+    }
+    return {rank: failure for rank, failure in failures.items() if rank not in back}
 
 
 def _sent_to(slots: list[RankSlot], sent: SentEpoch) -> list[int]:
@@ -340,9 +337,8 @@ def decide_group(
     if pending is not None:
         # The survivors alone were refused, or the last epoch sent already took the new processes back in.
         survivors_refused = pending.refused and tuple(pending.members) == wanted
-        wanted = _with_loaded_new_processes(
-            slots, wanted, failures, None if survivors_refused else _sent_to(slots, pending)
-        )
+        among = None if survivors_refused else _sent_to(slots, pending)
+        wanted = wanted_members(slots, view, _new_processes_back_in(slots, failures, among))
     if not wanted:
         return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded", sent)
     reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)

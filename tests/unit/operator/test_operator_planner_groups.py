@@ -295,6 +295,10 @@ def test_a_replacement_rejoins_at_once_when_the_survivors_alone_were_refused():
         update={"state": ranks["tiny-r0-2"].state.model_copy(update={"model_loaded": False})}
     )
     assert epochs(plan_with(model, pods, ranks, sent=refused)) == []
+    # Restarted and not answering /state yet: not taken back either (nothing says it will load).
+    restarted = pods[2].model_copy(update={"restart_count": 1, "started_at": T0 - timedelta(seconds=2)})
+    silent = {**ranks, "tiny-r0-2": RankObservation(silent_for_s=0.1)}
+    assert epochs(plan_with(model, [*pods[:2], restarted, pods[3]], silent, sent=refused)) == []
     # Once every rank reports the new epoch, the group is whole and nothing more is sent.
     pods, ranks = group(model, 5, range(N))
     assert epochs(plan_with(model, pods, ranks, sent=sent(5, range(N), answered=True, answered_age=0.5))) == []
