@@ -156,12 +156,30 @@ def test_abort_frees_the_matcher(engine, prompt):
         (StructuredOutput(kind="regex", text="(ab"), "invalid regex"),
         (StructuredOutput(kind="grammar", text="root ::= "), "invalid grammar"),
         (StructuredOutput(kind="grammar", text='start ::= "a"'), "invalid grammar"),
+        # They compile, but no token may come first and the empty output is not theirs either.
+        (StructuredOutput(kind="grammar", text="root ::= root"), "invalid grammar: it matches no string"),
+        (StructuredOutput(kind="grammar", text='root ::= root "a"'), "invalid grammar: it matches no string"),
+        (StructuredOutput(kind="regex", text="[^\\x00-\\U0010FFFF]"), "invalid regex: it matches no string"),
     ],
 )
 def test_bad_grammars_are_refused_before_queuing(engine, prompt, spec, message):
     with pytest.raises(InvalidGrammarError, match=message):
         engine.add_request("bad", prompt, structured(spec))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_dead_ends_later_aborts_the_sample_alone(engine, prompt):
+    """A dead end after some tokens is not found before queuing (that needs the grammar's whole analysis): the mask
+    allows no token there, so the sample ends with "abort" and without the token sampled from nothing; its batch
+    mate runs on untouched."""
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = engine.generate([prompt], plain)[0].output_token_ids
+    dead_end = structured(StructuredOutput(kind="grammar", text='root ::= "a" rest\nrest ::= rest'), seed=0)
+    plain_result, result = engine.generate([prompt, prompt], [plain, dead_end])
+    assert plain_result.output_token_ids == alone
+    assert result.finish_reason == "abort"
+    assert result.text == "a" and engine.tokenizer.decode(result.output_token_ids) == "a"
+    assert engine._num_structured == 0 and not engine.has_unfinished_requests()
 
 
 def test_bounds():

@@ -128,6 +128,8 @@ def test_async_client_streamed_and_not(worker):
          "response_format", "invalid json schema"),
         ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "response_format", "invalid regex"),
         ({"extra_body": {"structured_outputs": {"grammar": "nothing ::= "}}}, "response_format", "invalid grammar"),
+        ({"extra_body": {"structured_outputs": {"grammar": "root ::= root"}}}, "response_format",
+         "invalid grammar: it matches no string"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs", "exactly one"),
         ({"extra_body": {"structured_outputs": {"choice": [str(i) for i in range(300)]}}}, "structured_outputs",
          "at most 256"),

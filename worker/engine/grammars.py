@@ -2,10 +2,10 @@
 
 Compiling a JSON schema or a grammar against the vocabulary can take from a millisecond to seconds; the step loop
 must never wait for it. `submit` runs the compile on a small thread pool and returns a Future; the async engine awaits
-it before the request is queued, so a request is admitted with its grammar ready and a grammar that does not compile
-is refused (a 400 with the engine's message) before it takes any room. The Futures are kept in an LRU keyed by the
-spec: equal schemas compile once, and concurrent requests for one schema share the compile in progress (a failed one
-stays cached too, so repeating a bad schema costs nothing).
+it before the request is queued, so a request is admitted with its grammar ready and a grammar that does not compile,
+or compiles but can never begin (`can_start`), is refused (a 400 with the engine's message) before it takes any room.
+The Futures are kept in an LRU keyed by the spec: equal schemas compile once, and concurrent requests for one schema
+share the compile in progress (a failed one stays cached too, so repeating a bad schema costs nothing).
 
 xgrammar is imported on first use: a worker that never serves a structured request does not pay for it, nor for
 reading the tokenizer's vocabulary into xgrammar's form (about a second at a 150k vocabulary).
@@ -71,6 +71,15 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        grammar = self._compile_unchecked(spec)
+        if not can_start(grammar, self._vocab_size):
+            raise InvalidGrammarError(
+                spec.kind.replace("_", " "),
+                "it matches no string (no token may come first, and the empty output does not match either)",
+            )
+        return grammar
+
+    def _compile_unchecked(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
         try:
             # JSON without free whitespace between tokens (compact, as json.dumps(separators=(",", ":")) writes):
@@ -107,6 +116,24 @@ def new_matcher(grammar: xgrammar.CompiledGrammar) -> xgrammar.GrammarMatcher:
     import xgrammar
 
     return xgrammar.GrammarMatcher(grammar)
+
+
+def can_start(grammar: xgrammar.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether a sample of `grammar` can begin: some token is allowed first, or the grammar is already complete.
+
+    xgrammar compiles grammars whose language is empty (`root ::= root`, left recursion with no base case, a regex
+    class that admits no character) without complaint; their first mask allows no token, and sampling from a row
+    that is all -inf picks an arbitrary one. One mask fill (tens of microseconds, cached with the compile) finds
+    them; it is sound (it refuses only grammars no output can satisfy), not complete: a grammar that dead-ends after
+    some tokens passes, and the engine ends such a sample when it gets there (llm_engine.py, `_grammar_end`)."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(grammar)
+    if matcher.is_completed():
+        return True
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def choice_grammar(choices: list[str]) -> str:

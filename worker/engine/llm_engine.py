@@ -413,7 +413,7 @@ class LLMEngine:
         `next_forward`: the step launched after it, whose sampling waits for this read (structured outputs): the
         grammar matchers are advanced first, and the masks of that sampling filled on a thread meanwhile."""
         tokens = step.samples.wait()
-        grammar_ended = self._advance_matchers(step, tokens) if self._num_structured else frozenset()
+        grammar_ends = self._advance_matchers(step, tokens) if self._num_structured else {}
         if next_forward is not None and next_forward.logits is not None and self._num_structured:
             self.sampler.prepare_masks([p.request.matcher for p in next_forward.pending], self.vocab_size)
         if step.prompt_positions:
@@ -426,10 +426,14 @@ class LLMEngine:
         live_tokens: list[int] = []
         live_logprobs: list[TokenLogprob | None] = []
         detokenizers: list[IncrementalDetokenizer] = []
+        outputs = []
         for row, (p, token) in enumerate(zip(step.pending, tokens, strict=True)):
             request = p.request
             seq = request.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted, or ended by the step before (a wasted row)
+                continue
+            if grammar_ends.get(row) == "abort":
+                outputs.append(self._end_at_dead_end(p))
                 continue
             seq.token_ids[p.token_index] = token
             live.append(p)
@@ -438,10 +442,9 @@ class LLMEngine:
             live_logprobs.append(row_logprobs.get(row))
             detokenizers.append(request.detokenizer)
         if not live:
-            return []
+            return outputs
         texts = push_each(self._window_decoder, detokenizers, live_tokens)
         self._num_generated_tokens += len(live)
-        outputs = []
         for (request, index), row, token, text, logprob in zip(
             live, live_rows, live_tokens, texts, live_logprobs, strict=True
         ):
@@ -454,8 +457,8 @@ class LLMEngine:
                 reason: FinishReason | None = "stop"
             else:
                 reason = token_stop_reason(seq, self.eos_token_ids, self.max_model_len, num_tokens)
-            if reason is None and row in grammar_ended:
-                reason = "stop"
+            if reason is None:
+                reason = grammar_ends.get(row)  # "stop" if any: dead ends ended above
             if reason is None:
                 output = RequestOutput(seq.request_id, [token], new_text, None, len(seq.prompt_token_ids),
                                        num_tokens - len(seq.prompt_token_ids), seq.sample_index)  # fmt: skip
@@ -473,16 +476,37 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _advance_matchers(self, step: InFlightStep, tokens: list[int]) -> frozenset[int]:
-        """Advance each live structured row's grammar matcher by its new token; -> the rows whose grammar is
-        complete with it (their samples end there, whether or not the token was one of the engine's EOS ids)."""
-        ended = set()
+    def _advance_matchers(self, step: InFlightStep, tokens: list[int]) -> dict[int, FinishReason]:
+        """Advance each live structured row's grammar matcher by its new token; -> the rows whose grammar ends
+        there and how (see `_grammar_end`): "stop" when complete with it, whether or not the token was one of the
+        engine's EOS ids; "abort" at a dead end."""
+        ended = {}
         for row, (p, token) in enumerate(zip(step.pending, tokens, strict=True)):
             matcher = p.request.matcher
-            live = matcher is not None and p.request.seq.status is not SequenceStatus.FINISHED
-            if live and not _grammar_goes_on(matcher, token):
-                ended.add(row)
-        return frozenset(ended)
+            if matcher is None or p.request.seq.status is SequenceStatus.FINISHED:
+                continue
+            reason = _grammar_end(matcher, token)
+            if reason is not None:
+                ended[row] = reason
+        return ended
+
+    def _end_at_dead_end(self, p: PendingToken) -> RequestOutput:
+        """End a sample whose grammar allowed no token at all (see `_grammar_end`): the token sampled from an
+        all -inf row is dropped, the text held back so far is handed out."""
+        request, seq = p.request, p.request.seq
+        del seq.token_ids[p.token_index :]
+        log.warning(
+            "request %s sample %d: its grammar allows no token after %d output tokens (a rule that never ends?); "
+            "the sample is aborted",
+            seq.request_id,
+            seq.sample_index,
+            seq.num_output_tokens,
+        )
+        output = self._finish(request, "abort", [], request.text.flush())
+        if request.prompt_logprobs_due:
+            request.prompt_logprobs_due = False
+            output = output._replace(prompt_logprobs=request.prompt_logprobs or [None])
+        return output
 
     def _store_prompt_logprobs(self, step: InFlightStep) -> None:
         """File the step's prompt-position logprobs with their requests (a chunk at a time; kept until sent)."""
@@ -601,10 +625,15 @@ _NO_STATEFUL_CONTROLS: dict[str, Any] = {
 }
 
 
-def _grammar_goes_on(matcher: Any, token: int) -> bool:
-    """Advance a structured sample's matcher by its new token; False once its grammar is complete."""
+def _grammar_end(matcher: Any, token: int) -> FinishReason | None:
+    """Advance a structured sample's matcher by its new token; -> None while its grammar goes on, "stop" once it is
+    complete, "abort" at a dead end.
+
+    The mask allows exactly the tokens the matcher accepts, so a refused token was sampled from a row the mask left
+    all -inf: the grammar allows no token here. A grammar that can never begin is refused before queuing
+    (grammars.py, `can_start`); one that dead-ends later (`root ::= "a" x`, `x ::= x`) is not, as finding it takes the
+    whole grammar's analysis. Such a sample ends here with "abort", which the API passes through, and without the
+    arbitrary token: not "stop", which would say that the output matches, and not going on unconstrained."""
     if not matcher.accept_token(token):
-        # The mask allowed only what the matcher accepts, so this is a bug; end the sample rather than go on unmasked.
-        log.error("the grammar matcher refused token %d, which its own mask allowed", token)
-        return False
-    return not matcher.is_terminated()
+        return "abort"
+    return "stop" if matcher.is_terminated() else None
