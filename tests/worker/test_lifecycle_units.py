@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -13,6 +17,7 @@ from tidal.worker.lifecycle.errors import (
     UploadOffsetError,
 )
 from tidal.worker.lifecycle.uploads import Uploads
+from tidal.worker.testing.silent_port import SilentPort
 
 
 def test_uploads_append_in_order_and_one_at_a_time(tmp_path):
@@ -48,6 +53,43 @@ def test_a_trainer_that_cannot_be_reached_is_a_collective_failure():
     # 502 collective_failed, as the contract says, rather than torch's own error as a 500.
     with pytest.raises(CollectiveError, match="cannot join the trainer's group at 127\\.0\\.0\\.1:1"):
         join_group("127.0.0.1", 1, 1, 2, "gloo", 0.5)
+
+
+def test_a_rendezvous_that_accepts_and_never_answers_fails_in_time():
+    from tidal.worker.lifecycle.collective import join_group
+
+    # torch's store client bounds its connect by the timeout, not the ping that follows: a frozen trainer held the
+    # join (and the update) forever.
+    with SilentPort() as silent:
+        start = time.monotonic()
+        with pytest.raises(
+            CollectiveError, match=f"127\\.0\\.0\\.1:{silent.port}: its rendezvous did not answer within 1s"
+        ):
+            _returns_within(10.0, lambda: join_group("127.0.0.1", silent.port, 1, 2, "gloo", 1.0))
+        assert time.monotonic() - start < 3.0
+        # Nothing of the attempt stays connected: no store left that a trainer waking up could still talk to.
+        assert silent.accepted and silent.hung_up_by_clients(timeout_s=2.0)
+
+
+def _returns_within(seconds: float, call: Callable[[], object]) -> object:
+    """call(), failing the test instead of hanging it when it has not returned after `seconds`."""
+    outcome: list[object] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still blocked after {seconds:g}s")
+    if errors:
+        raise errors[0]
+    return outcome[0]
 
 
 def test_announced_tensor_shapes_are_not_negative():

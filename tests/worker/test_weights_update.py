@@ -18,12 +18,25 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tidal.contract.control_api import SleepRequest, StreamFinishRequest, WakeUpRequest, WeightsUpdateRequest
+from tidal.contract.control_api import (
+    CollectiveUpdateRequest,
+    SleepRequest,
+    StreamFinishRequest,
+    TensorSpec,
+    WakeUpRequest,
+    WeightsUpdateRequest,
+)
 from tidal.worker.checkpoint import reader
 from tidal.worker.engine.sampling_params import SamplingParams
-from tidal.worker.lifecycle.errors import CheckpointRejectedError, DrainTimeoutError, WeightsUnavailableError
+from tidal.worker.lifecycle.errors import (
+    CheckpointRejectedError,
+    CollectiveError,
+    DrainTimeoutError,
+    WeightsUnavailableError,
+)
 from tidal.worker.testing.hf_reference import prompt_ids, transformers_greedy
 from tidal.worker.testing.in_process import ControlledWorker, greedy, running_manager
+from tidal.worker.testing.silent_port import SilentPort
 from tidal.worker.testing.tiny_models import write_tiny_model
 
 
@@ -276,6 +289,37 @@ def test_a_stalled_read_fails_the_update_in_time_and_frees_the_worker(tiny_model
             assert result.version == "b" == manager.version
 
     asyncio.run(scenario())
+
+
+def test_a_silent_trainer_fails_the_collective_update_in_time_and_frees_the_worker(tiny_model, version_b):
+    tensors = {}
+    for path in sorted(version_b.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    specs = [TensorSpec(name=n, shape=list(t.shape), dtype="float32") for n, t in sorted(tensors.items())]
+
+    async def scenario(silent: SilentPort) -> None:
+        # A short read deadline: a join that ignores its own timeout runs into the stage's give-up (422, then 409
+        # until the worker restarts) in seconds rather than hanging the test.
+        async with running_manager(tiny_model("llama"), checkpoint_read_timeout_s=2.0) as manager:
+            try:
+                before = await manager.checksum()
+                request = CollectiveUpdateRequest(
+                    master_address="127.0.0.1", master_port=silent.port, rank=1, world_size=2, tensors=specs,
+                    version="b", timeout_s=1.0,
+                )  # fmt: skip
+                start = time.monotonic()
+                with pytest.raises(CollectiveError, match="its rendezvous did not answer within 1s"):
+                    await manager.update_collective(request)
+                assert time.monotonic() - start < 4.0 and manager.version == "a"
+                assert (await manager.checksum(recompute=True)).overall == before.overall
+                # Nothing of the join outlived it: another update is accepted at once, not refused as unavailable.
+                result = await manager.update_from_disk(WeightsUpdateRequest(source=str(version_b), version="b"))
+                assert result.version == "b" == manager.version
+            finally:
+                silent.close()  # a join still blocked on it (the bug) returns, so that the test can end
+
+    with SilentPort() as silent:
+        asyncio.run(scenario(silent))
 
 
 @pytest.mark.parametrize("level", [1, 2])

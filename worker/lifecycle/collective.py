@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.worker.lifecycle.errors import CollectiveError
+from tidal.worker.lifecycle.rendezvous_deadline import RendezvousDeadline
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Work
@@ -42,11 +43,26 @@ def _local_address_towards(address: str, port: int) -> str:
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
-    """Join (rank 0: host) the trainer's group; CollectiveError when the rendezvous or the group fails."""
+    """Join (rank 0: host) the trainer's group within `timeout_s`; CollectiveError when the rendezvous or the group
+    fails or does not complete in time (nothing of the attempt is left running then)."""
+    failed = f"cannot join the trainer's group at {address}:{port}"
+    deadline = RendezvousDeadline(address, port, timeout_s)
     try:
-        return _join_group(address, port, rank, world_size, backend, timeout_s)
+        with deadline:
+            group = _join_group(address, port, rank, world_size, backend, timeout_s)
     except (RuntimeError, OSError) as err:  # torch's DistError is a RuntimeError; an unknown host an OSError
-        raise CollectiveError(f"cannot join the trainer's group at {address}:{port}: {err}") from err
+        raise CollectiveError(f"{failed}: {_no_answer(timeout_s) if deadline.cut else err}") from err
+    if deadline.cut:  # it completed all the same, on a store connection that was cut at the deadline
+        leave_group(group)
+        raise CollectiveError(f"{failed}: {_no_answer(timeout_s)}")
+    return group
+
+
+def _no_answer(timeout_s: float) -> str:
+    return (
+        f"its rendezvous did not answer within {timeout_s:g}s (the port accepts connections but no store answers "
+        "there: is the trainer frozen, or is this not its rendezvous port?)"
+    )
 
 
 def _join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:

@@ -1,0 +1,98 @@
+"""A deadline on joining a trainer's group that torch's store client cannot outlive.
+
+torch's TCPStore client bounds its connect by its timeout (a port that drops SYNs fails in time), but not the
+reads that follow: the constructor's ping, and the answers to `add`, to `get` and to a cancelled `wait`, are read
+with no deadline. A port that accepts and never answers (a frozen trainer, or another service's port that waits
+for its client to speak first) holds the joining thread forever, and with it the update. The client takes neither
+a socket of ours nor a read timeout, and a thread given up on would stay blocked, its store live, for as long as
+the port stays silent. So at the deadline the process's connections to the rendezvous are shut down from outside:
+the blocked read returns, torch raises, and the join ends with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import threading
+from types import TracebackType
+
+# A client that retries its connect may open a new connection after a cut, until it sees its own deadline.
+_RECUT_INTERVAL_S = 0.05
+
+
+class RendezvousDeadline(threading.Thread):
+    """Within `with`: once `timeout_s` passes, keep shutting down this process's TCP connections to
+    (address, port) until the block ends. `cut` says whether any was, i.e. whether the join was broken by it."""
+
+    def __init__(self, address: str, port: int, timeout_s: float) -> None:
+        super().__init__(name=f"tidal-rendezvous-deadline-{port}", daemon=True)
+        self.address, self.port, self.timeout_s = address, port, timeout_s
+        self.cut = False
+        self._ended = threading.Event()
+
+    def __enter__(self) -> RendezvousDeadline:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._ended.set()
+        self.join()  # promptly: it only waits on `_ended` between cuts; after this, `cut` no longer changes
+
+    def run(self) -> None:
+        if self._ended.wait(self.timeout_s):
+            return
+        try:
+            peers = _addresses_of(self.address, self.port)
+        except OSError:  # unresolvable now: the client, which resolves the same name, cannot be connected either
+            return
+        while True:
+            for conn in _connections_to(peers, self.port):
+                self.cut = True  # before the shutdown: the join raises as soon as its read returns
+                _shut_down(conn)
+            if self._ended.wait(_RECUT_INTERVAL_S):
+                return
+
+
+def _addresses_of(address: str, port: int) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    return {_unmapped(str(info[4][0])) for info in infos}
+
+
+def _unmapped(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """torch connects over IPv6 where it can, so an IPv4 peer may read as ::ffff:a.b.c.d."""
+    ip = ipaddress.ip_address(host)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _connections_to(peers: set[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int) -> list[socket.socket]:
+    """Duplicates of this process's TCP sockets whose peer is one of `peers` at `port` (Linux: /proc)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            conn = socket.socket(fileno=os.dup(int(name)))  # a number reused since the listing: checked below
+        except (OSError, ValueError):  # closed since the listing, or not a socket after all
+            continue
+        if conn.type == socket.SOCK_STREAM and conn.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                host, peer_port = conn.getpeername()[:2]
+                if peer_port == port and _unmapped(host) in peers:
+                    found.append(conn)
+                    continue
+            except (OSError, ValueError):  # not connected (yet, or any more)
+                pass
+        conn.close()
+    return found
+
+
+def _shut_down(conn: socket.socket) -> None:
+    """Shut down the connection itself (every descriptor of it), then close our duplicate."""
+    with conn, contextlib.suppress(OSError):  # OSError: already closed by its peer or by torch
+        conn.shutdown(socket.SHUT_RDWR)
