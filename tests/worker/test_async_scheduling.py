@@ -95,6 +95,7 @@ def probe(model_dir, prompts):
         EngineConfig(model_path=model_dir, device="cpu", dtype="float32", num_kv_blocks=256, async_scheduling=False)
     )
     results = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    engine.close()
     return [(r.output_token_ids, r.text) for r in results]
 
 

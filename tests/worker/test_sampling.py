@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tidal.worker.engine.config import EngineConfig
@@ -17,8 +19,10 @@ def model_dir(tiny_model):
 
 
 @pytest.fixture
-def engine(model_dir):
-    return LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=256, seed=7))
+def engine(model_dir) -> Iterator[LLMEngine]:
+    engine = LLMEngine.from_config(EngineConfig(model_path=model_dir, device="cpu", num_kv_blocks=256, seed=7))
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -53,9 +54,11 @@ MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model) -> LLMEngine:
+def engine(tiny_model) -> Iterator[LLMEngine]:
     config = EngineConfig(model_path=tiny_model("llama"), device="cpu", dtype="float32", num_kv_blocks=256)
-    return LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
+    yield engine
+    engine.close()  # its mask fill thread must not outlive the module
 
 
 @pytest.fixture(scope="module")

@@ -136,8 +136,7 @@ class AsyncEngine:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._engine.grammars.shutdown()  # compiles still queued are of requests that will not run now
-        self._engine.sampler.close()  # the loop that sampled has stopped: its mask fill thread goes too
+        self._engine.close()  # the loop has stopped: the engine's compile and mask fill threads go too
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, n: int = 1

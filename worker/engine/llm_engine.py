@@ -255,6 +255,12 @@ class LLMEngine:
         """Drop the prefix cache (after new weights, or a KV cache that was freed); -> blocks forgotten."""
         return self.block_manager.reset_prefix_cache()
 
+    def close(self) -> None:
+        """End the engine's threads once no step runs: compiles still queued are dropped (their requests will not
+        run now) and the grammar masks' fill thread ends."""
+        self.grammars.shutdown()
+        self.sampler.close()
+
     # ----- the step -----
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
