@@ -27,8 +27,11 @@ def probe_router(runtime: WorkerRuntime, metrics: WorkerMetrics) -> APIRouter:
         body = {"status": "ok" if alive else "engine loop stopped", "phase": runtime.phase.value}
         return JSONResponse(body, status_code=200 if alive else 503)
 
-    @router.get("/ready", responses={503: _json("loading, asleep, or waiting for its group's epoch: `reason` says")})
+    @router.get("/ready", responses={503: _json("loading, failed, or waiting for its group's epoch: `reason` says")})
     async def ready() -> JSONResponse:
+        # Asleep is ready: the Service keeps the pod, so a request gets the worker's own answer (503 with
+        # Retry-After, or a wake under TIDAL_ASLEEP_REQUESTS=wake) instead of a refused connection, and the wake
+        # setting works at all. The operator reads sleep from the control API, not from readiness.
         body: dict[str, str | None] = {"phase": runtime.phase.value}
         if runtime.failure is not None:
             body["reason"] = runtime.failure
