@@ -151,7 +151,7 @@ class RankProcesses:
             theirs.close()
             self._processes.append(process)
             self._pipes.append(ours)
-        self.addresses = [self._read(rank) for rank in range(count)]
+        self.addresses = [self._read(rank, REPLY_TIMEOUT_S) for rank in range(count)]
 
     def members(self, ranks: Sequence[int]) -> list[tuple[int, str]]:
         return [(rank, self.addresses[rank]) for rank in ranks]
@@ -159,16 +159,19 @@ class RankProcesses:
     def send(self, rank: int, command: str, *args: Any) -> None:
         self._pipes[rank].send((command, args))
 
-    def reply(self, rank: int) -> Reply:
-        reply = self._read(rank)
+    def reply(self, rank: int, within_s: float = REPLY_TIMEOUT_S) -> Reply:
+        reply = self._read(rank, within_s)
         assert isinstance(reply, Reply)
         return reply
 
-    def run(self, command: str, args_by_rank: Mapping[int, tuple[Any, ...]]) -> dict[int, Reply]:
-        """`command` on each rank of `args_by_rank` at once, with its arguments; their replies."""
+    def run(
+        self, command: str, args_by_rank: Mapping[int, tuple[Any, ...]], within_s: float = REPLY_TIMEOUT_S
+    ) -> dict[int, Reply]:
+        """`command` on each rank of `args_by_rank` at once, with its arguments; their replies (each within
+        `within_s` of the last one, or the test fails)."""
         for rank, args in args_by_rank.items():
             self.send(rank, command, *args)
-        return {rank: self.reply(rank) for rank in args_by_rank}
+        return {rank: self.reply(rank, within_s) for rank in args_by_rank}
 
     def join(
         self,
@@ -201,10 +204,10 @@ class RankProcesses:
         for pipe in self._pipes:
             pipe.close()
 
-    def _read(self, rank: int) -> Any:
+    def _read(self, rank: int, within_s: float) -> Any:
         pipe = self._pipes[rank]
-        if not pipe.poll(REPLY_TIMEOUT_S):
-            raise AssertionError(f"rank {rank} did not answer within {REPLY_TIMEOUT_S:g} s")
+        if not pipe.poll(within_s):
+            raise AssertionError(f"rank {rank} did not answer within {within_s:g} s")
         return pipe.recv()
 
 

@@ -7,13 +7,23 @@ the peer to blame is `EpochGroup.find_culprit`'s probe, which the engine runs of
 
 from __future__ import annotations
 
+import re
 import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 
+import pytest
+import torch
 from group_ranks import HOST, ok
 
 from tidal.worker.group.endpoint import GroupEndpoint
+from tidal.worker.group.epoch_group import join_epoch
+from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
 from tidal.worker.group.probe import probe_peers
+from tidal.worker.testing.silent_port import SilentPort
 
 LONG_DEADLINE_S = 20.0
 
@@ -69,6 +79,75 @@ def test_survivors_form_the_next_epoch_after_its_coordinator_was_killed(start_ra
     assert {r: recv_counts for r, (recv_counts, _) in exchanged.items()} == {1: [0, 3, 1], 2: [2, 0, 1], 3: [1, 0, 0]}
     ok(ranks.run("publish", {2: (2, "expert_map", b"epoch 2")}))
     assert ok(ranks.run("fetch", {r: (2, "expert_map", 5.0) for r in survivors})) == {r: b"epoch 2" for r in survivors}
+
+
+def test_a_coordinator_that_accepts_and_never_answers_fails_the_join_in_time():
+    # torch's store client bounds its connect by the timeout, not the ping that follows: a frozen coordinator held
+    # the join, and the rank's preparation of the epoch, forever.
+    with SilentPort() as silent:
+        coordinator = f"{HOST}:{silent.port}"
+        members = [EpochMember(0, coordinator), EpochMember(1, f"{HOST}:1")]  # rank 1's own endpoint is not used
+        start = time.monotonic()
+        with pytest.raises(GroupBrokenError) as caught:
+            _returns_within(10.0, lambda: join_epoch(1, members, 1, 0, torch.device("cpu"), 1.0, 1.0))
+        assert time.monotonic() - start < 5.0
+        assert caught.value.epoch == 1 and caught.value.peer_rank == 0
+        assert re.match(f"could not join: coordinator rank 0 at {re.escape(coordinator)} did not answer within 1s",
+                        caught.value.reason), caught.value.reason  # fmt: skip
+        # Nothing of the attempt stays connected: no store left that a coordinator waking up could still talk to.
+        assert silent.accepted and silent.hung_up_by_clients(timeout_s=2.0)
+
+
+def test_a_member_that_never_arrives_fails_the_join_with_torchs_own_timeout():
+    # The deadline is for a store that never answers: a live coordinator's wait ends first, with torch's reason.
+    coordinator, absent = GroupEndpoint(HOST, 0), GroupEndpoint(HOST, 0)
+    try:
+        members = [EpochMember(0, coordinator.address), EpochMember(1, absent.address)]
+        with pytest.raises(GroupBrokenError) as caught:
+            _returns_within(10.0, lambda: join_epoch(1, members, 0, 0, torch.device("cpu"), 1.0, 1.0))
+        assert "did not answer" not in caught.value.reason and caught.value.peer_rank is None, caught.value.reason
+    finally:
+        coordinator.close()
+        absent.close()
+
+
+def test_a_frozen_coordinator_fails_its_store_reads_and_the_next_join_in_time(start_ranks):
+    ranks = start_ranks(3)
+    timeout_s, within_s = 1.0, 10.0  # without the deadline, each call blocks until the coordinator is killed
+    ok(ranks.join(epoch=1, ranks=[0, 1, 2], coordinator=0, timeout_s=LONG_DEADLINE_S))
+    ranks.signal(0, signal.SIGSTOP)  # the fixture kills it at the end, stopped or not
+    survivors = [1, 2]
+    # The epoch's store after the join (the slot counts, the expert map): its wait ends, the cancel's answer never.
+    fetched = ranks.run("fetch", {r: (1, "expert_map", timeout_s) for r in survivors}, within_s=within_s)
+    # An epoch sent before the freeze was seen, with the same coordinator.
+    members = ranks.members([0, 1, 2])
+    joined = ranks.run("join", {r: (2, members, r, 0, timeout_s, None) for r in survivors}, within_s=within_s)
+    for reply in [*fetched.values(), *joined.values()]:
+        assert reply.kind == "broken", reply.value
+        assert reply.value.peer_rank == 0 and "coordinator rank 0" in reply.value.reason, str(reply.value)
+        assert f"did not answer within {timeout_s:g}s" in reply.value.reason, str(reply.value)
+        assert timeout_s * 0.9 <= reply.seconds < timeout_s + 5.0
+    ok(ranks.run("close", {r: (1,) for r in survivors}))
+
+    # Nothing of those attempts holds the survivors: the next epoch, without the frozen rank, forms and serves.
+    ok(ranks.join(epoch=3, ranks=survivors, coordinator=1, timeout_s=LONG_DEADLINE_S))
+    assert ok(ranks.run("gather", {r: (3, [r]) for r in survivors})) == {r: [[1], [2]] for r in survivors}
+
+
+def _returns_within(seconds: float, call: Callable[[], object]) -> object:
+    """call(), failing the test instead of hanging it when it has not returned after `seconds`."""
+    outcome: Future[object] = Future()
+
+    def run() -> None:
+        try:
+            outcome.set_result(call())
+        except BaseException as err:
+            outcome.set_exception(err)
+
+    threading.Thread(target=run, daemon=True).start()
+    if not wait([outcome], seconds).done:
+        pytest.fail(f"still blocked after {seconds:g}s")
+    return outcome.result()
 
 
 def test_the_probe_tells_a_live_peer_from_a_gone_and_a_frozen_one(start_ranks):

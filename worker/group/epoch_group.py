@@ -8,6 +8,11 @@ and an epoch whose coordinator died does not block the next one, which names ano
 Every collective waits at most `collective_timeout_s`; any failure raises GroupBrokenError at once, and
 `find_culprit` probes the peers' endpoints (off the step path) to name the one that is gone or frozen. The happy path
 does no more than the collective itself.
+
+The join and the reads of the epoch's store are held to their timeout even when the coordinator's endpoint accepts
+and never answers (a frozen coordinator), which torch's store client alone does not do (see `rendezvous_deadline`):
+otherwise the rank's preparation of the epoch blocks forever, its thread and store connection with it, and the
+operator's call never gets an answer.
 """
 
 from __future__ import annotations
@@ -24,12 +29,17 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from tidal.worker.group.errors import GroupBrokenError
 from tidal.worker.group.members import EpochMember
 from tidal.worker.group.probe import probe_peers
+from tidal.worker.group.rendezvous_deadline import RendezvousDeadline
 
 log = logging.getLogger(__name__)
 
 GroupBackend = Literal["auto", "gloo", "nccl"]
 
 _PROBE_TIMEOUT_S = 0.5
+# torch's own timeouts end a few milliseconds past `timeout_s` (its waits begin once connected), with their own
+# errors (a member missing); a store read still blocked this long past it has no deadline (the store never answers),
+# and only then are this process's connections to the store cut.
+_UNANSWERED_GRACE_S = 1.0
 
 
 def join_epoch(
@@ -45,25 +55,49 @@ def join_epoch(
     """Rendezvous with every member of `epoch` (waiting up to `timeout_s` for the last one) -> the epoch's group.
     `backend`: "auto" is NCCL on CUDA and gloo on CPU; "gloo" on CUDA stages every exchange through host memory
     (several ranks sharing one GPU, which NCCL refuses). GroupBrokenError when a member does not arrive in time or
-    the coordinator cannot be reached."""
+    the coordinator cannot be reached or does not answer (within `timeout_s` and a grace of a second)."""
     ordered = sorted(members, key=lambda m: m.rank)
     ranks = [m.rank for m in ordered]
     if my_rank not in ranks or coordinator_rank not in ranks:
         raise ValueError(f"rank {my_rank} and coordinator {coordinator_rank} must be among the members {ranks}")
     coordinator = ordered[ranks.index(coordinator_rank)]
     join_timeout = datetime.timedelta(seconds=timeout_s)
+    group_rank, size = ranks.index(my_rank), len(ranks)
+    use_nccl = device.type == "cuda" and backend != "gloo"
+    deadline = _store_deadline(coordinator, timeout_s)
     try:
-        client = TCPStore(
-            coordinator.host, coordinator.port, is_master=False, wait_for_workers=False, timeout=join_timeout
-        )
-        store = PrefixStore(f"tidal/epoch/{epoch}", client)
-        group_rank, size = ranks.index(my_rank), len(ranks)
-        use_nccl = device.type == "cuda" and backend != "gloo"
-        process_group = _new_backend(store, group_rank, size, use_nccl, join_timeout, ordered[group_rank].host)
+        with deadline:
+            client = TCPStore(
+                coordinator.host, coordinator.port, is_master=False, wait_for_workers=False, timeout=join_timeout
+            )
+            store = PrefixStore(f"tidal/epoch/{epoch}", client)
+            process_group = _new_backend(store, group_rank, size, use_nccl, join_timeout, ordered[group_rank].host)
     except Exception as err:
+        if deadline.cut:  # the coordinator is the peer that failed: no probe needed to name it
+            raise _join_unanswered(coordinator, timeout_s, epoch) from err
         raise GroupBrokenError(f"could not join: {_first_line(err)}", _gone_peer(ordered, my_rank), epoch) from err
     wire = device if use_nccl else torch.device("cpu")
-    return EpochGroup(epoch, ordered, my_rank, wire, process_group, store, collective_timeout_s)
+    group = EpochGroup(epoch, ordered, my_rank, coordinator, wire, process_group, store, collective_timeout_s)
+    if deadline.cut:  # it completed all the same, but its store's connection was cut at the deadline: unusable
+        group.close()
+        raise _join_unanswered(coordinator, timeout_s, epoch)
+    return group
+
+
+def _store_deadline(coordinator: EpochMember, timeout_s: float) -> RendezvousDeadline:
+    """Cuts this process's connections to the coordinator's endpoint if the block outlasts `timeout_s` (+ grace)."""
+    return RendezvousDeadline(coordinator.host, coordinator.port, timeout_s + _UNANSWERED_GRACE_S)
+
+
+def _join_unanswered(coordinator: EpochMember, timeout_s: float, epoch: int) -> GroupBrokenError:
+    return GroupBrokenError(f"could not join: {_no_answer(coordinator, timeout_s)}", coordinator.rank, epoch)
+
+
+def _no_answer(coordinator: EpochMember, timeout_s: float) -> str:
+    return (
+        f"coordinator rank {coordinator.rank} at {coordinator.address} did not answer within {timeout_s:g}s (its "
+        "group endpoint accepts connections but its store does not answer: is the rank frozen?)"
+    )
 
 
 def _new_backend(
@@ -106,6 +140,7 @@ class EpochGroup:
         epoch: int,
         members: Sequence[EpochMember],
         my_rank: int,
+        coordinator: EpochMember,
         wire: torch.device,
         backend: _Backend,
         store: Store,
@@ -115,6 +150,7 @@ class EpochGroup:
         self.member_list = list(members)
         self.members: tuple[int, ...] = tuple(m.rank for m in members)
         self.my_rank = my_rank
+        self.coordinator = coordinator  # hosts the epoch's store
         self.size = len(self.members)
         self.group_rank = self.members.index(my_rank)
         self.wire = wire  # where exchanged tensors must be (host memory for gloo); `.to()` is free when they are
@@ -157,11 +193,19 @@ class EpochGroup:
             raise self._broken(f"publishing {key!r} failed: {_first_line(err)}") from err
 
     def fetch(self, key: str, timeout_s: float) -> bytes:
+        """The value another member published under `key`, waiting up to `timeout_s` for it."""
+        deadline = _store_deadline(self.coordinator, timeout_s)
         try:
-            self._store.wait([key], datetime.timedelta(seconds=timeout_s))
-            return bytes(self._store.get(key))
+            with deadline:
+                self._store.wait([key], datetime.timedelta(seconds=timeout_s))
+                value = bytes(self._store.get(key))
         except Exception as err:
+            if deadline.cut:
+                raise self._unanswered(key, timeout_s) from err
             raise self._broken(f"no {key!r} within {timeout_s:g}s: {_first_line(err)}") from err
+        if deadline.cut:  # read all the same, but the store's connection was cut: the epoch's store is gone
+            raise self._unanswered(key, timeout_s)
+        return value
 
     def close(self) -> None:
         """Give the group up (it broke, or the next epoch replaced it); never blocks on a dead or frozen peer."""
@@ -186,6 +230,10 @@ class EpochGroup:
         """The error for a failed collective, at once: finding the peer to blame takes a probe (up to its timeout
         for a frozen peer), which `find_culprit` does off the step path."""
         return GroupBrokenError(why, None, self.epoch)
+
+    def _unanswered(self, key: str, timeout_s: float) -> GroupBrokenError:
+        why = f"no {key!r} within {timeout_s:g}s: {_no_answer(self.coordinator, timeout_s)}"
+        return GroupBrokenError(why, self.coordinator.rank, self.epoch)
 
     def find_culprit(self) -> tuple[int, str] | None:
         """Probe every peer's endpoint: (rank, why) of the first one that is gone or frozen, None if all answer.

@@ -5,7 +5,10 @@ for everyone). A peer whose process is gone refuses a new connection at once; a 
 its connection accepted by the kernel but never answers; a healthy peer answers, even if its own step is blocked,
 since its store runs on threads of its own. The store's client does not bound its handshake by its timeout when the
 server is frozen, so each probe runs on a daemon thread that is given up on at the deadline (it ends by itself once
-the peer dies or resumes).
+the peer dies or resumes). A `RendezvousDeadline` would end it instead, but it cuts every connection of this process
+to the peer's endpoint, and a probe's deadline is short (half a second): a peer slow rather than frozen would lose
+this rank's live connections to its store too, a join in progress that it coordinates or the serving epoch's store
+(which NCCL still uses to set up communicators), where a late probe thread costs nothing.
 """
 
 from __future__ import annotations

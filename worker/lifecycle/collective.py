@@ -19,13 +19,17 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 import torch.distributed as dist
 
+from tidal.worker.group.rendezvous_deadline import RendezvousDeadline
 from tidal.worker.lifecycle.errors import CollectiveError
-from tidal.worker.lifecycle.rendezvous_deadline import RendezvousDeadline
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Work
 
 log = logging.getLogger(__name__)
+
+# torch's own timeouts (a worker that never joins) end a few milliseconds past `timeout_s`, with their own errors;
+# only a rendezvous still silent a second later is taken for one that never answers, and its connections cut.
+_UNANSWERED_GRACE_S = 1.0
 
 
 class BroadcastGroup(Protocol):
@@ -46,7 +50,7 @@ def join_group(address: str, port: int, rank: int, world_size: int, backend: str
     """Join (rank 0: host) the trainer's group within `timeout_s`; CollectiveError when the rendezvous or the group
     fails or does not complete in time (nothing of the attempt is left running then)."""
     failed = f"cannot join the trainer's group at {address}:{port}"
-    deadline = RendezvousDeadline(address, port, timeout_s)
+    deadline = RendezvousDeadline(address, port, timeout_s + _UNANSWERED_GRACE_S)
     try:
         with deadline:
             group = _join_group(address, port, rank, world_size, backend, timeout_s)

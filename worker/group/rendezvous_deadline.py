@@ -1,12 +1,14 @@
-"""A deadline on joining a trainer's group that torch's store client cannot outlive.
+"""A deadline on a rendezvous that torch's store client cannot outlive: a trainer's group, an epoch's group.
 
 torch's TCPStore client bounds its connect by its timeout (a port that drops SYNs fails in time), but not the
 reads that follow: the constructor's ping, and the answers to `add`, to `get` and to a cancelled `wait`, are read
-with no deadline. A port that accepts and never answers (a frozen trainer, or another service's port that waits
-for its client to speak first) holds the joining thread forever, and with it the update. The client takes neither
-a socket of ours nor a read timeout, and a thread given up on would stay blocked, its store live, for as long as
-the port stays silent. So at the deadline the process's connections to the rendezvous are shut down from outside:
-the blocked read returns, torch raises, and the join ends with nothing left behind.
+with no deadline. A port that accepts and never answers (a frozen trainer or coordinator, or another service's port
+that waits for its client to speak first) holds the joining thread forever, and with it the update or the epoch.
+The client takes neither a socket of ours nor a read timeout, and a thread given up on would stay blocked, its store
+live, for as long as the port stays silent. So at the deadline the process's connections to the rendezvous are shut
+down from outside: the blocked read returns, torch raises, and the join ends with nothing left behind. Every
+connection of this process to (address, port) is cut, not only the join's: a deadline is for a store that has not
+answered for that long, never a short one that a slow but live store could miss.
 """
 
 from __future__ import annotations
