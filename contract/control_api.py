@@ -16,6 +16,9 @@ from tidal.contract.error_codes import ErrorCode
 
 CONTROL_API_VERSION = "v1"
 TOKEN_HEADER = "Authorization"  # "Bearer <token>"
+# Largest group epoch: an int64, what the operator's status (a Kubernetes integer) can hold. A worker that applied a
+# larger one would refuse every epoch the operator can send as stale, until it restarts.
+MAX_EPOCH = 2**63 - 1
 
 
 class _Model(BaseModel):
@@ -269,7 +272,7 @@ class GroupReconfigureRequest(_Model):
     ranks at or past the new size out, a grow adds ranks started for the new size with the running members' expert
     slots per rank (`GroupStatus.slots_per_rank`), and every member must have the same slot count."""
 
-    epoch: int = Field(ge=1, strict=True)
+    epoch: int = Field(ge=1, le=MAX_EPOCH, strict=True, description=f"the membership epoch, 1..{MAX_EPOCH} (int64)")
     members: list[GroupMember] = Field(min_length=1)
     coordinator_rank: int = Field(
         ge=0, strict=True, description="the member whose group endpoint hosts this epoch's rendezvous"

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from tidal.contract.control_api import (
+    MAX_EPOCH,
     CollectiveUpdateRequest,
     GroupMember,
     GroupReconfigureRequest,
@@ -129,6 +130,15 @@ def test_the_control_document_declares_the_token_and_each_routes_refusals(contro
 def test_control_requests_take_numbers_and_flags_strictly(model, body):
     with pytest.raises(ValidationError):
         model.model_validate(body)
+
+
+def test_a_group_epoch_is_an_int64():
+    # An epoch the operator's status cannot hold, once applied, made every later one stale until a restart.
+    members = [{"rank": 0, "address": "a:1"}]
+    with pytest.raises(ValidationError, match="less than or equal to 9223372036854775807"):
+        GroupReconfigureRequest.model_validate({"epoch": 2**63, "members": members, "coordinator_rank": 0})
+    largest = GroupReconfigureRequest.model_validate({"epoch": 2**63 - 1, "members": members, "coordinator_rank": 0})
+    assert largest.epoch == MAX_EPOCH == 2**63 - 1
 
 
 def test_control_requests_still_take_enum_strings_and_whole_floats():

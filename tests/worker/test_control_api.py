@@ -71,6 +71,8 @@ def test_group_reconfigure_applies_newer_epochs_only_and_serving_goes_on(tiny_mo
                 "outside a group of group_size 2",
             ),
             ({**_membership(3, [1]), "epoch": 0}, 400, "invalid_request", "epoch"),
+            # Past int64: once applied, every epoch the operator can send would be stale.
+            (_membership(2**70, [1, 2], leader=1), 400, "invalid_request", "less than or equal to 9223372036854775807"),
         ):
             refused = worker.post("/group/reconfigure", body)
             assert refused.status_code == status, (body, refused.text)
