@@ -8,9 +8,9 @@ through the runtime, which calls `LifecycleManager.load_engine`: the manager pic
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -24,6 +24,9 @@ from tidal.worker.server.app import Listener, WorkerServers, build_api_app, conn
 from tidal.worker.server.errors import connection_error_response
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.runtime import WorkerRuntime
+
+if TYPE_CHECKING:
+    from tidal.worker.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +48,16 @@ def assemble_worker(config: WorkerConfig, registry: CollectorRegistry | None = N
     registry = registry if registry is not None else CollectorRegistry()
     engine = config.engine
     lifecycle = LifecycleManager(config.lifecycle, LifecycleMetrics(registry), engine.rank, engine.world_size)
-    runtime = WorkerRuntime(functools.partial(lifecycle.load_engine, config.engine))
-    metrics = WorkerMetrics(registry, runtime.stats)
     server = config.server
     prompt_builder = PromptBuilder(server.tokenizer_threads, server.allow_request_chat_template)
+
+    def load_engine() -> AsyncEngine:
+        loaded = lifecycle.load_engine(engine)
+        prompt_builder.token_floor(loaded.tokenizer)  # on the loading thread, so that no request waits for it
+        return loaded
+
+    runtime = WorkerRuntime(load_engine)
+    metrics = WorkerMetrics(registry, runtime.stats)
     api_app = build_api_app(runtime, metrics, server, prompt_builder)
     limits = connection_limits(server)
     listeners = [Listener("serving", api_app, server.host, server.port, limits, connection_error_response)]

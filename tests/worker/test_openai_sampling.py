@@ -132,6 +132,8 @@ def test_async_completion_with_logit_bias(worker, tokenizer):
 def test_sampling_refusals_are_clear(client):
     with pytest.raises(openai.BadRequestError, match="logit_bias key '999999' is not a token id of this model"):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"999999": 1})
+    with pytest.raises(openai.BadRequestError, match=r"\(4301 digits\) is not a token id of this model"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"1" * 4301: 1})  # was a 500
     with pytest.raises(openai.BadRequestError, match="at most 64 stop sequences"):
         client.completions.create(model=MODEL, prompt="x", stop=[str(i) for i in range(65)])
     with pytest.raises(openai.BadRequestError, match="disagree"):

@@ -1,5 +1,6 @@
 """Limits that need the model (tiny random Llama on the CPU): prompt building off the event loop, the prompt-token
-limit, the bound on requests admitted at once, and what `chat_template_kwargs` may set.
+limit (and the text refused by it before it is tokenized), the bound on requests admitted at once, and what
+`chat_template_kwargs` may set.
 
 A slow tokenizer is made deterministic by holding the real one on an event for chosen prompts: a server that
 tokenizes on its event loop cannot answer anything until the test lets go, so each check waits a few seconds at most
@@ -89,7 +90,8 @@ def _in_background(call) -> tuple[threading.Thread, list]:
 )
 def test_a_prompt_being_built_holds_no_other_request(worker, monkeypatch, endpoint, method):
     tokenizer = HeldTokenizer(worker, monkeypatch, method)
-    big = HELD + " the tide comes in" * 2000  # far over max_prompt_tokens: refused once built
+    # Over max_prompt_tokens (about 100 tokens), but not by its floor (364 bytes may be 22 tokens): refused once built.
+    big = HELD + " the tide comes in" * 20
     thread, result = _in_background(lambda: _post(worker, endpoint, _body(endpoint, big)))
     try:
         tokenizer.wait_entered()
@@ -118,6 +120,59 @@ def test_prompts_over_max_prompt_tokens_are_refused(worker, as_ids):
     assert "max_prompt_tokens" in response.json()["error"]["message"]
     at_limit = _post(worker, "completions", {"model": MODEL, "prompt": [5] * MAX_PROMPT_TOKENS, "max_tokens": 1})
     assert at_limit.status_code == 200, at_limit.text
+
+
+def _recorded_encodes(worker, monkeypatch) -> list[str]:
+    """The texts the engine's tokenizer encodes from now on."""
+    tokenizer = worker.servers.runtime.engine.tokenizer
+    real = tokenizer.encode
+    texts: list[str] = []
+
+    def recording(text, *args, **kwargs):
+        texts.append(text)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording)
+    return texts
+
+
+# 18,000 bytes, and no token of the tiny tokenizer stands for more than 17: at least 1,059 tokens, over 32.
+CANNOT_FIT = "the tide comes in " * 1000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": CANNOT_FIT}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["hi", CANNOT_FIT]}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": CANNOT_FIT}]}, "messages"),
+        ("/tokenize", {"prompt": CANNOT_FIT}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": CANNOT_FIT}]}, "messages"),
+    ],
+)
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(worker, monkeypatch, path, body, param):
+    # Tokenizing 8 MB of such text held a tokenizer thread for 12 s, only for the same 400.
+    encoded = _recorded_encodes(worker, monkeypatch)
+    response = httpx.post(f"{worker.url()}{path}", json=body, timeout=CLIENT_TIMEOUT_S)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded", param)
+    assert error["message"].startswith("the prompt has at least ")
+    assert error["message"].endswith(f" tokens but this worker accepts at most {MAX_PROMPT_TOKENS} (max_prompt_tokens)")
+    if body.get("prompt") == CANNOT_FIT:
+        assert "at least 1059 tokens" in error["message"]
+    assert [text for text in encoded if CANNOT_FIT in text] == []
+
+
+def test_a_request_stops_tokenizing_at_its_first_prompt_over_the_limit(worker, monkeypatch):
+    encoded = _recorded_encodes(worker, monkeypatch)
+    over = "the tide comes in " * 20  # about 80 tokens, though its floor (22) may fit: found only by tokenizing
+    response = _post(worker, "completions", {"model": MODEL, "prompt": [over + "one", over + "two", over + "three"]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert "accepts at most 32 (max_prompt_tokens)" in response.json()["error"]["message"]
+    # The others were never tokenized: a list of texts each just short of the floor costs one of them, not all.
+    assert encoded == [over + "one"]
 
 
 def test_requests_beyond_the_admission_bound_get_429_and_slots_come_back(worker, monkeypatch):

@@ -73,6 +73,18 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"ab": 1}}, "logit_bias", "key 'ab' is not"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias", "key '-3' is not"),
         ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "of '5' must be"),
+        (  # past int()'s 4300 digits: a 500 before its length was checked
+            "/v1/completions",
+            {"model": "m", "prompt": "x", "logit_bias": {"1" * 4301: 1}},
+            "logit_bias",
+            "key '11111111111111111111...' (4301 digits) is not a token id of this model",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "logit_bias": {"9" * 19: 1}},
+            "logit_bias",
+            "key '9999999999999999999' is not a token id of this model",
+        ),
         ("/v1/completions", {"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "than 0"),
         ("/v1/completions", {"model": "m", "prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
         ("/v1/completions", {"model": "m", "prompt": "x", "min_tokens": 20}, None, "min_tokens (20) must not exceed"),
@@ -254,6 +266,8 @@ def test_sampling_controls_reach_the_engine_params():
     assert (params.min_p, params.stop_token_ids, params.include_stop_str_in_output) == (0.1, [3], True)
     assert len(params.stop) == 10
     assert (params.max_tokens, params.min_tokens) == (36, 36)  # both capped by what is left of the context
+    padded = CompletionRequest(model="m", prompt="x", logit_bias={"0" * 5000 + "7": 1})  # int() counts the zeros
+    assert sampling_params(padded, num_prompt_tokens=1, max_model_len=256, vocab_size=1000).logit_bias == {7: 1.0}
     too_big = CompletionRequest(model="m", prompt="x", logit_bias={"5": 1, "1000": 2})
     with pytest.raises(ApiError, match="logit_bias key '1000' is not a token id of this model") as refused:
         sampling_params(too_big, num_prompt_tokens=1, max_model_len=256, vocab_size=1000)

@@ -126,10 +126,14 @@ def test_async_client_streamed_and_not(worker):
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
          "response_format", "invalid json schema"),
-        ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "response_format", "invalid regex"),
-        ({"extra_body": {"structured_outputs": {"grammar": "nothing ::= "}}}, "response_format", "invalid grammar"),
-        ({"extra_body": {"structured_outputs": {"grammar": "root ::= root"}}}, "response_format",
+        # The field the request used is named, not response_format (which it did not send).
+        ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs", "invalid regex"),
+        ({"extra_body": {"structured_outputs": {"grammar": "nothing ::= "}}}, "structured_outputs", "invalid grammar"),
+        ({"extra_body": {"structured_outputs": {"grammar": "root ::= root"}}}, "structured_outputs",
          "invalid grammar: it matches no string"),
+        ({"extra_body": {"structured_outputs": {"json": {"type": 5}}}}, "structured_outputs", "invalid json schema"),
+        ({"response_format": {"type": "text"}, "extra_body": {"structured_outputs": {"regex": "(("}}},
+         "structured_outputs", "invalid regex"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs", "exactly one"),
         ({"extra_body": {"structured_outputs": {"choice": [str(i) for i in range(300)]}}}, "structured_outputs",
          "at most 256"),
@@ -154,6 +158,7 @@ def test_bad_structured_outputs_are_400(client, body, param, message):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}},
          "response_format", "pattern"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None, "send one"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "invalid regex"),
     ],
 )  # fmt: skip
 def test_bad_completions_response_format_is_400(client, body, param, message):

@@ -52,7 +52,7 @@ def build_api_app(
     install_error_handlers(app, metrics)
     app.include_router(probe_router(runtime, metrics))
     app.include_router(openai_router(runtime, metrics, config, prompt_builder))
-    app.include_router(tokenize_router(runtime, prompt_builder))
+    app.include_router(tokenize_router(runtime, prompt_builder, config.max_prompt_tokens))
     conform_openapi(app, ErrorResponse.__name__)
 
     def on_refused(scope: Scope) -> None:

@@ -41,7 +41,10 @@ class Generation:
         params: SamplingParams,
         on_close: Callable[[], None] = lambda: None,
         n: int = 1,
+        grammar_param: str | None = None,
     ) -> None:
+        """`grammar_param`: the request field the structured output came from (sampling.structured_output_param), named
+        by the 400 for a grammar that does not compile."""
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -58,9 +61,7 @@ class Generation:
         self._first_token_at: float | None = None
         self._last_token_at: list[float | None] = [None] * n  # by sample: the gaps are each sample's own
         self._stream = engine.generate(request_id, prompt_token_ids, params, n)
-        # Which request field a grammar that does not compile came from: forced tool calls are built from `tools`.
-        forced_calls = params.structured is not None and params.structured.kind == "structural_tag"
-        self._grammar_param = "tools" if forced_calls else "response_format"
+        self._grammar_param = grammar_param
         self._first: RequestOutput | None = None
         self._outcome: str | None = None
         # True once the engine holds nothing for this request: finished, refused, or aborted by us.

@@ -4,8 +4,10 @@ The work runs on `PromptBuilder`'s own threads, never on the event loop: a templ
 and its input make it, and tokenizing a megabyte of text takes seconds, during which every other stream, the probes
 and the control API (same loop) used to stall.
 
-Whether the ids are acceptable (not empty, within the context, inside the vocabulary) is the engine's call, made
-before it queues anything; `Generation.start` turns its refusal into a 400.
+A text that cannot fit the prompt limit, whatever it encodes to, is refused before it is tokenized (`token_floor`):
+tokenizing 8 MB of it held a thread for 12 s only to refuse it. Otherwise whether the ids are acceptable (not empty,
+within the context, inside the vocabulary) is the engine's call, made before it queues anything; `Generation.start`
+turns its refusal into a 400.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 from tidal.worker.server.errors import ApiError
+from tidal.worker.server.prompt_batch import Prompt
+from tidal.worker.server.prompt_limit import PromptLimit
 from tidal.worker.server.protocol import ChatMessage
+from tidal.worker.server.token_floor import TokenFloor, token_floor
 
 T = TypeVar("T")
 
@@ -52,11 +57,39 @@ class PromptBuilder:
     def __init__(self, threads: int, allow_request_chat_template: bool = False) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tidal-prompt")
         self._allow_request_chat_template = allow_request_chat_template
+        # By id, with the tokenizer itself: held here, its id cannot be reused by another.
+        self._floors: dict[int, tuple[Tokenizer, TokenFloor | None]] = {}
 
-    async def completion_ids(self, tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        return await self._run(completion_prompt_ids, tokenizer, prompt)
+    def token_floor(self, tokenizer: Tokenizer) -> TokenFloor | None:
+        """The tokenizer's token floor, found on first use (a pass over its vocabulary, tens of milliseconds): the
+        worker asks on the thread that loads the model, so that no request does. Two threads that both find it
+        first find the same floor."""
+        found = self._floors.get(id(tokenizer))
+        if found is None:
+            found = (tokenizer, token_floor(tokenizer))
+            self._floors[id(tokenizer)] = found
+        return found[1]
+
+    async def completion_ids(self, tokenizer: Tokenizer, prompts: list[Prompt], limit: PromptLimit) -> list[list[int]]:
+        """Each prompt's ids: text tokenized, refused (400) past `limit`; token ids as sent (checked later).
+
+        One task takes a request's texts in turn and stops at the first one over the limit. Spread over the threads,
+        a list of texts each just short of the floor (8 MB in all) held every thread for seconds, as one 8 MB text
+        did; in turn, at most one of them is tokenized in vain."""
+        token_ids = [p for p in prompts if not isinstance(p, str)]
+        if len(token_ids) == len(prompts):
+            return [list(p) for p in token_ids]
+        return await self._run(functools.partial(self._completion_ids, tokenizer, prompts, limit))
+
+    def _completion_ids(self, tokenizer: Tokenizer, prompts: list[Prompt], limit: PromptLimit) -> list[list[int]]:
+        floor = self.token_floor(tokenizer)
+        all_ids = []
+        for prompt in prompts:
+            ids = completion_prompt_ids(tokenizer, prompt, limit, floor)
+            if isinstance(prompt, str):
+                limit.check_count(len(ids), "prompt")
+            all_ids.append(ids)
+        return all_ids
 
     async def chat_ids(
         self,
@@ -66,28 +99,40 @@ class PromptBuilder:
         template_kwargs: dict[str, Any] | None,
         add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        limit: PromptLimit | None = None,
     ) -> list[int]:
+        """The conversation's ids; with `limit`, a rendered text that cannot fit it is refused before tokenizing."""
         check_template_kwargs(tokenizer, template_kwargs, self._allow_request_chat_template)
         if tools and template_kwargs and "tools" in template_kwargs:
             raise ApiError(400, "send tools in the tools field or in chat_template_kwargs, not both", param="tools")
-        return await self._run(
-            chat_prompt_ids, tokenizer, messages, add_generation_prompt, template_kwargs, add_special_tokens, tools
-        )
 
-    async def text_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-        """`text` tokenized, with or without the tokenizer's special tokens (`/tokenize`)."""
-        return await self._run(text_token_ids, tokenizer, text, add_special_tokens)
+        def build() -> list[int]:
+            floor = self.token_floor(tokenizer)
+            return chat_prompt_ids(
+                tokenizer, messages, add_generation_prompt, template_kwargs, add_special_tokens, tools, limit, floor
+            )
+
+        return await self._run(build)
+
+    async def text_ids(
+        self, tokenizer: Tokenizer, text: str, add_special_tokens: bool, limit: PromptLimit | None = None
+    ) -> list[int]:
+        """`text` tokenized, with or without the tokenizer's special tokens (`/tokenize`); with `limit`, refused if
+        it cannot fit it."""
+        return await self._run(
+            lambda: text_token_ids(tokenizer, text, add_special_tokens, limit, self.token_floor(tokenizer))
+        )
 
     async def text_of(self, tokenizer: Tokenizer, token_ids: list[int]) -> str:
         """Token ids back to text (`/detokenize`)."""
-        return await self._run(token_ids_text, tokenizer, token_ids)
+        return await self._run(functools.partial(token_ids_text, tokenizer, token_ids))
 
     def close(self) -> None:
         """Drop the prompts still waiting for a thread; one being built finishes on its own."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, build: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(build, *args))
+    async def _run(self, build: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, build)
 
 
 def check_template_kwargs(
@@ -139,13 +184,31 @@ def unicode_text(text: str, param: str) -> str:
     return text
 
 
-def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-    return list(tokenizer.encode(unicode_text(prompt, "prompt"))) if isinstance(prompt, str) else list(prompt)
+def completion_prompt_ids(
+    tokenizer: Tokenizer, prompt: Prompt, limit: PromptLimit | None = None, floor: TokenFloor | None = None
+) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return list(tokenizer.encode(_fitting_text(prompt, "prompt", limit, floor)))
 
 
-def text_token_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+def text_token_ids(
+    tokenizer: Tokenizer,
+    text: str,
+    add_special_tokens: bool,
+    limit: PromptLimit | None = None,
+    floor: TokenFloor | None = None,
+) -> list[int]:
     # A keyword: Hugging Face's second positional argument is a second text (`text_pair`).
-    return list(tokenizer.encode(unicode_text(text, "prompt"), add_special_tokens=add_special_tokens))
+    return list(tokenizer.encode(_fitting_text(text, "prompt", limit, floor), add_special_tokens=add_special_tokens))
+
+
+def _fitting_text(text: str, param: str, limit: PromptLimit | None, floor: TokenFloor | None) -> str:
+    """`text`, if it is Unicode that might encode to at most `limit` tokens (400 otherwise)."""
+    text = unicode_text(text, param)
+    if limit is not None:
+        limit.check_text(floor, text, param)
+    return text
 
 
 def token_ids_text(tokenizer: Tokenizer, token_ids: list[int]) -> str:
@@ -162,9 +225,12 @@ def chat_prompt_ids(
     template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    limit: PromptLimit | None = None,
+    floor: TokenFloor | None = None,
 ) -> list[int]:
     """Render the conversation with the model's chat template, then tokenize the text. `tools`: the function
-    definitions the template writes into the prompt, in its family's words.
+    definitions the template writes into the prompt, in its family's words; `limit`: refuse a text that cannot fit
+    it (by `floor`) before tokenizing it.
 
     Rendering to text first (rather than `tokenize=True`) keeps one code path across tokenizer versions, whose
     return type for tokenized templates has changed; the template already writes the special tokens it wants, so
@@ -185,7 +251,8 @@ def chat_prompt_ids(
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     if not isinstance(text, str):
         raise ApiError(500, f"the chat template returned {type(text).__name__}, expected text")
-    return list(tokenizer.encode(unicode_text(text, "messages"), add_special_tokens=add_special_tokens))
+    text = _fitting_text(text, "messages", limit, floor)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, Any]:

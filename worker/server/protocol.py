@@ -53,6 +53,9 @@ def _documented(accepted: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
 
 
 _NOT_SUPPORTED = "not supported by this server: only the default is accepted"
+# More significant digits than any vocabulary's ids (or int64's 19) have: no token id of any model. Checked before
+# int(), which refuses over 4300 digits (leading zeros too) with a ValueError that reached the client as a 500.
+_MAX_TOKEN_ID_DIGITS = 18
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
@@ -159,13 +162,17 @@ class _SamplingFields(_Strict):
         for key, value in bias.items():
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias key {key!r} is not a token id (a non-negative integer)")
+            if len(key.lstrip("0")) > _MAX_TOKEN_ID_DIGITS:
+                shown = f"{key[:20]}...' ({len(key)} digits)" if len(key) > 20 else f"{key}'"
+                raise ValueError(f"logit_bias key '{shown} is not a token id of this model")
             if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:  # NaN fails too
                 raise ValueError(f"logit_bias of {key!r} must be within -100..100, got {value}")
         return bias
 
     @property
     def logit_bias_ids(self) -> dict[int, float]:
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        # Without the zeros a key may lead with: int() counts them against its limit of digits.
+        return {int(k.lstrip("0") or "0"): v for k, v in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:

@@ -8,7 +8,6 @@ A request's choices (its prompts times `n`) are one `Choices`: one slot, one pre
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from tidal.worker.server.choices import Choices, Collected, collect
 from tidal.worker.server.config import ServerConfig
 from tidal.worker.server.errors import ApiError, ErrorResponse
 from tidal.worker.server.generation import Generation
+from tidal.worker.server.prompt_limit import PromptLimit
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatCompletionRequest, CompletionRequest
 from tidal.worker.server.responses import (
@@ -35,7 +35,7 @@ from tidal.worker.server.responses import (
     new_id,
 )
 from tidal.worker.server.runtime import WorkerRuntime
-from tidal.worker.server.sampling import sampling_params
+from tidal.worker.server.sampling import sampling_params, structured_output_param
 from tidal.worker.server.shaping import ChatShape, CompletionShape
 from tidal.worker.server.streaming import SSEResponse, chat_events, completion_events
 from tidal.worker.server.token_info import TokenTexts
@@ -100,9 +100,10 @@ def openai_router(
         except ApiError:
             metrics.record_finished(endpoint, "rejected")
             raise
+        grammar_param = structured_output_param(request)
         ids = [request_id] if len(all_prompt_ids) == 1 else [f"{request_id}-{i}" for i in range(len(all_prompt_ids))]
         generations = [
-            Generation(engine, metrics, endpoint, i, prompt_ids, params, n=request.n)
+            Generation(engine, metrics, endpoint, i, prompt_ids, params, n=request.n, grammar_param=grammar_param)
             for i, prompt_ids, params in zip(ids, all_prompt_ids, all_params, strict=True)
         ]
         choices = Choices(generations, request.n, on_close=slot.release)
@@ -124,6 +125,8 @@ def openai_router(
         return tool_format
 
     async def prompts_for(engine: AsyncEngine, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        # A text that cannot fit is refused before it is tokenized, by the same limit the checks below apply.
+        prompt_limit = PromptLimit.of(engine.max_model_len, config.max_prompt_tokens)
         if isinstance(request, ChatCompletionRequest):
             # tool_choice none leaves the tools out of the prompt: a model that is not told of them will not call.
             tools = (
@@ -131,14 +134,11 @@ def openai_router(
             )
             chat_ids = await prompt_builder.chat_ids(
                 engine.tokenizer, request.messages, request.add_generation_prompt, request.chat_template_kwargs,
-                tools=tools or None,
+                tools=tools or None, limit=prompt_limit,
             )  # fmt: skip
             all_prompt_ids, param = [chat_ids], "messages"
         else:
-            tokenizer = engine.tokenizer
-            all_prompt_ids = list(
-                await asyncio.gather(*(prompt_builder.completion_ids(tokenizer, p) for p in request.prompts))
-            )
+            all_prompt_ids = await prompt_builder.completion_ids(engine.tokenizer, request.prompts, prompt_limit)
             param = "prompt"
         limit = config.max_prompt_tokens
         for prompt_ids in all_prompt_ids:

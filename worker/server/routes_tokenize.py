@@ -3,7 +3,9 @@ prompts in token ids (RL trainers, evaluation harnesses). The work runs on the p
 other tokenization, never on the event loop.
 
 `/tokenize` takes a `prompt` (text) or chat `messages` (rendered through the chat template, as
-`/v1/chat/completions` would); `/detokenize` takes token ids of the tokenizer's vocabulary.
+`/v1/chat/completions` would); `/detokenize` takes token ids of the tokenizer's vocabulary. A text that cannot fit
+a prompt here whatever it encodes to is refused (400 context_length_exceeded) before it is tokenized, as the
+generation routes refuse it: counting it would hold a tokenizer thread for seconds and serve no prompt.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidal.worker.server.errors import ApiError, ErrorResponse
+from tidal.worker.server.prompt_limit import PromptLimit
 from tidal.worker.server.prompts import PromptBuilder
 from tidal.worker.server.protocol import ChatMessage
 from tidal.worker.server.runtime import WorkerRuntime
@@ -57,7 +60,7 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def tokenize_router(runtime: WorkerRuntime, prompt_builder: PromptBuilder) -> APIRouter:
+def tokenize_router(runtime: WorkerRuntime, prompt_builder: PromptBuilder, max_prompt_tokens: int | None) -> APIRouter:
     router = APIRouter(responses=_ERRORS)  # type: ignore[arg-type]
 
     def check_model(model: str | None) -> None:
@@ -71,14 +74,15 @@ def tokenize_router(runtime: WorkerRuntime, prompt_builder: PromptBuilder) -> AP
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         engine = runtime.require_engine()
         check_model(body.model)
+        limit = PromptLimit.of(engine.max_model_len, max_prompt_tokens)
         if body.messages is not None:
             tokens = await prompt_builder.chat_ids(
                 engine.tokenizer, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                add_special_tokens=bool(body.add_special_tokens),
+                add_special_tokens=bool(body.add_special_tokens), limit=limit,
             )  # fmt: skip
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            tokens = await prompt_builder.text_ids(engine.tokenizer, body.prompt or "", add_special)
+            tokens = await prompt_builder.text_ids(engine.tokenizer, body.prompt or "", add_special, limit)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
     @router.post("/detokenize")

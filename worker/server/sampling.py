@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import ValidationError
 
@@ -90,23 +90,34 @@ def structured_output(
     """What the request's output must conform to: forced tool calls, `response_format`, or the
     `structured_outputs` extension (the request model lets at most one of them through)."""
     response_format = request.response_format
-    param = "response_format"
     try:
-        if isinstance(request, ChatCompletionRequest) and request.tool_mode in ("required", "named"):
-            param = "tools"
+        if _forces_tool_calls(request):
             return forced_tool_calls(request, tool_format)
         if isinstance(response_format, JsonObjectFormat):
             return StructuredOutput(kind="json_object")
         if isinstance(response_format, JsonSchemaFormat):
             spec = response_format.json_schema
             return StructuredOutput.json_schema(spec.schema_, strict=bool(spec.strict))
-        param = "structured_outputs"
         if request.structured_outputs is not None:
             return _extension(request.structured_outputs)
     except ValidationError as exc:  # past the bounds of structured_output.py
         message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
-        raise ApiError(400, message, param=param) from exc
+        raise ApiError(400, message, param=structured_output_param(request)) from exc
     return None
+
+
+def structured_output_param(request: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field `structured_output` took the constraint from, for a 400 about it (a grammar that does not
+    compile is found later, by the engine): a client that sent `structured_outputs` is told of that field."""
+    if _forces_tool_calls(request):
+        return "tools"
+    if isinstance(request.response_format, JsonObjectFormat | JsonSchemaFormat):
+        return "response_format"
+    return "structured_outputs" if request.structured_outputs is not None else "response_format"
+
+
+def _forces_tool_calls(request: CompletionRequest | ChatCompletionRequest) -> TypeGuard[ChatCompletionRequest]:
+    return isinstance(request, ChatCompletionRequest) and request.tool_mode in ("required", "named")
 
 
 def _extension(fields: StructuredOutputs) -> StructuredOutput:
