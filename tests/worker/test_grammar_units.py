@@ -3,11 +3,14 @@ tokenizer, CPU)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
 import pytest
 import torch
 
+from tidal.worker.engine.errors import InvalidGrammarError
 from tidal.worker.engine.grammar_masks import GrammarMasks
 from tidal.worker.engine.grammars import GrammarCompiler, new_matcher
 from tidal.worker.engine.sample_batch import SampleBatch
@@ -114,3 +117,60 @@ def test_close_ends_the_fill_thread(compiler):
     assert masks._prepared is None
     fill_thread.join(timeout=5)
     assert not fill_thread.is_alive()
+
+
+@pytest.fixture
+def one_thread_compiler(tiny_model):
+    """A compiler of one thread, which a test can keep busy (`hold`) to queue compiles behind it."""
+    tokenizer = load_tokenizer(tiny_model("llama"))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id}, max_workers=1, max_wait_s=30)
+    yield compiler
+    compiler.shutdown()
+
+
+def hold(compiler: GrammarCompiler) -> threading.Event:
+    """Occupy the compiler's thread until the returned event is set."""
+    release, started = threading.Event(), threading.Event()
+    compiler._pool.submit(lambda: (started.set(), release.wait(30)))
+    started.wait(5)
+    return release
+
+
+def test_a_client_that_goes_away_leaves_a_shared_compile_alone(one_thread_compiler):
+    """Cancelling one waiter (its client disconnected) must not cancel the queued compile that another request
+    shares, nor leave a cancelled Future in the cache for the next request of that spec."""
+    compiler = one_thread_compiler
+    spec = StructuredOutput(kind="regex", text="[a-c]{3}")
+    release = hold(compiler)
+
+    async def run():
+        gone = asyncio.create_task(compiler.wait(spec))
+        staying = asyncio.create_task(compiler.wait(spec))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        return await staying
+
+    grammar = asyncio.run(run())
+    assert new_matcher(grammar).accept_string("abc")
+    assert not compiler.submit(spec).cancelled()
+
+
+def test_a_request_waits_for_its_grammar_at_most_max_wait_s(one_thread_compiler, monkeypatch):
+    """Queued behind a compile that holds the only thread: refused after max_wait_s, saying the compiler is busy.
+    A compile that runs past it: refused, saying so; it runs on, and the next request for the spec gets it."""
+    compiler = one_thread_compiler
+    compiler._max_wait_s = 0.2
+    release = hold(compiler)
+    with pytest.raises(InvalidGrammarError, match=r"the grammar compiler was busy with other requests for 0\.2 s"):
+        asyncio.run(compiler.wait(StructuredOutput(kind="regex", text="x+")))
+    release.set()
+
+    slow = StructuredOutput(kind="regex", text="y+")
+    compile_once = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda spec: (time.sleep(0.5), compile_once(spec))[1])
+    with pytest.raises(InvalidGrammarError, match=r"invalid regex: its compile took longer than 0\.2 s"):
+        asyncio.run(compiler.wait(slow))
+    compiler._max_wait_s = 30
+    assert new_matcher(asyncio.run(compiler.wait(slow))).accept_string("yy")

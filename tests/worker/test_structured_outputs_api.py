@@ -23,6 +23,8 @@ SCHEMA = {
     "required": ["name", "admin"],
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+# The report's schema: 42 KB, under the 64 KiB cap; 12 s of the compiler's two threads at a 49k vocabulary.
+COSTLY = {"type": "object", "properties": {f"a{i}": {"type": "string"} for i in range(1500)}}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,11 @@ def test_async_client_streamed_and_not(worker):
          "at most 256"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}}, None,
          "send one"),
+        # Past the compile-cost bound (schema_cost.py): refused before compiling, naming the part at fault.
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": COSTLY}}},
+         "response_format", "properties of #: 1500 optional properties, at most 200 are compiled"),
+        ({"extra_body": {"structured_outputs": {"regex": "([a-z]{1,10}){1,100}"}}}, "structured_outputs",
+         "makes 1000 nested copies, at most 16 are compiled"),
     ],
 )  # fmt: skip
 def test_bad_structured_outputs_are_400(client, body, param, message):
@@ -148,6 +155,24 @@ def test_bad_structured_outputs_are_400(client, body, param, message):
     assert message in error["message"]
     if param is not None:
         assert error["param"].startswith(param)
+
+
+def test_a_schema_without_strict_compiles_strictly(client):
+    """Unset strict is strict (as vLLM's): the same schema with strict false admits unlisted properties, which costs
+    xgrammar a rule per prefix of the 30 names (3.5 s or more at a 49k vocabulary), and is refused."""
+    names = [f"customer_field_{i:05d}" for i in range(30)]
+    schema = {"type": "object", "properties": {name: {"type": "string"} for name in names}, "required": names}
+    spec = {"name": "wide", "schema": schema}
+    client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, response_format={"type": "json_schema", "json_schema": spec}
+    )
+    with pytest.raises(openai.BadRequestError, match="additionalProperties false avoids this"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=3,
+            response_format={"type": "json_schema", "json_schema": {**spec, "strict": False}},
+        )
 
 
 @pytest.mark.parametrize(

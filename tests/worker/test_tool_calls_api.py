@@ -185,3 +185,19 @@ def test_a_tool_schema_that_does_not_compile_is_a_400_naming_tools(client):
     error = caught.value.body
     assert error["code"] == "invalid_grammar"
     assert error["param"] == "tools"
+
+
+def test_a_tool_schema_too_costly_to_compile_is_a_400_naming_tools(client):
+    """Refused before compiling (schema_cost.py): 50 email formats are most of a second of the compiler's time."""
+    emails = {f"e{i}": {"type": "string", "format": "email"} for i in range(50)}
+    costly = [
+        {"type": "function", "function": {"name": "mail", "parameters": {"type": "object", "properties": emails}}}
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, tools=costly, tool_choice="required"
+        )
+    error = caught.value.body
+    assert "the tools' parameters would take too long to compile" in error["message"]
+    assert "the format email of parameters 1#/properties/e" in error["message"]
+    assert error["param"] == "tools"

@@ -154,8 +154,9 @@ class AsyncEngine:
         self._engine.validate_prompt(request.prompt_token_ids)
         structured = request.params.structured
         if structured is not None:
-            # Compiled on the grammar pool, never on the step loop; a bad grammar raises InvalidGrammarError here.
-            grammar = await asyncio.wrap_future(self._engine.grammars.submit(structured))
+            # Compiled on the grammar pool, never on the step loop; a bad grammar, or one not compiled in time,
+            # raises InvalidGrammarError here.
+            grammar = await self._engine.grammars.wait(structured)
             request = request._replace(grammar=grammar)
         if self._admission is not None:
             await self._admission()

@@ -7,12 +7,21 @@ or compiles but can never begin (`can_start`), is refused (a 400 with the engine
 The Futures are kept in an LRU keyed by the spec: equal schemas compile once, and concurrent requests for one schema
 share the compile in progress (a failed one stays cached too, so repeating a bad schema costs nothing).
 
+A compile cannot be cancelled (xgrammar has no way to stop one), so what bounds the pool's work is the admission
+bound checked before it is submitted (schema_cost.py). `wait` bounds the client's: past MAX_WAIT_S the request is
+refused with a 400 while the compile runs on to its end, holding its thread, and is cached for the next request of
+the same spec. The deadline is a backstop for what the estimate does not cover (an EBNF grammar; a schema it
+misjudges) and for a pool kept busy by many requests: without it a client would wait, holding its connection, for
+as long as the compiles ahead of it take. Compiling in a child process would bound the work too (it can be killed),
+at the price of building the tokenizer's xgrammar form there and sending each compiled grammar back.
+
 xgrammar is imported on first use: a worker that never serves a structured request does not pay for it, nor for
 reading the tokenizer's vocabulary into xgrammar's form (about a second at a 150k vocabulary).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from collections import OrderedDict
@@ -30,6 +39,11 @@ if TYPE_CHECKING:
 # xgrammar's messages start with a time and a C++ source location; the client needs only what follows.
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
+# A request's longest wait for its grammar, queueing included: an admitted JSON schema compiles in well under a
+# second (schema_cost.py), so only a pool kept busy by many compiles, or a costly grammar the estimate missed,
+# reaches it.
+MAX_WAIT_S = 10.0
+
 
 class GrammarCompiler:
     def __init__(
@@ -39,11 +53,13 @@ class GrammarCompiler:
         stop_token_ids: set[int],
         max_workers: int = 2,
         cache_size: int = 256,
+        max_wait_s: float = MAX_WAIT_S,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._cache_size = cache_size
+        self._max_wait_s = max_wait_s
         self._cache: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="tidal-grammar")
@@ -54,7 +70,7 @@ class GrammarCompiler:
         """The compiled grammar of `spec`, cached or compiling; its result raises InvalidGrammarError."""
         with self._lock:
             future = self._cache.get(spec)
-            if future is not None:
+            if future is not None and not future.cancelled():  # cancelled: by shutdown, never compiled
                 self._cache.move_to_end(spec)
                 return future
             future = self._pool.submit(self._compile, spec)
@@ -62,6 +78,22 @@ class GrammarCompiler:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return future
+
+    async def wait(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of `spec`, awaited for at most `max_wait_s`; raises InvalidGrammarError past it.
+
+        A caller that goes away (its task cancelled) leaves the compile alone: other requests may share its Future,
+        which a cancel would otherwise cancel for them all, and leave cancelled in the cache."""
+        future = self.submit(spec)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._max_wait_s)
+        except TimeoutError:
+            kind = spec.kind.replace("_", " ")
+            if future.running():
+                why = f"its compile took longer than {self._max_wait_s:g} s (a simpler one compiles faster)"
+            else:
+                why = f"the grammar compiler was busy with other requests for {self._max_wait_s:g} s (try again)"
+            raise InvalidGrammarError(kind, why) from None
 
     def compile(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         """Compile (or find) `spec` and wait for it: for offline use, never on the serving step loop."""

@@ -2,7 +2,8 @@
 plain data: the key of the compiled-grammar cache and part of the request's SamplingParams (no torch, no xgrammar).
 
 The bounds keep one request from making the grammar compiler (a shared thread pool) or the per-step mask work
-unreasonably large; past them the request is refused with a 400 before anything is compiled.
+unreasonably large; past them the request is refused with a 400 before anything is compiled. The text's length does
+not bound a compile's time: schema_cost.py estimates that of a JSON schema, a structural tag's schemas and a regex.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tidal.worker.engine.schema_cost import check_json_schema, check_regex, check_structural_tag
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all choices together
 MAX_CHOICES = 256
@@ -52,6 +55,12 @@ class StructuredOutput(BaseModel):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
             if len(choices) > MAX_CHOICES:
                 raise ValueError(f"choice may list at most {MAX_CHOICES} strings, got {len(choices)}")
+        if self.kind == "json_schema":
+            check_json_schema(self.text, self.strict)
+        elif self.kind == "structural_tag":
+            check_structural_tag(self.text)
+        elif self.kind == "regex":
+            check_regex(self.text)
         return self
 
     @property
