@@ -114,8 +114,9 @@ class GrammarCompiler:
     def _compile_unchecked(self, spec: StructuredOutput) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
         try:
-            # JSON without free whitespace between tokens (compact, as json.dumps(separators=(",", ":")) writes):
-            # a model would otherwise be free to spend its whole budget on blanks between the braces.
+            # JSON without free whitespace: exactly ", " and ": " between items (as json.dumps writes by default,
+            # xgrammar's separators when any_whitespace is off), nothing else between tokens; a model would otherwise
+            # be free to spend its whole budget on blanks between the braces.
             if spec.kind == "json_object":  # any object: the schema of OpenAI's json_object mode
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if spec.kind == "json_schema":

@@ -309,7 +309,9 @@ class JsonSchemaSpec(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema", description="a JSON schema")
-    strict: bool | None = Field(None, description="true: no properties beyond the schema's (its default then)")
+    strict: bool | None = Field(
+        None, description="true or unset: no properties beyond the schema's; false: unlisted ones allowed"
+    )
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
