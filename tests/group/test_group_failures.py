@@ -134,6 +134,28 @@ def test_a_frozen_coordinator_fails_its_store_reads_and_the_next_join_in_time(st
     assert ok(ranks.run("gather", {r: (3, [r]) for r in survivors})) == {r: [[1], [2]] for r in survivors}
 
 
+def test_members_arriving_one_after_another_join_and_the_serving_store_stays(start_ranks):
+    # Each member arrives within the timeout of the one before, so the join takes longer than one timeout in all:
+    # no deadline may take that for a frozen coordinator, nor cut the serving epoch's store, which the same
+    # coordinator hosts.
+    ranks = start_ranks(3)
+    timeout_s = 2.0
+    ok(ranks.join(epoch=1, ranks=[0, 1, 2], coordinator=0, timeout_s=LONG_DEADLINE_S))
+    members = ranks.members([0, 1, 2])
+    for rank in range(3):
+        if rank:
+            time.sleep(0.9 * timeout_s)
+        ranks.send(rank, "join", 2, members, rank, 0, timeout_s, None)
+    joined = {rank: ranks.reply(rank, LONG_DEADLINE_S) for rank in range(3)}
+    ok(joined)
+    assert joined[0].seconds > timeout_s + 1.0  # longer than the deadline's timeout and grace: the case at issue
+    ok(ranks.run("publish", {r: (1, f"after-{r}", b"still") for r in range(3)}))
+    assert ok(ranks.run("fetch", {r: (1, f"after-{(r + 1) % 3}", 5.0) for r in range(3)})) == {
+        r: b"still" for r in range(3)
+    }
+    assert ok(ranks.run("gather", {r: (2, [r]) for r in range(3)})) == {r: [[0], [1], [2]] for r in range(3)}
+
+
 def _returns_within(seconds: float, call: Callable[[], object]) -> object:
     """call(), failing the test instead of hanging it when it has not returned after `seconds`."""
     outcome: Future[object] = Future()

@@ -9,10 +9,12 @@ Every collective waits at most `collective_timeout_s`; any failure raises GroupB
 `find_culprit` probes the peers' endpoints (off the step path) to name the one that is gone or frozen. The happy path
 does no more than the collective itself.
 
-The join and the reads of the epoch's store are held to their timeout even when the coordinator's endpoint accepts
-and never answers (a frozen coordinator), which torch's store client alone does not do (see `rendezvous_deadline`):
-otherwise the rank's preparation of the epoch blocks forever, its thread and store connection with it, and the
-operator's call never gets an answer.
+Making the store client and reading the epoch's store are held to their timeout even when the coordinator's endpoint
+accepts and never answers (a frozen coordinator), which torch's store client alone does not do (see
+`rendezvous_deadline`): otherwise the rank's preparation of the epoch blocks forever, its thread and store connection
+with it, and the operator's call never gets an answer. A coordinator that freezes after the client was made, during
+the backend's setup, still holds that setup: the deadline cannot cover it without misjudging members that arrive one
+after another within their own timeouts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, cast
 
 import torch
@@ -64,29 +67,45 @@ def join_epoch(
     join_timeout = datetime.timedelta(seconds=timeout_s)
     group_rank, size = ranks.index(my_rank), len(ranks)
     use_nccl = device.type == "cuda" and backend != "gloo"
+    # The client's construction (connect, then a ping with no deadline of its own) is held to the deadline; the
+    # backend's setup is not: gloo waits on each member with its own timeout, so members arriving one after
+    # another may take longer than one timeout in all, and a cut then would blame a healthy coordinator.
     deadline = _store_deadline(coordinator, timeout_s)
     try:
         with deadline:
             client = TCPStore(
                 coordinator.host, coordinator.port, is_master=False, wait_for_workers=False, timeout=join_timeout
             )
-            store = PrefixStore(f"tidal/epoch/{epoch}", client)
-            process_group = _new_backend(store, group_rank, size, use_nccl, join_timeout, ordered[group_rank].host)
+        if deadline.cut:  # made all the same, on a connection cut at the deadline: unusable
+            raise _join_unanswered(coordinator, timeout_s, epoch)
+        store = PrefixStore(f"tidal/epoch/{epoch}", client)
+        process_group = _new_backend(store, group_rank, size, use_nccl, join_timeout, ordered[group_rank].host)
+    except GroupBrokenError:
+        raise
     except Exception as err:
         if deadline.cut:  # the coordinator is the peer that failed: no probe needed to name it
             raise _join_unanswered(coordinator, timeout_s, epoch) from err
         raise GroupBrokenError(f"could not join: {_first_line(err)}", _gone_peer(ordered, my_rank), epoch) from err
     wire = device if use_nccl else torch.device("cpu")
-    group = EpochGroup(epoch, ordered, my_rank, coordinator, wire, process_group, store, collective_timeout_s)
-    if deadline.cut:  # it completed all the same, but its store's connection was cut at the deadline: unusable
-        group.close()
-        raise _join_unanswered(coordinator, timeout_s, epoch)
-    return group
+    store_link = _StoreLink(coordinator, deadline.opened())
+    return EpochGroup(epoch, ordered, my_rank, store_link, wire, process_group, store, collective_timeout_s)
 
 
-def _store_deadline(coordinator: EpochMember, timeout_s: float) -> RendezvousDeadline:
-    """Cuts this process's connections to the coordinator's endpoint if the block outlasts `timeout_s` (+ grace)."""
-    return RendezvousDeadline(coordinator.host, coordinator.port, timeout_s + _UNANSWERED_GRACE_S)
+@dataclass(frozen=True)
+class _StoreLink:
+    """The epoch's store: the member hosting it, and this process's connections to it (its client's, made in the
+    join), the only ones a deadline on its reads may cut."""
+
+    coordinator: EpochMember
+    connections: frozenset[str]
+
+
+def _store_deadline(
+    coordinator: EpochMember, timeout_s: float, only: frozenset[str] | None = None
+) -> RendezvousDeadline:
+    """Cuts the block's connections to the coordinator's endpoint (or `only` those) if it outlasts `timeout_s` and
+    the grace."""
+    return RendezvousDeadline(coordinator.host, coordinator.port, timeout_s + _UNANSWERED_GRACE_S, only)
 
 
 def _join_unanswered(coordinator: EpochMember, timeout_s: float, epoch: int) -> GroupBrokenError:
@@ -140,7 +159,7 @@ class EpochGroup:
         epoch: int,
         members: Sequence[EpochMember],
         my_rank: int,
-        coordinator: EpochMember,
+        store_link: _StoreLink,
         wire: torch.device,
         backend: _Backend,
         store: Store,
@@ -150,7 +169,8 @@ class EpochGroup:
         self.member_list = list(members)
         self.members: tuple[int, ...] = tuple(m.rank for m in members)
         self.my_rank = my_rank
-        self.coordinator = coordinator  # hosts the epoch's store
+        self.coordinator = store_link.coordinator  # hosts the epoch's store
+        self._store_connections = store_link.connections
         self.size = len(self.members)
         self.group_rank = self.members.index(my_rank)
         self.wire = wire  # where exchanged tensors must be (host memory for gloo); `.to()` is free when they are
@@ -194,7 +214,7 @@ class EpochGroup:
 
     def fetch(self, key: str, timeout_s: float) -> bytes:
         """The value another member published under `key`, waiting up to `timeout_s` for it."""
-        deadline = _store_deadline(self.coordinator, timeout_s)
+        deadline = _store_deadline(self.coordinator, timeout_s, self._store_connections)
         try:
             with deadline:
                 self._store.wait([key], datetime.timedelta(seconds=timeout_s))

@@ -6,9 +6,14 @@ with no deadline. A port that accepts and never answers (a frozen trainer or coo
 that waits for its client to speak first) holds the joining thread forever, and with it the update or the epoch.
 The client takes neither a socket of ours nor a read timeout, and a thread given up on would stay blocked, its store
 live, for as long as the port stays silent. So at the deadline the process's connections to the rendezvous are shut
-down from outside: the blocked read returns, torch raises, and the join ends with nothing left behind. Every
-connection of this process to (address, port) is cut, not only the join's: a deadline is for a store that has not
-answered for that long, never a short one that a slow but live store could miss.
+down from outside: the blocked read returns, torch raises, and the join ends with nothing left behind.
+
+Only the connections of the call under the deadline are cut: those opened inside the block, or the ones named
+(`only`: a store client's, recorded when it was made). Other connections to the same endpoint are another
+epoch's store, maybe the serving one, which a cut would break on a healthy coordinator. And the deadline covers
+what has no timeout of its own (the client's construction, a read), never the backend's setup: gloo waits on each
+member with its own timeout, so members arriving one after another may take longer than one timeout in all while
+nothing is wrong.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import ipaddress
 import os
 import socket
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 # A client that retries its connect may open a new connection after a cut, until it sees its own deadline.
@@ -26,17 +32,29 @@ _RECUT_INTERVAL_S = 0.05
 
 class RendezvousDeadline(threading.Thread):
     """Within `with`: once `timeout_s` passes, keep shutting down this process's TCP connections to
-    (address, port) until the block ends. `cut` says whether any was, i.e. whether the join was broken by it."""
+    (address, port) that were opened inside the block (or, given `only`, those of these socket ids) until the block
+    ends. `cut` says whether any was, i.e. whether the call was broken by it; `opened()` lists the block's own."""
 
-    def __init__(self, address: str, port: int, timeout_s: float) -> None:
+    def __init__(self, address: str, port: int, timeout_s: float, only: frozenset[str] | None = None) -> None:
         super().__init__(name=f"tidal-rendezvous-deadline-{port}", daemon=True)
         self.address, self.port, self.timeout_s = address, port, timeout_s
         self.cut = False
+        self._only = only
+        self._before: frozenset[str] = frozenset()
         self._ended = threading.Event()
 
     def __enter__(self) -> RendezvousDeadline:
+        self._before = frozenset(_socket_ids())
         self.start()
         return self
+
+    def opened(self) -> frozenset[str]:
+        """The ids of this process's sockets opened since the block began (a store client's connections, when
+        the block only made one): what a later deadline on that client's reads may cut."""
+        return frozenset(_socket_ids()) - self._before
+
+    def _targets(self, socket_id: str) -> bool:
+        return socket_id in self._only if self._only is not None else socket_id not in self._before
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -52,7 +70,7 @@ class RendezvousDeadline(threading.Thread):
         except OSError:  # unresolvable now: the client, which resolves the same name, cannot be connected either
             return
         while True:
-            for conn in _connections_to(peers, self.port):
+            for conn in _connections_to(peers, self.port, self._targets):
                 self.cut = True  # before the shutdown: the join raises as soon as its read returns
                 _shut_down(conn)
             if self._ended.wait(_RECUT_INTERVAL_S):
@@ -72,17 +90,32 @@ def _unmapped(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ip
 
 
-def _connections_to(peers: set[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int) -> list[socket.socket]:
-    """Duplicates of this process's TCP sockets whose peer is one of `peers` at `port` (Linux: /proc)."""
-    found = []
+def _socket_ids() -> dict[str, str]:
+    """This process's sockets: {"socket:[inode]": its descriptor's number} (Linux: /proc). The inode names the
+    connection itself, whichever descriptor holds it, and no later socket reuses it while this one is open."""
+    found = {}
     for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since the listing
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:"):
+                found[target] = name
+    return found
+
+
+def _connections_to(
+    peers: set[ipaddress.IPv4Address | ipaddress.IPv6Address], port: int, wanted: Callable[[str], bool]
+) -> list[socket.socket]:
+    """Duplicates of this process's TCP sockets whose peer is one of `peers` at `port`, of the ids `wanted` takes."""
+    found = []
+    for socket_id, name in _socket_ids().items():
+        if not wanted(socket_id):
+            continue
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            conn = socket.socket(fileno=os.dup(int(name)))  # a number reused since the listing: checked below
+            conn = socket.socket(fileno=os.dup(int(name)))
+            same = os.readlink(f"/proc/self/fd/{conn.fileno()}") == socket_id  # not a number reused since
         except (OSError, ValueError):  # closed since the listing, or not a socket after all
             continue
-        if conn.type == socket.SOCK_STREAM and conn.family in (socket.AF_INET, socket.AF_INET6):
+        if same and conn.type == socket.SOCK_STREAM and conn.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 host, peer_port = conn.getpeername()[:2]
                 if peer_port == port and _unmapped(host) in peers:

@@ -23,7 +23,7 @@ from tidal.worker.group.rendezvous_deadline import RendezvousDeadline
 from tidal.worker.lifecycle.errors import CollectiveError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Work
+    from torch._C._distributed_c10d import Store, Work
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +47,22 @@ def _local_address_towards(address: str, port: int) -> str:
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
-    """Join (rank 0: host) the trainer's group within `timeout_s`; CollectiveError when the rendezvous or the group
-    fails or does not complete in time (nothing of the attempt is left running then)."""
+    """Join (rank 0: host) the trainer's group; CollectiveError when the rendezvous or the group fails, or the
+    rendezvous does not answer within `timeout_s` (nothing of the attempt is left running then)."""
     failed = f"cannot join the trainer's group at {address}:{port}"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # The store client's construction (connect, then a ping with no deadline of its own) is held to the deadline;
+    # the backend's setup is not: gloo waits on each member with its own timeout, so workers arriving one after
+    # another may take longer than one timeout in all while nothing is wrong.
     deadline = RendezvousDeadline(address, port, timeout_s + _UNANSWERED_GRACE_S)
     try:
         with deadline:
-            group = _join_group(address, port, rank, world_size, backend, timeout_s)
+            store = _store_client(address, port, rank, world_size, timeout)
+        if deadline.cut:  # made all the same, on a connection cut at the deadline: unusable
+            raise CollectiveError(f"{failed}: {_no_answer(timeout_s)}")
+        return _group_on(store, address, port, rank, world_size, backend, timeout)
     except (RuntimeError, OSError) as err:  # torch's DistError is a RuntimeError; an unknown host an OSError
         raise CollectiveError(f"{failed}: {_no_answer(timeout_s) if deadline.cut else err}") from err
-    if deadline.cut:  # it completed all the same, on a store connection that was cut at the deadline
-        leave_group(group)
-        raise CollectiveError(f"{failed}: {_no_answer(timeout_s)}")
-    return group
 
 
 def _no_answer(timeout_s: float) -> str:
@@ -69,13 +72,17 @@ def _no_answer(timeout_s: float) -> str:
     )
 
 
-def _join_group(address: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> BroadcastGroup:
-    timeout = datetime.timedelta(seconds=timeout_s)
+def _store_client(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Store:
     # Where torch defines it (torch.distributed re-exports it without declaring so, which a type checker refuses);
     # imported here so that a torch built without distributed still imports this module.
     from torch._C._distributed_c10d import TCPStore
 
-    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+
+
+def _group_on(
+    store: Store, address: str, port: int, rank: int, world_size: int, backend: str, timeout: datetime.timedelta
+) -> BroadcastGroup:
     if backend == "gloo":
         # The stub omits the options class the constructor takes (private in torch's bindings, public in use).
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
