@@ -37,6 +37,17 @@ _PIECEWISE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "
 # Of those, the ones that never shorten the text: with only these, the text's own length is the floor's measure and
 # normalizing it (0.4 s for 8 MB under NFC) is skipped.
 _NEVER_SHORTER = frozenset({"Prepend", "Replace"})
+# The bytes valid UTF-8 may hold (never C0, C1, F5-FF), and the pieces that stand for them: byte fallback's
+# "<0x0A>", and a byte-level BPE's characters (GPT-2's map: printable Latin-1 as itself, the rest from U+0100 on).
+# A vocabulary without one of them makes that byte unknown: SmolLM2's GGUF lacks \x04, and 3000 of them were one
+# "<|endoftext|>".
+_UTF8_BYTES = [byte for byte in range(256) if byte not in (0xC0, 0xC1) and byte < 0xF5]
+_BYTE_PIECES = [f"<0x{byte:02X}>" for byte in _UTF8_BYTES]
+_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_BYTE_LEVEL = {byte: chr(byte) for byte in _PRINTABLE} | {
+    byte: chr(0x100 + index) for index, byte in enumerate(b for b in range(256) if b not in _PRINTABLE)
+}
+_BYTE_LEVEL_PIECES = [_BYTE_LEVEL[byte] for byte in _UTF8_BYTES]
 # A character outside the vocabulary, without byte fallback, is one unknown token; UTF-8 spends at most 4 bytes on it.
 _MAX_CHAR_BYTES = 4
 
@@ -99,13 +110,17 @@ def _lossy_stage(backend: Tokenizer, pre_tokenizer: dict[str, Any], normalizer: 
     if backend.truncation is not None:
         return "truncates its output"
     model = backend.model
+    byte_level = any(step["type"] == "ByteLevel" for step in _steps(pre_tokenizer, "pretokenizers"))
     if isinstance(model, models.BPE):
-        if model.unk_token and model.fuse_unk and not model.byte_fallback:
-            return "fuses a run of unknown characters into one token"
+        reason = _bpe_unknowns(model, byte_level)
+        if reason is not None:
+            return reason
     elif isinstance(model, models.Unigram):
         # The binding does not expose the flag; the model's state has it (and its vocabulary: read only here).
         if not json.loads(model.__getstate__()).get("byte_fallback", False):
             return "fuses a run of unknown characters into one token (Unigram without byte fallback)"
+        if not _has_all(model, _BYTE_PIECES):  # a byte without its piece makes the character unknown
+            return "fuses a run of unknown characters into one token (Unigram without every byte's piece)"
     else:  # WordPiece: a word past its length limit is one [UNK]; WordLevel: any unknown word is
         return f"has a {type(model).__name__} model, which may stand one token for a whole word"
     for step in _steps(pre_tokenizer, "pretokenizers"):
@@ -120,6 +135,25 @@ def _lossy_stage(backend: Tokenizer, pre_tokenizer: dict[str, Any], normalizer: 
         if token.lstrip or token.rstrip:
             return f"has the added token {token.content!r}, which takes in the whitespace beside it"
     return None
+
+
+def _bpe_unknowns(model: models.BPE, byte_level: bool) -> str | None:
+    """Why a character outside this BPE's vocabulary may not be one token of its own, or None when it is."""
+    if byte_level and _has_all(model, _BYTE_LEVEL_PIECES):
+        return None  # every byte of the text is a character in the vocabulary: none is unknown
+    if model.byte_fallback and _has_all(model, _BYTE_PIECES):
+        return None  # an unknown character is its bytes' pieces
+    # Byte fallback without every byte's piece goes on to the unknown token; without one the character is
+    # dropped (4000 CJK characters were 4 tokens).
+    if not model.unk_token:
+        return "drops characters outside its vocabulary (no unknown token, no byte fallback to every byte)"
+    if model.fuse_unk:
+        return "fuses a run of unknown characters into one token"
+    return None
+
+
+def _has_all(model: models.Model, pieces: list[str]) -> bool:
+    return all(model.token_to_id(piece) is not None for piece in pieces)
 
 
 def _one_char_replace(step: dict[str, Any]) -> bool:

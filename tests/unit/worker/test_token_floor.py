@@ -153,6 +153,42 @@ def test_a_pipeline_that_can_fold_text_away_has_no_floor(tokenizer):
     assert token_floor(PreTrainedTokenizerFast(tokenizer_object=tokenizer)) is None
 
 
+def _trained_bpe(model: models.BPE, special_tokens: list[str], alphabet: list[str] | None = None) -> Tokenizer:
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace() if alphabet is None else pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special_tokens, initial_alphabet=alphabet or [], show_progress=False
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    "tokenizer",
+    [
+        _trained_bpe(models.BPE(), ["<s>"]),  # no unknown token, no byte fallback
+        _trained_bpe(models.BPE(byte_fallback=True), ["<s>"]),  # byte fallback, but no byte pieces
+        _trained_bpe(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True), ["<unk>"]),  # the run fuses
+        _trained_bpe(models.BPE(byte_fallback=True), ["<s>", *BYTE_TOKENS[:128]]),  # half of the byte pieces
+        _trained_bpe(models.BPE(), ["<s>"], alphabet=[]),  # byte level, but only the training text's bytes
+    ],
+    ids=["no-unk", "fallback-without-bytes", "fallback-without-bytes-fusing-unk", "half-the-bytes", "byte-level-gaps"],
+)
+def test_a_bpe_that_drops_or_fuses_unknown_characters_has_no_floor(tokenizer):
+    """4000 CJK characters outside the vocabulary encoded to 4-5 tokens where the floor said 1201."""
+    text = "hello " + "漢" * 4000
+    assert _count(tokenizer, text) < 10  # what the floor would have been unsound for
+    assert token_floor(PreTrainedTokenizerFast(tokenizer_object=tokenizer)) is None
+
+
+def test_a_bpe_with_an_unfused_unknown_token_keeps_its_floor():
+    tokenizer = _trained_bpe(models.BPE(unk_token="<unk>", fuse_unk=False), ["<unk>"])
+    floor = token_floor(PreTrainedTokenizerFast(tokenizer_object=tokenizer))
+    assert floor is not None
+    for text in [*TEXTS, "hello " + "漢" * 4000]:
+        assert floor.min_tokens(text) <= _count(tokenizer, text), (text[:20], floor)
+
+
 def test_a_tokenizer_without_a_fast_backend_has_no_floor():
     assert token_floor(object()) is None
 
