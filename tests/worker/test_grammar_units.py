@@ -4,6 +4,8 @@ tokenizer, CPU)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import threading
 import time
 
@@ -174,3 +176,29 @@ def test_a_request_waits_for_its_grammar_at_most_max_wait_s(one_thread_compiler,
         asyncio.run(compiler.wait(slow))
     compiler._max_wait_s = 30
     assert new_matcher(asyncio.run(compiler.wait(slow))).accept_string("yy")
+
+
+def test_a_compile_that_fails_after_its_waiter_gave_up_is_not_logged_as_unretrieved(
+    one_thread_compiler, monkeypatch, caplog
+):
+    """The waiter timed out (or its client went away); the compile fails later: its error is the next request's
+    to get, not a "Future exception was never retrieved" traceback in the log."""
+    compiler = one_thread_compiler
+    compiler._max_wait_s = 0.1
+
+    def slow_failure(spec):
+        time.sleep(0.3)
+        raise InvalidGrammarError("regex", "bad")
+
+    monkeypatch.setattr(compiler, "_compile", slow_failure)
+
+    async def run():
+        with pytest.raises(InvalidGrammarError, match=r"took longer than 0\.1 s"):
+            await compiler.wait(StructuredOutput(kind="regex", text="z+"))
+        await asyncio.sleep(0.5)  # the compile fails meanwhile
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(run())
+        compiler._cache.clear()  # the compile's Future (its callbacks hold the waiter's) leaves the cache
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -85,8 +85,12 @@ class GrammarCompiler:
         A caller that goes away (its task cancelled) leaves the compile alone: other requests may share its Future,
         which a cancel would otherwise cancel for them all, and leave cancelled in the cache."""
         future = self.submit(spec)
+        waited = asyncio.wrap_future(future)
+        # A waiter that timed out or went away no longer reads the outcome: one that fails later would be logged
+        # as "Future exception was never retrieved", with its traceback.
+        waited.add_done_callback(_retrieve_exception)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._max_wait_s)
+            return await asyncio.wait_for(asyncio.shield(waited), self._max_wait_s)
         except TimeoutError:
             kind = spec.kind.replace("_", " ")
             if future.running():
@@ -177,3 +181,8 @@ def choice_grammar(choices: list[str]) -> str:
 def _ebnf_literal(text: str) -> str:
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
     return '"' + escaped.replace("\t", "\\t") + '"'
+
+
+def _retrieve_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

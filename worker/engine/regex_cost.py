@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+MAX_GROUP_DEPTH = 64  # the parser recurses per group: far below Python's recursion limit, and no real pattern nests so
 MAX_NESTED_REPEAT = 16  # the product of nested variable counts: ([a-z]{1,4}){1,4} took 57 ms, {1,8}{1,8} 0.85 s
 LITERAL_STATES = 0.1  # a literal character or a digit class: few tokens begin with one
 CLASS_STATES = 1.0  # a class of letters, \w, \S
@@ -33,7 +34,8 @@ _BROAD = re.compile(r"^\^| |\\[sWD]")  # in a class's text
 
 
 class RegexCostError(ValueError):
-    """A regex whose compile this module refuses to estimate: a nested repetition past MAX_NESTED_REPEAT."""
+    """A regex whose compile this module refuses to estimate: a nested repetition past MAX_NESTED_REPEAT, or groups
+    nested past MAX_GROUP_DEPTH."""
 
 
 class _Part(NamedTuple):
@@ -43,7 +45,8 @@ class _Part(NamedTuple):
 
 
 def regex_states(pattern: str) -> float:
-    """The estimated number of mask states of `pattern`'s compile. Raises RegexCostError past MAX_NESTED_REPEAT."""
+    """The estimated number of mask states of `pattern`'s compile. Raises RegexCostError past MAX_NESTED_REPEAT or
+    MAX_GROUP_DEPTH."""
     parser = _Parser(pattern)
     states = 0.0
     while parser.pos < len(pattern):  # an unbalanced ")" ends _alternation early: read on
@@ -56,6 +59,7 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.text = pattern
         self.pos = 0
+        self.depth = 0  # the groups open at pos
 
     def alternation(self) -> _Part:
         """Branches up to an unmatched ")" or the end: each is compiled, so their states add up."""
@@ -97,8 +101,12 @@ class _Parser:
         if char == ".":
             return _Part(BROAD_STATES, 1, False)
         if char == "(":
+            if self.depth >= MAX_GROUP_DEPTH:
+                raise RegexCostError(f"groups nested {self.depth + 1} deep, at most {MAX_GROUP_DEPTH} are compiled")
             self._skip_group_kind()
+            self.depth += 1
             inner = self.alternation()
+            self.depth -= 1
             self.pos += 1  # the ")"
             return inner
         return _Part(LITERAL_STATES, 1, False)

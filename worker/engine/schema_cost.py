@@ -72,13 +72,16 @@ def check_json_schema(text: str, strict: bool) -> None:
     """Refuse (CompileCostError) a JSON schema, as JSON text, past the bound; text that is not JSON is left to
     xgrammar, which says why."""
     tally = _Tally()
+    tally.add(BASE, "the JSON rules")
     tally.walk_root(_loads(text), "#", strict)
     tally.check("the json schema")
 
 
 def check_structural_tag(text: str) -> None:
-    """The JSON schemas in a structural tag (forced tool calls) together; xgrammar compiles them strictly."""
+    """The JSON schemas in a structural tag (forced tool calls) together; xgrammar compiles them strictly, into one
+    grammar that shares the JSON rules (40 tools of 4 properties compiled in 17 ms at 49k tokens)."""
     tally = _Tally()
+    tally.add(BASE, "the JSON rules")
     for index, schema in enumerate(_tag_schemas(_loads(text))):
         tally.walk_root(schema, f"parameters {index + 1}#", strict=True)
     tally.check("the tools' parameters")
@@ -95,6 +98,7 @@ def check_regex(pattern: str) -> None:
 def json_schema_cost(schema: Any, strict: bool) -> float:
     """The estimate, in units, of a parsed schema; raises CompileCostError past a limit other than the budget."""
     tally = _Tally()
+    tally.add(BASE, "the JSON rules")
     tally.walk_root(schema, "#", strict)
     return tally.total
 
@@ -156,7 +160,7 @@ class _Tally:
         )
 
     def walk_root(self, schema: Any, pointer: str, strict: bool) -> None:
-        self.add(BASE, "the JSON rules")
+        """One schema's own rules; the JSON rules (BASE) its grammar shares with any others are the caller's."""
         self._walk(schema, pointer, 0, strict)
 
     def _walk(self, schema: Any, pointer: str, depth: int, strict: bool) -> None:

@@ -105,6 +105,9 @@ def structured_output(
     except ValidationError as exc:  # past the bounds of structured_output.py
         message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
         raise ApiError(400, message, param=structured_output_param(request)) from exc
+    except RecursionError as exc:  # json.dumps recurses per level: a schema of ~1000 levels gets past the parser
+        param = structured_output_param(request)
+        raise ApiError(400, f"the schema in {param} is nested too deeply", param=param) from exc
     return None
 
 

@@ -237,3 +237,16 @@ def test_a_json_schema_string_nested_too_deeply_is_a_400():
     with pytest.raises(ApiError) as refused:
         structured_output(request)
     assert refused.value.status == 400 and "nested too deeply" in refused.value.message
+
+
+def test_a_response_format_schema_nested_too_deeply_is_a_400():
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(5000):  # built in Python, past the recursion limit of json.dumps (the body parser stops sooner)
+        schema = {"type": "array", "items": schema}
+    request = CompletionRequest(
+        model="m", prompt="x", response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    )
+    with pytest.raises(ApiError) as refused:
+        structured_output(request)
+    assert refused.value.status == 400 and refused.value.param == "response_format"
+    assert "nested too deeply" in refused.value.message
