@@ -39,10 +39,6 @@ log = logging.getLogger(__name__)
 GroupBackend = Literal["auto", "gloo", "nccl"]
 
 _PROBE_TIMEOUT_S = 0.5
-# torch's own timeouts end a few milliseconds past `timeout_s` (its waits begin once connected), with their own
-# errors (a member missing); a store read still blocked this long past it has no deadline (the store never answers),
-# and only then are this process's connections to the store cut.
-_UNANSWERED_GRACE_S = 1.0
 
 
 def join_epoch(
@@ -105,7 +101,7 @@ def _store_deadline(
 ) -> RendezvousDeadline:
     """Cuts the block's connections to the coordinator's endpoint (or `only` those) if it outlasts `timeout_s` and
     the grace."""
-    return RendezvousDeadline(coordinator.host, coordinator.port, timeout_s + _UNANSWERED_GRACE_S, only)
+    return RendezvousDeadline(coordinator.host, coordinator.port, timeout_s, only)
 
 
 def _join_unanswered(coordinator: EpochMember, timeout_s: float, epoch: int) -> GroupBrokenError:

@@ -28,16 +28,19 @@ from types import TracebackType
 
 # A client that retries its connect may open a new connection after a cut, until it sees its own deadline.
 _RECUT_INTERVAL_S = 0.05
+# torch's own timeouts end a few milliseconds past the call's (its waits begin once connected), with their own errors
+# (a member missing); only a call still blocked a second later is taken for a store that never answers.
+_UNANSWERED_GRACE_S = 1.0
 
 
 class RendezvousDeadline(threading.Thread):
-    """Within `with`: once `timeout_s` passes, keep shutting down this process's TCP connections to
+    """Within `with`: once the call's `timeout_s` and a grace pass, keep shutting down this process's TCP connections to
     (address, port) that were opened inside the block (or, given `only`, those of these socket ids) until the block
     ends. `cut` says whether any was, i.e. whether the call was broken by it; `opened()` lists the block's own."""
 
     def __init__(self, address: str, port: int, timeout_s: float, only: frozenset[str] | None = None) -> None:
         super().__init__(name=f"tidal-rendezvous-deadline-{port}", daemon=True)
-        self.address, self.port, self.timeout_s = address, port, timeout_s
+        self.address, self.port, self.deadline_s = address, port, timeout_s + _UNANSWERED_GRACE_S
         self.cut = False
         self._only = only
         self._before: frozenset[str] = frozenset()
@@ -63,7 +66,7 @@ class RendezvousDeadline(threading.Thread):
         self.join()  # promptly: it only waits on `_ended` between cuts; after this, `cut` no longer changes
 
     def run(self) -> None:
-        if self._ended.wait(self.timeout_s):
+        if self._ended.wait(self.deadline_s):
             return
         try:
             peers = _addresses_of(self.address, self.port)

@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# torch's own timeouts (a worker that never joins) end a few milliseconds past `timeout_s`, with their own errors;
-# only a rendezvous still silent a second later is taken for one that never answers, and its connections cut.
-_UNANSWERED_GRACE_S = 1.0
-
 
 class BroadcastGroup(Protocol):
     """What this module needs of a backend: torch's stubs leave `broadcast` off the backend classes that have it."""
@@ -54,7 +50,7 @@ def join_group(address: str, port: int, rank: int, world_size: int, backend: str
     # The store client's construction (connect, then a ping with no deadline of its own) is held to the deadline;
     # the backend's setup is not: gloo waits on each member with its own timeout, so workers arriving one after
     # another may take longer than one timeout in all while nothing is wrong.
-    deadline = RendezvousDeadline(address, port, timeout_s + _UNANSWERED_GRACE_S)
+    deadline = RendezvousDeadline(address, port, timeout_s)
     try:
         with deadline:
             store = _store_client(address, port, rank, world_size, timeout)
