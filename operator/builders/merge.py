@@ -15,8 +15,10 @@ from typing import Any
 from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
 
 WORKER_CONTAINER = "worker"
+SERVE_PORT_NAME = "serve"  # the OpenAI-compatible API (the Services' targetPort)
+CONTROL_PORT_NAME = "control"  # the control API
 GROUP_PORT_NAME = "group"  # expert parallelism: the rank's group endpoint
-OWNED_PORT_NAMES = ("serve", "control", GROUP_PORT_NAME)
+OWNED_PORT_NAMES = (SERVE_PORT_NAME, CONTROL_PORT_NAME, GROUP_PORT_NAME)
 
 
 def _is_named_list(value: Any) -> bool:
@@ -65,12 +67,28 @@ def _check_containers(merged: dict[str, Any]) -> None:
         )
     if _find_worker(merged) is None:
         raise PodTemplateError(f"spec.worker.podTemplate.spec.containers dropped the {WORKER_CONTAINER!r} container")
+    # Tidal's merge and spec hash read these by name (env) and by key (ports): a malformed one must be reported,
+    # not crash every pass.
+    for container in containers:
+        where = f"spec.worker.podTemplate.spec.containers[{container['name']}]"
+        env = container.get("env") or []  # a new container's null stays in the merge; it means none
+        if not isinstance(env, list) or not _is_named_list(env):
+            raise PodTemplateError(
+                f"{where}.env must be a list of variables that each have a name; after the merge it is {_describe(env)}"
+            )
+        ports = container.get("ports") or []
+        if not isinstance(ports, list) or not all(isinstance(p, dict) for p in ports):
+            raise PodTemplateError(
+                f"{where}.ports must be a list of ports (maps); after the merge it is {_describe(ports)}"
+            )
 
 
 def _describe(value: Any) -> str:
     if value is None:
         return "gone (a null removes the key)"
     if isinstance(value, list):
+        if not all(isinstance(item, dict) for item in value):
+            return "a list with an item that is not a map"
         return "a list with an item that has no name"
     return f"a {type(value).__name__}, not a list"
 
@@ -97,7 +115,7 @@ def apply_pod_template(
     pod: dict[str, Any], template_spec: dict[str, Any], labels: dict[str, str], annotations: dict[str, str]
 ) -> dict[str, Any]:
     """Merge a user's pod template into a pod Tidal built; returns a new pod. Raises PodTemplateError when the
-    template leaves no named containers or no worker container."""
+    template leaves no named containers, no worker container, or a container whose env or ports Tidal cannot read."""
     merged = copy.deepcopy(pod)
     merged["spec"] = merge_values(pod["spec"], template_spec)
     _reassert_worker(merged["spec"], pod["spec"])

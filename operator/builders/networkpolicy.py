@@ -7,6 +7,7 @@ from pydantic import BaseModel, Field
 
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
+from tidal.operator.builders.merge import CONTROL_PORT_NAME, SERVE_PORT_NAME
 from tidal.operator.builders.owner import object_meta, stamp_hash
 
 
@@ -32,9 +33,12 @@ def _between_ranks(model_name: str) -> dict[str, Any]:
 
 def build_network_policy(model: InferenceModel, operator: OperatorIdentity) -> dict[str, Any]:
     """Ingress only (egress is not restricted). A model of expertParallel 1 has no rank-to-rank traffic, so its
-    policy stays as tight as before."""
+    policy stays as tight as before.
+
+    Ports are named, not numbered: each pod is admitted on its own `serve` and `control` ports. A change of
+    spec.serving patches the policy at once but replaces the pods replica by replica, and numbers would cut every
+    pod still on the old ports off from its clients and from the operator until its turn came."""
     name = model.metadata.name
-    serving = model.spec.serving
     policy: dict[str, Any] = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -43,7 +47,7 @@ def build_network_policy(model: InferenceModel, operator: OperatorIdentity) -> d
             "podSelector": {"matchLabels": names.model_selector(name)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [{"protocol": "TCP", "port": serving.port}]},
+                {"ports": [{"protocol": "TCP", "port": SERVE_PORT_NAME}]},
                 {
                     "from": [
                         {
@@ -51,7 +55,7 @@ def build_network_policy(model: InferenceModel, operator: OperatorIdentity) -> d
                             "podSelector": {"matchLabels": dict(operator.pod_labels)},
                         }
                     ],
-                    "ports": [{"protocol": "TCP", "port": serving.control_port}],
+                    "ports": [{"protocol": "TCP", "port": CONTROL_PORT_NAME}],
                 },
             ],
         },

@@ -7,7 +7,13 @@ from tidal.operator.api.constants import GROUP_PORT, LABEL_LEADER, LABEL_SERVING
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.api.spec import InferenceModelSpec, ModelVolume
 from tidal.operator.builders import names
-from tidal.operator.builders.merge import GROUP_PORT_NAME, WORKER_CONTAINER, apply_pod_template
+from tidal.operator.builders.merge import (
+    CONTROL_PORT_NAME,
+    GROUP_PORT_NAME,
+    SERVE_PORT_NAME,
+    WORKER_CONTAINER,
+    apply_pod_template,
+)
 from tidal.operator.builders.owner import object_meta, stamp_hash
 from tidal.operator.builders.weights import Weights, desired_weights, model_dir, mount_path
 
@@ -123,8 +129,8 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def _ports(spec: InferenceModelSpec) -> list[dict[str, Any]]:
     ports = [
-        {"name": "serve", "containerPort": spec.serving.port, "protocol": "TCP"},
-        {"name": "control", "containerPort": spec.serving.control_port, "protocol": "TCP"},
+        {"name": SERVE_PORT_NAME, "containerPort": spec.serving.port, "protocol": "TCP"},
+        {"name": CONTROL_PORT_NAME, "containerPort": spec.serving.control_port, "protocol": "TCP"},
     ]
     if spec.is_expert_parallel:
         ports.append({"name": GROUP_PORT_NAME, "containerPort": GROUP_PORT, "protocol": "TCP"})
@@ -162,10 +168,10 @@ def spec_identity(pod: dict[str, Any]) -> dict[str, Any]:
     spec = pod["spec"]
     containers = []
     for c in spec["containers"]:
-        names_ = {e["name"] for e in c.get("env", [])}
+        names_ = {e["name"] for e in c.get("env") or []}
         group_shape = env.GROUP_SHAPE_ENV_NAMES if env.GROUP_HOST in names_ else frozenset()
         unhashed = env.IN_PLACE_ENV_NAMES | {env.TERMINATION_MESSAGE_PATH} | group_shape
-        kept = [e for e in c.get("env", []) if e["name"] not in unhashed]
+        kept = [e for e in c.get("env") or [] if e["name"] not in unhashed]
         fields = {k: v for k, v in c.items() if _UNHASHED_WHEN_DEFAULT.get(k) != v}
         containers.append({**fields, "env": kept})
     labels = {k: v for k, v in pod["metadata"]["labels"].items() if k not in MUTABLE_LABELS}

@@ -10,10 +10,10 @@ Observing (build a `PlanInput`):
   annotations and the handlers return None (the structural schema prunes anything else in status).
 - `pods`: the model's pods (label `tidal.dev/model=<name>`, controlled by this model's UID) through
   `observed.observe_pod`.
-- `ranks`: per running pod, `GET /state` (and `GET /weights/checksum` for `checksum`) on `pod_ip:controlPort` with
-  the bearer token from the Secret; `state=None` when it does not answer, `token_rejected` when it answers 401. A
+- `ranks`: per running pod, `GET /state` (and `GET /weights/checksum` for `checksum`) on the pod IP and its control port
+  with the bearer token from the Secret; `state=None` when it does not answer, `token_rejected` when it answers 401. A
   `POST /weights/update` the worker refused on an earlier pass goes into `update_failure` (the worker does not report
-  it in `/state`) until a later update of that rank succeeds.
+  it in `/state`) until a later update of that rank succeeds or the spec names other weights.
 - `children`: `observed.observe_child` of each Service, Secret and NetworkPolicy that exists.
 - `operator`: the operator's `OperatorConfig.identity()`; `now`: an aware UTC datetime in whole seconds; `fresh_token`:
   a new random token (`secrets.token_urlsafe(32)`), used only if the Secret is missing.

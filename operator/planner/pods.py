@@ -12,8 +12,9 @@ fix nor the roll of the others.
 A new pod the API server refuses (`PlanInput.pod_refusals`: the runtime dry-runs what `pods_to_check` lists before
 planning, and remembers a create it refused) is not created, and no running pod is deleted to make room for it: the
 replica keeps the pods it has, and the model is Degraded (`PodTemplateRefused`) with the API server's message. A
-template the merge itself cannot apply (`PodTemplateError`: no named containers, or no worker container left; the
-CRD keeps the template free-form) is refused the same way, with the operator's message, and is never dry-run.
+template the merge itself cannot apply (`PodTemplateError`: no named containers, no worker container left, or a
+container's env or ports malformed; the CRD keeps the template free-form) is refused the same way, with the
+operator's message, and is never dry-run.
 
 A rank whose name a pod of someone else's holds (`ObservedChildren.taken_pod_names`) gets no pod: creating one
 would fail for as long as that pod is there, and it is never deleted or adopted. The other ranks go on as usual.

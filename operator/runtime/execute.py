@@ -105,14 +105,11 @@ class Executed:
     recovery_send_s: list[float] = field(default_factory=list)
 
     @property
-    def only_unavailable_workers(self) -> bool:
-        """Nothing changed: every worker call was answered "not now" (busy, draining, unreachable)."""
-        return (
-            not self.changed_objects
-            and self.calls > 0
-            and len(self.failures) == self.calls
-            and all(f.transient for f in self.failures)
-        )
+    def only_failed_worker_calls(self) -> bool:
+        """Nothing changed: every worker call failed, answered "not now" (busy, draining, unreachable) or refused
+        outright (a sleep or wake with no host memory: nothing in the status holds that refusal, so the next pass
+        asks again)."""
+        return not self.changed_objects and self.calls > 0 and len(self.failures) == self.calls
 
 
 @dataclass(frozen=True)

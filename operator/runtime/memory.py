@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from tidal.contract.control_api import GroupReconfigureResult
+from tidal.operator.builders.weights import Weights
 from tidal.operator.planner.observed import EpochRefusal, SentEpoch, UpdateFailure
 from tidal.operator.runtime.queue import Key
 
@@ -100,13 +101,14 @@ def wall_clock() -> datetime:
 @dataclass
 class ModelMemory:
     error_streak: int = 0  # passes in a row that raised
-    unavailable_streak: int = 0  # passes in a row whose every worker call was answered "not now"
+    failed_calls_streak: int = 0  # passes in a row whose every worker call failed
     roll: RollStart | None = None
     # (pod UID, weights version, source) -> checksum: the digest of one version read from one directory in one
     # process cannot change, and hashing a large checkpoint on every pass would be wasteful. (The same version from
     # another directory is other weights; a worker that reports no source has None.)
     checksums: dict[tuple[str, str, str | None], str] = field(default_factory=dict)
-    # pod -> the last weight update it refused (cleared by its next successful update).
+    # pod -> the last weight update it refused (cleared by its next successful update, or once the spec names other
+    # weights: `keep_update_failures_for`).
     update_failures: dict[str, UpdateFailure] = field(default_factory=dict)
     # pod UID -> time.monotonic() of the first `/state` call in a row that got no answer.
     state_misses: dict[str, float] = field(default_factory=dict)
@@ -137,9 +139,18 @@ class ModelMemory:
         self.error_streak = min(self.error_streak + 1, MAX_STREAK)
         return self.error_streak
 
-    def count_unavailable(self) -> int:
-        self.unavailable_streak = min(self.unavailable_streak + 1, MAX_STREAK)
-        return self.unavailable_streak
+    def count_failed_calls(self) -> int:
+        self.failed_calls_streak = min(self.failed_calls_streak + 1, MAX_STREAK)
+        return self.failed_calls_streak
+
+    def keep_update_failures_for(self, desired: Weights) -> None:
+        """A refused update matters while the spec asks for those weights. Once it names others, the hold in the
+        status ends; a later return to them is a new roll, so the refusal must not outlive the hold here."""
+        self.update_failures = {
+            pod: failed
+            for pod, failed in self.update_failures.items()
+            if desired.same_as(Weights(failed.version, failed.source))
+        }
 
     def keep_checksums_of(self, pod_uids: set[str]) -> None:
         """Drop the checksums (and `/state` misses) of processes that are gone, so the memory stays as small as the

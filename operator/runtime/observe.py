@@ -12,6 +12,7 @@ from pydantic import SecretStr
 
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.builders import names
+from tidal.operator.builders.merge import CONTROL_PORT_NAME, WORKER_CONTAINER
 from tidal.operator.kube.client import KubeApi
 from tidal.operator.planner.observed import (
     ObservedChildren,
@@ -57,12 +58,20 @@ def read_token(secret: dict[str, Any] | None) -> SecretStr | None:
     return SecretStr(token) if token else None
 
 
+def control_port_of(pod: dict[str, Any]) -> int | None:
+    """The worker container's control port, as the pod was built (None: not found)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    worker: dict[str, Any] = next((c for c in containers if c.get("name") == WORKER_CONTAINER), {})
+    port = next((p.get("containerPort") for p in worker.get("ports") or [] if p.get("name") == CONTROL_PORT_NAME), None)
+    return port if isinstance(port, int) else None
+
+
 def targets_of(pods: list[dict[str, Any]]) -> dict[str, Target]:
     out = {}
     for pod in pods:
         meta, status = pod["metadata"], pod.get("status") or {}
         if status.get("phase") == "Running" and status.get("podIP") and meta.get("deletionTimestamp") is None:
-            out[meta["name"]] = Target(address=status["podIP"], uid=meta["uid"])
+            out[meta["name"]] = Target(address=status["podIP"], uid=meta["uid"], port=control_port_of(pod))
     return out
 
 

@@ -20,6 +20,7 @@ from pydantic import SecretStr, ValidationError
 from tidal.operator.api.conditions import find_condition
 from tidal.operator.api.resource import InferenceModel
 from tidal.operator.api.status import InferenceModelStatus
+from tidal.operator.builders.weights import desired_weights
 from tidal.operator.config import OperatorConfig
 from tidal.operator.kube.client import KubeApi
 from tidal.operator.metrics import OperatorMetrics
@@ -47,7 +48,7 @@ GROUP_STATE_TIMEOUT_S = 0.3
 
 
 def back_off(streak: int) -> float:
-    """Seconds to wait after `streak` passes in a row that failed or found every worker "not now"."""
+    """Seconds to wait after `streak` passes in a row that failed or whose every worker call failed."""
     return min(MAX_ERROR_BACKOFF_S, 2.0**streak)
 
 
@@ -107,6 +108,7 @@ class Reconciler:
             # The API server checks the same rules; this happens only with a CRD older than the operator.
             log.error("%s/%s: invalid object, not reconciled: %s", *key, exc)
             return "error", self._config.resync_seconds
+        memory.keep_update_failures_for(desired_weights(model.spec))
         obs = await observe_kube(self._kube, body, model)
         grouped = model.spec.expert_parallel > 1
         timeout = GROUP_STATE_TIMEOUT_S if grouped else STATE_TIMEOUT_S
@@ -134,10 +136,10 @@ class Reconciler:
             self._metrics.recovery_send_seconds.observe(seconds)
         self._metrics.set_phase(key, result.status.phase)
         self._track_roll(memory, result.status, done)
-        if done.only_unavailable_workers:
+        if done.only_failed_worker_calls:
             # Asked again later, with back-off: each call may hold the rank's requests (a drain) and posts an Event.
-            return "acted", back_off(memory.count_unavailable())
-        memory.unavailable_streak = 0
+            return "acted", back_off(memory.count_failed_calls())
+        memory.failed_calls_streak = 0
         delay = ACTED_REQUEUE_S if done.acted else self._config.resync_seconds
         if grouped:
             delay = min(delay, GROUP_WATCH_S)

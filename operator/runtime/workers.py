@@ -47,10 +47,13 @@ TRANSIENT_CODES: frozenset[ErrorCode | CallErrorCode] = frozenset(
 
 @dataclass(frozen=True)
 class Target:
-    """Where one rank's control API is, and which process it is (the pod UID changes when the pod is replaced)."""
+    """Where one rank's control API is, and which process it is (the pod UID changes when the pod is replaced).
+    `port`: the control port the pod was started with (None: not known, the spec's is used). After a change of
+    spec.serving.controlPort the pods not yet replaced still listen on the old one."""
 
     address: str
     uid: str
+    port: int | None = None
 
 
 class WorkerCall(StrEnum):
@@ -85,7 +88,7 @@ class WorkerFleet:
             metrics.worker_call_errors.labels(call)
 
     def _client(self, target: Target, port: int, token: SecretStr) -> WorkerClient:
-        return WorkerClient(self._http, target.address, port, token)
+        return WorkerClient(self._http, target.address, target.port if target.port is not None else port, token)
 
     async def observe(
         self,

@@ -215,13 +215,34 @@ def test_secret_holds_token_and_never_prints_it():
         build_token_secret(model, SecretStr("short"))
 
 
+def _admitted_port(rule: dict, pod: dict) -> int:
+    """The container port of `pod` that the rule's one port admits (a name resolves on each pod, as in Kubernetes)."""
+    ((port,),) = [[p["port"] for p in rule["ports"]]]
+    if isinstance(port, int):
+        return port
+    (container,) = pod["spec"]["containers"]
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+
+
 def test_network_policy_opens_control_port_to_the_operator_only():
     policy = build_network_policy(make_model(), OPERATOR)
     spec = policy["spec"]
     assert spec["podSelector"] == {"matchLabels": {c.LABEL_MODEL: "tiny"}} and spec["policyTypes"] == ["Ingress"]
     open_rule, control_rule = spec["ingress"]
-    assert "from" not in open_rule and open_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
-    assert control_rule["ports"] == [{"protocol": "TCP", "port": 8001}]
+    pod = build_pod(make_model(), 0, 0)
+    assert "from" not in open_rule and _admitted_port(open_rule, pod) == 8000
+    assert _admitted_port(control_rule, pod) == 8001
     (peer,) = control_rule["from"]
     assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "tidal-system"}}
     assert peer["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "tidal-operator"}}
+
+
+def test_a_port_change_keeps_the_pods_not_yet_replaced_reachable():
+    # The policy is patched at once, the pods are replaced replica by replica: until its turn, a pod listens on the
+    # old ports, and clients (through the Service's named targetPort) and the operator must still reach it there.
+    old = make_model()
+    new = make_model({"serving": {"port": 9000, "controlPort": 9001}}, generation=2)
+    open_rule, control_rule = build_network_policy(new, OPERATOR)["spec"]["ingress"]
+    for model, serve, control in ((old, 8000, 8001), (new, 9000, 9001)):
+        pod = build_pod(model, 0, 0)
+        assert (_admitted_port(open_rule, pod), _admitted_port(control_rule, pod)) == (serve, control)

@@ -214,8 +214,8 @@ def test_the_client_patches_a_service_to_exactly_the_built_selector():
 def test_ranks_of_a_group_reach_each_other_on_every_tcp_port():
     policy = build_network_policy(make_model({"expertParallel": 3}), OPERATOR)
     open_rule, control_rule, ranks_rule = policy["spec"]["ingress"]
-    assert open_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
-    assert control_rule["ports"] == [{"protocol": "TCP", "port": 8001}]
+    assert open_rule["ports"] == [{"protocol": "TCP", "port": "serve"}]  # each pod's own serving port
+    assert control_rule["ports"] == [{"protocol": "TCP", "port": "control"}]
     # Only pods of this model, in the policy's own namespace (no namespaceSelector), on any TCP port (no port number:
     # gloo connects to ephemeral ports besides the group port).
     assert ranks_rule == {

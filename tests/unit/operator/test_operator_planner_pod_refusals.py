@@ -56,6 +56,27 @@ UNMERGEABLE = {  # the CRD keeps the template free-form, so these reach the oper
     "containers-null": ({"containers": None}, "gone (a null removes the key)"),
     "container-without-name": ({"containers": [{"image": "busybox"}]}, "an item that has no name"),
     "containers-a-map": ({"containers": {"worker": {"image": "x"}}}, "a dict, not a list"),
+    # Inside a container too: Tidal's merge and spec hash read each container's env and the worker's ports.
+    "env-item-without-name": (
+        {"containers": [{"name": "worker", "env": [{"value": "x"}]}]},
+        "containers[worker].env must be a list of variables that each have a name",
+    ),
+    "env-a-string": (
+        {"containers": [{"name": "worker", "env": "A=1"}]},
+        "containers[worker].env must be a list of variables that each have a name",
+    ),
+    "sidecar-env-without-name": (
+        {"containers": [{"name": "worker"}, {"name": "proxy", "image": "p", "env": [{"value": "x"}]}]},
+        "containers[proxy].env must be a list",
+    ),
+    "sidecar-env-null": (  # a null inside a new item is kept by the merge: it means no env, not a refusal
+        {"containers": [{"name": "worker"}, {"name": "proxy", "image": "p", "env": None, "ports": [8080]}]},
+        "containers[proxy].ports must be a list of ports",
+    ),
+    "ports-not-maps": (
+        {"containers": [{"name": "worker", "ports": [8080]}]},
+        "containers[worker].ports must be a list of ports",
+    ),
 }
 
 

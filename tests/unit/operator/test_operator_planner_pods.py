@@ -1,10 +1,22 @@
 """Planner: children, pods, status bookkeeping and idempotence."""
 
-from operator_fixtures import all_children, healthy, kinds, make_model, pod_for, pod_name, run, with_status, worker
+from operator_fixtures import (
+    OPERATOR,
+    all_children,
+    healthy,
+    kinds,
+    make_model,
+    pod_for,
+    pod_name,
+    run,
+    with_status,
+    worker,
+)
 
 from tidal.operator.api.conditions import find_condition
+from tidal.operator.builders.networkpolicy import OperatorIdentity, build_network_policy
 from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, PatchStatus
-from tidal.operator.planner.observed import ObservedChildren, RankObservation, observe_pod
+from tidal.operator.planner.observed import ObservedChildren, RankObservation, observe_child, observe_pod
 
 
 def _cond(result, type_):
@@ -45,7 +57,11 @@ def test_drifted_children_are_patched():
     model = make_model()
     pods, ranks = healthy(model)
     old = make_model({"serving": {"port": 9000, "controlPort": 9001}})
-    result = run(model, pods, ranks, children=all_children(old))
+    children = all_children(old)
+    # The policy names the ports (it does not drift with them); it does with the operator's identity.
+    moved = OperatorIdentity(namespace="tidal-old", pod_labels=OPERATOR.pod_labels)
+    children.existing.update([observe_child(build_network_policy(model, moved))])
+    result = run(model, pods, ranks, children=children)
     assert "PatchService" in kinds(result) and "PatchNetworkPolicy" in kinds(result)
     assert "CreateSecret" not in kinds(result)
 

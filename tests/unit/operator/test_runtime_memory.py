@@ -13,7 +13,7 @@ def test_forget_drops_the_whole_object_and_a_held_one_stays_detached():
     memory.update_failures["m-r0-0"] = UpdateFailure(version="v2", message="bad")
     memories.forget(("ns", "m"))
     assert ("ns", "m") not in memories and len(memories) == 0
-    memory.count_unavailable()  # a pass still running writes here...
+    memory.count_failed_calls()  # a pass still running writes here...
     assert ("ns", "m") not in memories  # ...without bringing the model back
     fresh = memories.of(("ns", "m"))  # a model re-created under the same name starts empty
     assert fresh is not memory and fresh.error_streak == 0 and fresh.roll is None and not fresh.update_failures

@@ -128,7 +128,7 @@ def test_a_deleted_model_leaves_nothing_behind():
             start_pod(kube)
             await reconcile(key)  # the update is answered "busy": the roll has started, asked again later
             memory = reconcile.memories.of(key)
-            assert memory.unavailable_streak == 1 and memory.roll is not None and memory.roll.version == "v2"
+            assert memory.failed_calls_streak == 1 and memory.roll is not None and memory.roll.version == "v2"
             answer.update(code="bad_checkpoint", message="truncated file")
             await reconcile(key)  # refused: remembered until a later update succeeds
             list_model_pods, kube.list_model_pods = kube.list_model_pods, _broken
@@ -199,6 +199,99 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
     delays = asyncio.run(main())
     assert len(updates) == 3  # asked on every pass
     assert delays == [2.0, 4.0, 8.0]
+
+
+def test_a_sleep_the_worker_refuses_for_good_is_asked_again_with_back_off_too():
+    # A refusal that is not "not now" (no host memory for a level-1 sleep) has nothing in the status to hold it, so
+    # the sleep is asked for again; each try drains the rank's requests and posts a Warning Event, so not every second.
+    kube = MemoryKube()
+    kube.model["spec"]["sleep"] = {"state": "Asleep", "level": 1}
+    sleeps = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            return httpx.Response(200, json=worker_state("base"))
+        if request.url.path == "/weights/checksum":
+            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+        sleeps.append(request.url.path)
+        return httpx.Response(409, json={"code": "no_host_memory", "message": "the weights do not fit host memory"})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            start_pod(kube)
+            return [await reconcile(("ml", "tiny")) for _ in range(3)]
+
+    delays = asyncio.run(main())
+    assert sleeps == ["/sleep"] * 3  # asked on every pass
+    assert delays == [2.0, 4.0, 8.0]
+    assert kube.writes.count("event SleepFailed") == 3
+
+
+def test_a_refused_version_is_tried_again_once_the_spec_named_other_weights_in_between():
+    # v2 is refused and held; the spec goes back to base (the hold ends: Synced), the checkpoint is fixed, and the
+    # spec names v2 again: that is a new roll, not the old refusal remembered by this process alone.
+    kube = MemoryKube()
+    v2 = {"source": "tiny-llama-v2", "version": "v2"}
+    kube.model["spec"]["weights"] = v2
+    updates = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            return httpx.Response(200, json=worker_state("base"))
+        if request.url.path == "/weights/checksum":
+            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+        updates.append(request.url.path)
+        return httpx.Response(422, json={"code": "bad_checkpoint", "message": "truncated file"})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            start_pod(kube)
+            await reconcile(("ml", "tiny"))  # the update is refused
+            await reconcile(("ml", "tiny"))  # ...and held
+            assert kube.model["status"]["weightsRollout"]["failedVersion"] == "v2" and updates == ["/weights/update"]
+            del kube.model["spec"]["weights"]
+            await reconcile(("ml", "tiny"))
+            assert "weightsRollout" not in kube.model["status"]
+            kube.model["spec"]["weights"] = v2
+            await reconcile(("ml", "tiny"))
+
+    asyncio.run(main())
+    assert updates == ["/weights/update"] * 2
+
+
+def test_a_pod_is_asked_on_its_own_control_port_until_it_is_replaced():
+    # spec.serving.controlPort changed: the pods still running were started on the old port, and the pass that
+    # decides their replacement (and any sleep or update before it) must still reach them there.
+    kube = MemoryKube()
+    asked = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        asked.append((request.url.path, request.url.port))
+        if request.url.path == "/state":
+            return httpx.Response(200, json=worker_state("base"))
+        return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            start_pod(kube)
+            kube.model["spec"]["serving"] = {"port": 8000, "controlPort": 9001}
+            kube.model["metadata"]["generation"] = 2
+            await reconcile(("ml", "tiny"))
+
+    asyncio.run(main())
+    assert ("/state", 8001) in asked and ("/state", 9001) not in asked
 
 
 class LabelListingKube(MemoryKube):
