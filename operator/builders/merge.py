@@ -4,9 +4,10 @@
 2. Lists whose items all carry a `name` (containers, volumes, env, ports, volumeMounts, ...) merge by name: a
    template item with a known name merges into that item, a new name is appended. Other lists are replaced.
 3. Scalars from the template replace Tidal's.
-4. Afterwards Tidal re-asserts what it must own: the pod's name, namespace, ownerReferences and Tidal's labels, and in
-   the `worker` container its command, args, terminationMessagePath (the worker is told it in a reserved variable),
-   reserved TIDAL_* variables and the `serve` / `control` / `group` ports.
+4. Afterwards Tidal re-asserts what it must own: the pod's name, namespace, ownerReferences and Tidal's labels, its
+   `hostname` and `subdomain` (each rank's DNS name under the group Service), and in the `worker` container its
+   command, args, terminationMessagePath (the worker is told it in a reserved variable), reserved TIDAL_* variables
+   and the `serve` / `control` / `group` ports.
 """
 
 import copy
@@ -19,6 +20,8 @@ SERVE_PORT_NAME = "serve"  # the OpenAI-compatible API (the Services' targetPort
 CONTROL_PORT_NAME = "control"  # the control API
 GROUP_PORT_NAME = "group"  # expert parallelism: the rank's group endpoint
 OWNED_PORT_NAMES = (SERVE_PORT_NAME, CONTROL_PORT_NAME, GROUP_PORT_NAME)
+# `<pod>.<model>-group` resolves only while each pod keeps its own hostname under the group Service's subdomain.
+OWNED_POD_FIELDS = ("hostname", "subdomain")
 
 
 def _is_named_list(value: Any) -> bool:
@@ -118,6 +121,11 @@ def apply_pod_template(
     template leaves no named containers, no worker container, or a container whose env or ports Tidal cannot read."""
     merged = copy.deepcopy(pod)
     merged["spec"] = merge_values(pod["spec"], template_spec)
+    for key in OWNED_POD_FIELDS:
+        if key in pod["spec"]:
+            merged["spec"][key] = pod["spec"][key]
+        else:
+            merged["spec"].pop(key, None)
     _reassert_worker(merged["spec"], pod["spec"])
     meta = merged["metadata"]
     meta["labels"] = {**labels, **pod["metadata"].get("labels", {})}

@@ -1,10 +1,18 @@
 """Names and labels of the objects an InferenceModel owns: one place, so the planner and builders agree."""
 
+import re
+
 from tidal.operator.api import constants as c
 
 
 def pod_name(model: str, replica: int, rank: int) -> str:
     return f"{model}-r{replica}-{rank}"
+
+
+def rank_of(model: str, pod: str) -> tuple[int, int] | None:
+    """(replica, rank) of one of `model`'s rank pod names (`pod_name` read backwards); None for any other name."""
+    found = re.fullmatch(rf"{re.escape(model)}-r(0|[1-9][0-9]*)-(0|[1-9][0-9]*)", pod, flags=re.ASCII)
+    return (int(found[1]), int(found[2])) if found is not None else None
 
 
 def rank_pod_names(model: str, replicas: int, ranks_per_replica: int) -> list[str]:

@@ -115,6 +115,7 @@ class KubeApi:
 
     async def patch(self, manifest: dict[str, Any]) -> None:
         patch = {
+            "Secret": self.core.patch_namespaced_secret,
             "Service": self.core.patch_namespaced_service,
             "NetworkPolicy": self.networking.patch_namespaced_network_policy,
         }[manifest["kind"]]

@@ -65,6 +65,13 @@ class CreateSecret(_ChildAction):
     manifest: dict[str, Any] = Field(repr=False, exclude=True)
 
 
+class PatchSecret(_ChildAction):
+    """Writes a new token into a Secret that holds none Tidal can read. Carries the token, like CreateSecret."""
+
+    kind: Literal["PatchSecret"] = "PatchSecret"
+    manifest: dict[str, Any] = Field(repr=False, exclude=True)
+
+
 class SleepRank(_Action):
     kind: Literal["SleepRank"] = "SleepRank"
     pod: str
@@ -164,6 +171,7 @@ Action = Annotated[
     | CreateNetworkPolicy
     | PatchNetworkPolicy
     | CreateSecret
+    | PatchSecret
     | SleepRank
     | WakeRank
     | UpdateWeights

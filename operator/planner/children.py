@@ -13,6 +13,7 @@ from tidal.operator.planner.actions import (
     CreateSecret,
     CreateService,
     PatchNetworkPolicy,
+    PatchSecret,
     PatchService,
 )
 from tidal.operator.planner.observed import ObservedChildren, child_key
@@ -26,9 +27,14 @@ def plan_children(
     """Objects under a child's name that this model does not control (`children.foreign`) are left alone."""
     actions: list[Action] = []
     secret = build_token_secret(model, fresh_token)
-    # The Secret first: pods read the token from it, and it is never patched (the workers hold the token).
-    if child_key(secret) not in children.existing and child_key(secret) not in children.foreign:
+    # The Secret first: pods read the token from it. It is patched only when it holds no token: a good one stays,
+    # as the workers hold it. A new token locks the running workers out, and their pods are replaced (`pods.py`);
+    # without it no worker could be called again, nor a new pod start (its token variable has no key to read).
+    key = child_key(secret)
+    if key not in children.existing and key not in children.foreign:
         actions.append(CreateSecret(manifest=secret))
+    elif key in children.existing and key in children.damaged:
+        actions.append(PatchSecret(manifest=secret))
     for manifest in (build_group_service(model), build_serving_service(model)):
         key = child_key(manifest)
         if key in children.foreign:

@@ -16,7 +16,7 @@ from tidal.operator.planner.observed import ObservedChildren, ObservedPod, RankO
 
 
 class PlanInput(BaseModel):
-    """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing.
+    """Everything one reconcile pass knows. `fresh_token` is used only if the token Secret is missing or damaged.
 
     `now` is in whole seconds (conditions' timestamps compare equal across passes); `observed_at` is the precise time
     the observations were taken, for the few timestamps written once (a recovery's milestones); `groups` is, per

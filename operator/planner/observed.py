@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from tidal.contract.control_api import WorkerState
 from tidal.operator.api import constants as c
 from tidal.operator.api import worker_env as env
+from tidal.operator.builders import names
 from tidal.operator.builders.weights import Weights
 
 PodPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Unknown"]
@@ -21,11 +22,14 @@ POD_KEY = "Pod/"  # how a pod is named among the children ("Kind/name")
 
 
 class ObservedPod(BaseModel):
-    """The facts of one worker pod the planner needs."""
+    """The facts of one worker pod the planner needs. Its replica and rank are those of its name, which cannot
+    change; `labels_edited`: its `tidal.dev/model`, `replica` or `rank` label no longer says so (someone edited or
+    removed it), so the Services, the scale selector and the pod list no longer see it for what it is."""
 
     name: str
     replica: int = Field(ge=0)
     rank: int = Field(ge=0)
+    labels_edited: bool = False
     phase: PodPhase = "Pending"
     ready: bool = False
     terminating: bool = False
@@ -133,11 +137,14 @@ class ObservedChildren(BaseModel):
     controller ownerReference to its UID): "Kind/name" -> who controls it. They are never patched, labelled, called,
     adopted or deleted, nothing is created under their names, and the model is Degraded.
     `departing`: pod names held by a pod of someone else's that is on its way out (`sort_strangers`): nothing is
-    created under them until it is gone, and no one is to blame."""
+    created under them until it is gone, and no one is to blame.
+    `damaged`: children of this model's (keys of `existing`) that hold nothing Tidal can use: the token Secret
+    without a readable token (its `token` key missing, empty, or not base64 of UTF-8 text)."""
 
     existing: dict[str, str] = Field(default_factory=dict)
     foreign: dict[str, str] = Field(default_factory=dict)
     departing: set[str] = Field(default_factory=set)
+    damaged: set[str] = Field(default_factory=set)
 
     def taken_pod_names(self) -> set[str]:
         """Rank pod names that a pod this model does not control holds: no pod is created under them."""
@@ -189,13 +196,17 @@ def observe_child(manifest: dict[str, Any]) -> tuple[str, str]:
     return child_key(manifest), annotations.get(c.ANNOTATION_SPEC_HASH, "")
 
 
-def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
-    """Read a Pod manifest (as the API returns it) into an ObservedPod; None for pods without Tidal's labels."""
+def observe_pod(pod: dict[str, Any], model: str) -> ObservedPod | None:
+    """Read a Pod manifest (as the API returns it) of `model`'s into an ObservedPod; None for a pod under none of
+    its rank names (not one Tidal built). The name, not the labels, says which rank it is: a label edited by hand
+    would otherwise hide the pod, and every pass would create the rank anew under the name it still holds."""
     meta = pod.get("metadata", {})
     labels = meta.get("labels") or {}
-    replica, rank = labels.get(c.LABEL_REPLICA, ""), labels.get(c.LABEL_RANK, "")
-    if not (replica.isdigit() and rank.isdigit()):
-        return None  # not a pod Tidal built (or its labels were edited): the planner leaves it alone
+    slot = names.rank_of(model, meta["name"])
+    if slot is None:
+        return None
+    replica, rank = slot
+    identity = {c.LABEL_MODEL: model, c.LABEL_REPLICA: str(replica), c.LABEL_RANK: str(rank)}
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
     ready_cond = next(
@@ -213,8 +224,9 @@ def observe_pod(pod: dict[str, Any]) -> ObservedPod | None:
     start = start_weights_env(container)
     return ObservedPod(
         name=meta["name"],
-        replica=int(replica),
-        rank=int(rank),
+        replica=replica,
+        rank=rank,
+        labels_edited=any(labels.get(key) != value for key, value in identity.items()),
         phase=status.get("phase", "Pending"),
         ready=ready_cond is not None,
         terminating=meta.get("deletionTimestamp") is not None,

@@ -1,6 +1,8 @@
 """Pods: create missing ranks, replace finished or outdated ones, delete what the spec no longer asks for.
 
-A pod is outdated when its spec hash changed, when its worker rejects the control token, or when it does not serve
+A pod is outdated when its spec hash changed, when its `tidal.dev/model`, `replica` or `rank` label was edited (the
+Services, the scale selector and the operator's pod list go by them), when its worker rejects the control token,
+or when it does not serve
 (not ready, model not loaded: pending, loading, crash-looping) and would load other weights at start than a new pod
 would (`WeightsView.start`): it cannot take an update in place (only ranks that serve get one), and waiting for it
 could be forever (a bad source crash-loops), so it is replaced by a pod that starts on the right weights.
@@ -75,6 +77,9 @@ def _new_pod(facts: Facts, slot: RankSlot, start: Weights) -> tuple[dict[str, An
         return manifest, MISSING
     if pod.spec_hash != spec_hash_of(manifest):
         return manifest, "pod spec changed"
+    if pod.labels_edited:
+        # Its labels are part of what it was built as (the spec hash covers them); a new pod has them right.
+        return manifest, "its tidal.dev/model, replica or rank label was edited"
     if slot.observation.token_rejected:
         # Started with a token the Secret no longer holds: only a new pod reads the current one.
         return manifest, "its worker rejects the current control token"

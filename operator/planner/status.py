@@ -170,7 +170,10 @@ def compute_status(
         put("Degraded", False, "AsExpected", "")
     else:
         put("Degraded", True, *degraded)
-    if all_asleep:
+    if total == 0:
+        # No rank to put to sleep or to wake: "FallingAsleep, 0/0" would be a wait that never ends.
+        put("Sleeping", False, "ScaledToZero", "spec.replicas is 0")
+    elif all_asleep:
         put("Sleeping", True, sleep.reason, "every rank is asleep")
     elif sleep.asleep:
         put("Sleeping", False, "FallingAsleep", f"{states.count('Asleep')}/{total} ranks asleep")

@@ -43,6 +43,7 @@ from tidal.operator.planner.actions import (
     DeletePod,
     EmitEvent,
     PatchNetworkPolicy,
+    PatchSecret,
     PatchService,
     PatchStatus,
     ReconfigureGroup,
@@ -56,14 +57,14 @@ from tidal.operator.runtime.workers import CallFailure, Target, WorkerCall, Work
 
 log = logging.getLogger("tidal.operator.execute")
 
-ChildAction = CreateSecret | CreateService | PatchService | CreateNetworkPolicy | PatchNetworkPolicy
+ChildAction = CreateSecret | PatchSecret | CreateService | PatchService | CreateNetworkPolicy | PatchNetworkPolicy
 PodAction = CreatePod | DeletePod | SetServingLabel
 StatusAction = PatchStatus | EmitEvent
 WorkerAction = SleepRank | WakeRank | UpdateWeights
 KubeAction = ChildAction | PodAction | StatusAction
 
 # Which phase carries out which action; together they cover every kind of Action (a unit test holds them to it).
-CHILD_ACTIONS = (CreateSecret, CreateService, PatchService, CreateNetworkPolicy, PatchNetworkPolicy)
+CHILD_ACTIONS = (CreateSecret, PatchSecret, CreateService, PatchService, CreateNetworkPolicy, PatchNetworkPolicy)
 GROUP_ACTIONS = (ReconfigureGroup,)
 POD_ACTIONS = (CreatePod, DeletePod, SetServingLabel)
 STATUS_ACTIONS = (PatchStatus, EmitEvent)
@@ -137,7 +138,7 @@ async def _write(kube: KubeApi, ctx: Context, action: KubeAction) -> str:
     """One Kubernetes write; returns what came of it, in a word or two."""
     if isinstance(action, CreatePod | CreateSecret | CreateService | CreateNetworkPolicy):
         return "created" if await kube.create(action.manifest) else "already exists"
-    if isinstance(action, PatchService | PatchNetworkPolicy):
+    if isinstance(action, PatchSecret | PatchService | PatchNetworkPolicy):
         await kube.patch(action.manifest)
         return "patched"
     if isinstance(action, DeletePod):

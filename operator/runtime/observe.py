@@ -46,6 +46,7 @@ def child_names(name: str) -> list[tuple[str, str]]:
 
 
 def read_token(secret: dict[str, Any] | None) -> SecretStr | None:
+    """The Secret's token; None when there is no Secret or it holds no usable token (then it is rewritten)."""
     if secret is None:
         return None
     raw = (secret.get("data") or {}).get(names.TOKEN_SECRET_KEY)
@@ -75,19 +76,18 @@ def targets_of(pods: list[dict[str, Any]]) -> dict[str, Target]:
     return out
 
 
-async def _strangers_under_rank_names(
+async def _unlisted_rank_pods(
     kube: KubeApi, model: InferenceModel, listed: list[dict[str, Any]]
-) -> tuple[dict[str, str], set[str]]:
-    """Pods under a rank's name that the model does not control (`sort_strangers`). The model's label list finds only
-    pods with its label, so a rank name the list lacks is read by name: a pod there without the label would make
-    every create of that rank fail. Only missing ranks are read, so a model whose pods all exist costs no extra call."""
+) -> list[dict[str, Any]]:
+    """Pods under a rank's name that the model's label list lacks, read by name. The list finds only pods with the
+    model's label, and a create under a name a pod holds can only fail: a stranger's pod there (`sort_strangers`),
+    or one of the model's own whose label someone removed (`observe_pod`), would have every pass try that create
+    again. Only missing ranks are read, so a model whose pods all exist costs no extra call."""
     namespace, name = model.metadata.namespace, model.metadata.name
-    by_name = {p["metadata"]["name"]: p for p in listed}
+    listed_names = {p["metadata"]["name"] for p in listed}
     wanted = names.rank_pod_names(name, model.spec.replicas, model.spec.expert_parallel)
-    missing = [n for n in wanted if n not in by_name]
-    read = await asyncio.gather(*(kube.get_child("Pod", namespace, n) for n in missing))
-    under_names = [by_name[n] for n in wanted if n in by_name] + [p for p in read if p is not None]
-    return sort_strangers([p for p in under_names if not controlled_by(p, model.metadata.uid)], name)
+    read = await asyncio.gather(*(kube.get_child("Pod", namespace, n) for n in wanted if n not in listed_names))
+    return [p for p in read if p is not None]
 
 
 async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceModel) -> KubeObservation:
@@ -97,10 +97,14 @@ async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceMode
         kube.list_model_pods(namespace, name), *(kube.get_child(kind, namespace, n) for kind, n in wanted)
     )
     uid = model.metadata.uid
+    found = raw_pods + await _unlisted_rank_pods(kube, model, raw_pods)
     # Pods of an earlier model with the same name (still being garbage-collected) are not this model's.
-    mine = [p for p in raw_pods if controlled_by(p, uid)]
-    strangers = await _strangers_under_rank_names(kube, model, raw_pods)
-    pods = [obs for obs in (observe_pod(p) for p in mine) if obs is not None]
+    mine = [p for p in found if controlled_by(p, uid)]
+    rank_names = set(names.rank_pod_names(name, model.spec.replicas, model.spec.expert_parallel))
+    strangers = sort_strangers(
+        [p for p in found if p["metadata"]["name"] in rank_names and not controlled_by(p, uid)], name
+    )
+    pods = [obs for obs in (observe_pod(p, name) for p in mine) if obs is not None]
     existing: dict[str, str] = {}
     foreign: dict[str, str] = {}
     for (kind, _), child in zip(wanted, children, strict=True):
@@ -112,11 +116,16 @@ async def observe_kube(kube: KubeApi, body: dict[str, Any], model: InferenceMode
         else:  # someone else's object under our child's name: never patched, adopted or read
             foreign[key] = controller_of(child)
     secret = children[0]
+    token = read_token(secret) if secret and controlled_by(secret, uid) else None
+    secret_key = f"Secret/{names.token_secret_name(name)}"
+    damaged = {secret_key} if secret_key in existing and token is None else set()
     return KubeObservation(
         body=body,
         model=model,
         pods=pods,
         targets={k: v for k, v in targets_of(mine).items() if any(p.name == k for p in pods)},
-        children=ObservedChildren(existing=existing, foreign={**foreign, **strangers[0]}, departing=strangers[1]),
-        token=read_token(secret) if secret and controlled_by(secret, uid) else None,
+        children=ObservedChildren(
+            existing=existing, foreign={**foreign, **strangers[0]}, departing=strangers[1], damaged=damaged
+        ),
+        token=token,
     )

@@ -72,10 +72,11 @@ watching a few, and namespaces scope without a list would watch nothing. */}}
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch"]
-# The control-API token: created once and read back; never listed, patched or deleted (ownerReferences clean up).
+# The control-API token: created once and read back by name; patched only to write a new token into one that holds
+# none it can read (its key removed or emptied). Never listed or deleted (ownerReferences clean up).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create", "patch"]

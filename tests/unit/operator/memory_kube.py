@@ -63,6 +63,10 @@ class MemoryKube:
         return True
 
     async def patch(self, manifest):
+        # A merge patch (RFC 7386) into the stored object, as the API server applies it.
+        key = (manifest["kind"], manifest["metadata"]["name"])
+        if key in self.objects:
+            self.objects[key] = merge_patch(self.objects[key], manifest)
         self.writes.append(f"patch {manifest['kind']}")
 
     async def delete_pod(self, namespace, name, grace_period_seconds=None):
@@ -84,6 +88,18 @@ class MemoryKube:
 
     async def post_event(self, body, type_, reason, message):
         self.writes.append(f"event {reason}")
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 def worker_state(version: str) -> dict:

@@ -13,7 +13,7 @@ from tidal.operator.builders.owner import content_hash
 from tidal.operator.builders.pod import build_pod, spec_identity
 from tidal.operator.builders.secret import build_token_secret
 from tidal.operator.builders.services import build_group_service, build_serving_service, endpoint
-from tidal.operator.planner.actions import CreateSecret
+from tidal.operator.planner.actions import CreateSecret, PatchSecret
 
 
 def _env(pod):
@@ -185,6 +185,23 @@ def test_pod_template_merge_rule():
     assert pod["metadata"]["annotations"]["note"] == "x" and c.ANNOTATION_SPEC_HASH in pod["metadata"]["annotations"]
 
 
+@pytest.mark.parametrize(
+    "override",
+    [{"hostname": "shared", "subdomain": "elsewhere"}, {"hostname": None, "subdomain": None}],
+    ids=["replaced", "removed"],
+)
+def test_pod_template_cannot_move_a_rank_off_its_dns_name(override):
+    # `<pod>.<model>-group` resolves only while each pod keeps its own hostname under the group Service's subdomain.
+    model = make_model({"replicas": 2, "worker": {"podTemplate": {"spec": {**override, "priorityClassName": "high"}}}})
+    pod = build_pod(model, 1, 0)
+    assert pod["spec"]["hostname"] == "tiny-r1-0" and pod["spec"]["subdomain"] == "tiny-group"
+    assert pod["spec"]["priorityClassName"] == "high"  # the rest of the template still applies
+    plain = build_pod(
+        make_model({"replicas": 2, "worker": {"podTemplate": {"spec": {"priorityClassName": "high"}}}}), 1, 0
+    )
+    assert _hash(pod) == _hash(plain)  # an overridden owned field is no change of the pod
+
+
 def test_merge_values_lists_without_names_are_replaced():
     assert merge_values({"a": [1, 2], "b": {"c": 1}}, {"a": [3], "b": {"d": 2}}) == {"a": [3], "b": {"c": 1, "d": 2}}
     assert merge_values({"x": [{"name": "a", "v": 1}]}, {"x": [{"name": "a", "w": 2}]}) == {
@@ -208,9 +225,9 @@ def test_secret_holds_token_and_never_prints_it():
     model = make_model()
     secret = build_token_secret(model, TOKEN)
     assert base64.b64decode(secret["data"]["token"]).decode() == TOKEN.get_secret_value()
-    action = CreateSecret(manifest=secret)
-    for text in (repr(action), str(action), action.describe(), action.model_dump_json()):
-        assert TOKEN.get_secret_value() not in text and secret["data"]["token"] not in text
+    for action in (CreateSecret(manifest=secret), PatchSecret(manifest=secret)):
+        for text in (repr(action), str(action), action.describe(), action.model_dump_json()):
+            assert TOKEN.get_secret_value() not in text and secret["data"]["token"] not in text
     with pytest.raises(ValueError, match="at least"):
         build_token_secret(model, SecretStr("short"))
 

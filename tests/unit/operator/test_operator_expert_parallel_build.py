@@ -190,6 +190,9 @@ class _FakeCore:
     def read_namespaced_pod(self, name: str, namespace: str, **_: Any) -> Any:
         raise AssertionError("a Service patch reads no Pod")
 
+    def patch_namespaced_secret(self, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a Service patch writes no Secret")
+
     def patch_namespaced_service(self, name: str, namespace: str, body: Any, **kwargs: Any) -> Any:
         self.patches.append((name, namespace, body, kwargs["_content_type"]))
         return SimpleNamespace(data=b"{}")

@@ -173,6 +173,6 @@ def test_a_worker_that_does_not_report_its_source_is_taken_at_its_versions_word(
 def test_observe_pod_reads_the_weights_a_pod_starts_on():
     manifest = build_pod(_weights("v2", "ckpt/v2"), 0, 0)
     manifest["status"] = {"phase": "Pending"}
-    pod = observe_pod(manifest)
+    pod = observe_pod(manifest, "tiny")
     assert pod is not None and pod.start_weights is not None
     assert (pod.start_version, pod.start_source) == ("v2", "/srv/models/ckpt/v2")

@@ -193,14 +193,14 @@ def test_observe_pod_reads_the_last_termination_and_when_the_pod_turned_ready():
             ],
         },
     }
-    pod = observe_pod(manifest)
+    pod = observe_pod(manifest, "tiny")
     assert pod is not None and not pod.terminated
     assert (pod.last_exit_code, pod.last_exit_reason, pod.last_exit_message) == (2, "Error", FATAL)
     assert pod.started_at == T0 + timedelta(seconds=20) and pod.ready_since == T0 + timedelta(seconds=30)
     # Ended now (before the kubelet restarts it): the current state wins over lastState.
     manifest["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 1, "reason": "OOMKilled"}}
     manifest["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
-    ended = observe_pod(manifest)
+    ended = observe_pod(manifest, "tiny")
     assert ended is not None and ended.terminated and not ended.ready and ended.ready_since is None
     assert (ended.last_exit_code, ended.last_exit_reason, ended.last_exit_message) == (1, "OOMKilled", None)
 

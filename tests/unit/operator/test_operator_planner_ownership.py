@@ -9,6 +9,7 @@ from tidal.operator.planner.actions import (
     CreateService,
     DeletePod,
     EmitEvent,
+    PatchSecret,
     PatchService,
     SetServingLabel,
 )
@@ -38,6 +39,17 @@ def test_a_planted_token_secret_is_never_used_and_no_pod_mounts_it():
     degraded = find_condition(result.status.conditions, "Degraded")
     assert degraded is not None and degraded.reason == "ForeignObject"
     assert "Secret/tiny-control-token" in degraded.message and "no controller" in degraded.message
+
+
+def test_a_token_secret_of_this_models_that_holds_no_token_is_patched_and_a_planted_one_is_not():
+    model = make_model()
+    damaged = all_children(model).model_copy(update={"damaged": {"Secret/tiny-control-token"}})
+    patches = [a for a in run(model, [], {}, children=damaged).actions if isinstance(a, PatchSecret)]
+    assert [p.manifest["metadata"]["name"] for p in patches] == ["tiny-control-token"]
+    assert patches[0].manifest["data"]["token"]  # the fresh token, as a missing Secret would be created with
+    assert not any(isinstance(a, PatchSecret) for a in run(model, [], {}).actions)  # a good one stays
+    planted = ObservedChildren(foreign={"Secret/tiny-control-token": "no controller"})
+    assert not any(isinstance(a, PatchSecret) for a in run(model, [], {}, children=planted).actions)
 
 
 def test_control_is_read_from_the_controller_owner_reference_only():

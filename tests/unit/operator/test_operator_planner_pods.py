@@ -165,13 +165,23 @@ def test_observe_pod_reads_the_api_shape():
             ],
         },
     }
-    pod = observe_pod(manifest)
+    pod = observe_pod(manifest, "tiny")
     assert pod is not None and pod.ready and pod.terminating and pod.crash_looping
     assert pod.spec_hash == "abc" and pod.restart_count == 4 and pod.last_exit_message == "boom"
     assert pod.pod_ip == "127.0.3.4"
-    assert observe_pod({"metadata": {"name": "stranger", "labels": {}}}) is None
+    assert pod.labels_edited  # no tidal.dev/model label
+    assert observe_pod({"metadata": {"name": "stranger", "labels": {}}}, "tiny") is None
     odd = {"metadata": {"name": "odd", "labels": {"tidal.dev/replica": "x", "tidal.dev/rank": "0"}}}
-    assert observe_pod(odd) is None
+    assert observe_pod(odd, "tiny") is None
+    # The name says which rank a pod is; labels that no longer say the same are told, not trusted.
+    for labels in ({}, {"tidal.dev/model": "tiny", "tidal.dev/replica": "x", "tidal.dev/rank": "1"}):
+        edited = observe_pod({"metadata": {"name": "tiny-r2-1", "labels": labels}}, "tiny")
+        assert edited is not None and (edited.replica, edited.rank, edited.labels_edited) == (2, 1, True)
+    intact = {"tidal.dev/model": "tiny", "tidal.dev/replica": "2", "tidal.dev/rank": "1"}
+    kept = observe_pod({"metadata": {"name": "tiny-r2-1", "labels": intact}}, "tiny")
+    assert kept is not None and not kept.labels_edited
+    assert observe_pod({"metadata": {"name": "tiny-r02-1", "labels": intact}}, "tiny") is None
+    assert observe_pod({"metadata": {"name": "tiny-x-r2-1", "labels": intact}}, "tiny") is None
 
 
 def test_pods_whose_worker_rejects_the_control_token_are_replaced_within_max_unavailable():

@@ -116,6 +116,18 @@ def test_sleep_and_wake_touch_every_rank_in_one_pass():
     assert len(wakes) == 3
 
 
+@pytest.mark.parametrize("state", ["Asleep", "Awake"])
+def test_a_model_scaled_to_zero_says_it_has_no_rank_to_sleep_and_stays_quiet(state):
+    # With no ranks nothing is falling asleep: "FallingAsleep, 0/0 ranks asleep" would never end.
+    model = make_model({"replicas": 0, "sleep": {"state": state}})
+    first = run(model, [], {})
+    sleeping = _cond(first, "Sleeping")
+    assert (sleeping.status, sleeping.reason, sleeping.message) == ("False", "ScaledToZero", "spec.replicas is 0")
+    assert first.status.phase == "Stopped" and first.status.sleep_state == "None"
+    assert not any(isinstance(a, SleepRank | WakeRank) for a in first.actions)
+    assert run(with_status(model, first), [], {}, minutes=5).actions == []
+
+
 def test_level_one_sleeper_is_deepened_to_level_two():
     model = make_model({"sleep": {"state": "Asleep", "level": 2}})
     pods, _ = healthy(model)

@@ -3,9 +3,11 @@ the children and the pod and writes the status once; a pass with nothing new wri
 back through JSON compares equal); a deleted model is forgotten, and its memory with it."""
 
 import asyncio
+import base64
 import copy
 
 import httpx
+import pytest
 from memory_kube import MemoryKube, start_pod, worker_state
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -323,3 +325,97 @@ def test_a_planted_pod_under_a_rank_name_is_never_touched_and_is_reported():
     degraded = next(cond for cond in kube.model["status"]["conditions"] if cond["type"] == "Degraded")
     assert degraded["reason"] == "ForeignObject"
     assert "Pod/tiny-r1-0 exists and is not this model's" in degraded["message"]
+
+
+SECRET = ("Secret", "tiny-control-token")
+
+
+def _token_of(kube: MemoryKube) -> str:
+    return base64.b64decode(kube.objects[SECRET]["data"]["token"]).decode()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{}, {"token": ""}, {"token": "not base64!"}, {"token": base64.b64encode(b"\xff\xfe").decode()}],
+    ids=["no-key", "empty", "not-base64", "not-utf8"],
+)
+def test_a_damaged_token_secret_gets_a_new_token_and_pods_holding_the_old_one_are_replaced(data):
+    # The Secret is there but holds no usable token: it must be repaired as a deleted one is re-created, or no
+    # worker is ever called again and no new pod can start (its TIDAL_CONTROL_TOKEN has no key to read).
+    kube = MemoryKube()
+    held: dict[str, str] = {}
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("Authorization") != f"Bearer {held['token']}":
+            return httpx.Response(401, json={"code": "unauthorized", "message": "bad token"})
+        if request.url.path == "/state":
+            return httpx.Response(200, json=worker_state("base"))
+        return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            held["token"] = _token_of(kube)  # what the pod's worker reads at start
+            start_pod(kube)
+            await reconcile(("ml", "tiny"))
+            kube.objects[SECRET]["data"] = dict(data)
+            kube.writes.clear()
+            await reconcile(("ml", "tiny"))
+            assert "patch Secret" in kube.writes
+            fresh = _token_of(kube)
+            assert len(fresh) >= 32 and fresh != held["token"]
+            kube.writes.clear()
+            await reconcile(("ml", "tiny"))  # the worker rejects the new token: its pod goes
+            assert "delete tiny-r0-0" in kube.writes
+            assert "patch Secret" not in kube.writes and _token_of(kube) == fresh
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {c.LABEL_MODEL: None},
+        {c.LABEL_RANK: "x"},
+        {c.LABEL_REPLICA: None},
+        {c.LABEL_REPLICA: "3"},
+    ],
+    ids=["model-removed", "rank-not-a-number", "replica-removed", "replica-changed"],
+)
+def test_a_pod_whose_identity_labels_were_edited_is_replaced_not_created_over_and_over(edit):
+    # The pod is this model's (its ownerReference says so) and holds the rank's name: creating the rank again can
+    # only answer AlreadyExists, every second. It is found by name and replaced, which puts its labels back.
+    kube = LabelListingKube()
+    metrics = OperatorMetrics(CollectorRegistry())
+    creates = []
+    create = kube.create
+
+    async def counting_create(manifest):
+        creates.append(manifest["metadata"]["name"])
+        return await create(manifest)
+
+    kube.create = counting_create
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(503))) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))
+            start_pod(kube)
+            labels = kube.objects[("Pod", "tiny-r0-0")]["metadata"]["labels"]
+            for key, value in edit.items():
+                if value is None:
+                    labels.pop(key)
+                else:
+                    labels[key] = value
+            creates.clear()
+            kube.writes.clear()
+            await reconcile(("ml", "tiny"))
+            assert creates == [] and kube.writes[0] == "delete tiny-r0-0"
+            await reconcile(("ml", "tiny"))
+            assert creates == ["tiny-r0-0"]
+            assert kube.objects[("Pod", "tiny-r0-0")]["metadata"]["labels"][c.LABEL_REPLICA] == "0"
+
+    asyncio.run(main())
