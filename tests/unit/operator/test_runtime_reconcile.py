@@ -174,20 +174,29 @@ def test_a_model_forgotten_during_its_pass_is_not_remembered_again():
     assert key not in asyncio.run(main()).memories  # ...in a memory no longer in the map
 
 
-def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
-    # A rank refusing "not now" (busy, draining) is asked again on a later pass, but not every second: each pass
-    # re-sends the update (a drain holds the rank's new requests) and posts a Warning Event.
+@pytest.mark.parametrize(
+    ("spec", "answer", "asked", "event"),
+    [
+        # "Not now" (busy, draining): each pass re-sends the update, and a drain holds the rank's new requests.
+        ({"weights": {"source": "tiny-llama-v2", "version": "v2"}}, "busy", "/weights/update", "WorkerUnavailable"),
+        # Refused for good (no host memory for a level-1 sleep): nothing in the status holds that refusal either.
+        ({"sleep": {"state": "Asleep", "level": 1}}, "no_host_memory", "/sleep", "SleepFailed"),
+    ],
+    ids=["busy-update", "refused-sleep"],
+)
+def test_a_worker_call_that_keeps_failing_is_asked_again_with_back_off(spec, answer, asked, event):
+    # Asked again on a later pass, but not every second: each try disturbs the rank and posts a Warning Event.
     kube = MemoryKube()
-    kube.model["spec"]["weights"] = {"source": "tiny-llama-v2", "version": "v2"}
-    updates = []
+    kube.model["spec"].update(spec)
+    calls = []
 
     def worker(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/state":
             return httpx.Response(200, json=worker_state("base"))
         if request.url.path == "/weights/checksum":
             return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-        updates.append(request.url.path)
-        return httpx.Response(409, json={"code": "busy", "message": "another operation is running"})
+        calls.append(request.url.path)
+        return httpx.Response(409, json={"code": answer, "message": "refused"})
 
     metrics = OperatorMetrics(CollectorRegistry())
 
@@ -199,38 +208,9 @@ def test_a_worker_that_keeps_answering_busy_is_asked_again_with_back_off():
             return [await reconcile(("ml", "tiny")) for _ in range(3)]
 
     delays = asyncio.run(main())
-    assert len(updates) == 3  # asked on every pass
+    assert calls == [asked] * 3  # asked on every pass
     assert delays == [2.0, 4.0, 8.0]
-
-
-def test_a_sleep_the_worker_refuses_for_good_is_asked_again_with_back_off_too():
-    # A refusal that is not "not now" (no host memory for a level-1 sleep) has nothing in the status to hold it, so
-    # the sleep is asked for again; each try drains the rank's requests and posts a Warning Event, so not every second.
-    kube = MemoryKube()
-    kube.model["spec"]["sleep"] = {"state": "Asleep", "level": 1}
-    sleeps = []
-
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/state":
-            return httpx.Response(200, json=worker_state("base"))
-        if request.url.path == "/weights/checksum":
-            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-        sleeps.append(request.url.path)
-        return httpx.Response(409, json={"code": "no_host_memory", "message": "the weights do not fit host memory"})
-
-    metrics = OperatorMetrics(CollectorRegistry())
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
-            await reconcile(("ml", "tiny"))  # creates the children and the pod
-            start_pod(kube)
-            return [await reconcile(("ml", "tiny")) for _ in range(3)]
-
-    delays = asyncio.run(main())
-    assert sleeps == ["/sleep"] * 3  # asked on every pass
-    assert delays == [2.0, 4.0, 8.0]
-    assert kube.writes.count("event SleepFailed") == 3
+    assert kube.writes.count(f"event {event}") == 3
 
 
 def test_a_refused_version_is_tried_again_once_the_spec_named_other_weights_in_between():
