@@ -1,9 +1,9 @@
 """The whole `InferenceModel` object: apiVersion, kind, metadata, spec, status."""
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule
@@ -37,6 +37,14 @@ class InferenceModel(ApiModel):
     metadata: ObjectMeta
     spec: InferenceModelSpec
     status: InferenceModelStatus | None = None
+
+    @field_validator("status", mode="wrap")
+    @classmethod
+    def _read_status_leniently(cls, value: Any, handler: Any) -> InferenceModelStatus | None:
+        # The spec strictly, the status leniently: it is this operator's own output (`InferenceModelStatus.read`).
+        if value is None or isinstance(value, InferenceModelStatus):
+            return value
+        return InferenceModelStatus.read(value)
 
     # Root rules may read metadata.name only. The name ends up in pod, Service and DNS names, which must be DNS
     # labels of at most 63 characters, so it is bounded here where the user sees the reason. Each names its field:

@@ -1,11 +1,12 @@
 """`InferenceModel.status`: what the operator observed. Also part of the CRD schema (one source)."""
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from tidal.operator.api.base import StatusModel
+from tidal.operator.api.lenient import read_leniently
 
 ConditionType = Literal["Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced"]
 CONDITION_TYPES: tuple[ConditionType, ...] = ("Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced")
@@ -51,7 +52,9 @@ class RankStatus(StatusModel):
     state: RankState
     """What the rank is doing."""
     weights_version: str | None = Field(None, max_length=63)
-    """Weights version the worker reports (an Uncontrolled rank: the last one it reported)."""
+    """Weights version the worker reports serving (an Uncontrolled rank: the last one it reported)."""
+    weights_source: str | None = Field(None, max_length=4096)
+    """Directory (in the pod) the worker reports reading them from (unset where it reports none)."""
     group_state: GroupRankState | None = None
     """With expertParallel above 1: the rank's place in its group."""
 
@@ -142,7 +145,8 @@ class InferenceModelStatus(StatusModel):
     ranks: list[RankStatus] = Field(default_factory=list)
     """Per-rank table."""
     weights_version: str | None = Field(None, max_length=63)
-    """Version every rank serves with agreeing checksums; unchanged while a roll is in progress or failed."""
+    """Version every rank served with agreeing checksums when they last agreed. It stays while a roll is in progress
+    or stopped, when ranks may serve others: ranks[].weightsVersion says what each serves."""
     weights_source: str | None = Field(None, max_length=4096)
     """Directory (in the pods) weightsVersion was read from: a pod created while a roll is held starts on it."""
     weights_rollout: WeightsRolloutStatus | None = None
@@ -160,3 +164,19 @@ class InferenceModelStatus(StatusModel):
     serves whole in epoch 7; `1/2 Whole, r1 Degraded @9` for two)."""
     conditions: list[Condition] = Field(default_factory=list)
     """Ready, Progressing, Degraded, Sleeping, WeightsSynced."""
+
+    # What `read` dropped (paths): a status holding values this operator does not know. Private, so not in the
+    # schema; pydantic compares it too, so such a status never equals a computed one and is always written anew.
+    _unread: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def unread(self) -> tuple[str, ...]:
+        return self._unread
+
+    @classmethod
+    def read(cls, data: Any) -> Self:
+        """The status as the API returns it, read leniently (`api/lenient.py`): a value this operator does not know
+        is dropped and noted in `unread`, not refused."""
+        status, dropped = read_leniently(cls, data)
+        status._unread = dropped
+        return status

@@ -11,7 +11,9 @@ Observing (build a `PlanInput`):
 - `pods`: the model's pods (label `tidal.dev/model=<name>`, and by name each rank's that the list lacks; controlled by
   this model's UID) through `observed.observe_pod`.
 - `ranks`: per running pod, `GET /state` (and `GET /weights/checksum` for `checksum`) on the pod IP and its control port
-  with the bearer token from the Secret; `state=None` when it does not answer, `token_rejected` when it answers 401. A
+  with the bearer token from the Secret; `state=None` when it does not answer (with `missed_reads`, the misses in a
+  row, and `last_state`/`last_checksum`, its last answer, which the status holds for a few misses), `token_rejected`
+  when it answers 401. A
   `POST /weights/update` the worker refused on an earlier pass goes into `update_failure` (the worker does not report
   it in `/state`) until a later update of that rank succeeds or the spec names other weights.
 - `children`: `observed.observe_child` of each Service, Secret and NetworkPolicy that exists; the model's own token

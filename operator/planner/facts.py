@@ -1,6 +1,6 @@
 """Facts derived once per pass from the spec and the observations, shared by every part of the planner."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from pydantic import BaseModel, Field, SecretStr
@@ -38,6 +38,12 @@ class PlanInput(BaseModel):
     @property
     def clock(self) -> datetime:
         return self.observed_at if self.observed_at is not None else self.now
+
+
+# A rank whose `/state` went unanswered fewer times in a row than this keeps its last answer in the status (its
+# rank state, weights version, and its part in WeightsSynced and the phase): a slow answer or a network blip must
+# not flip conditions people alert on. Only the status holds it; actions go by this pass's answers.
+HOLD_MISSED_READS = 3
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,20 @@ class RankSlot:
         """Ready with its model loaded: taking it out would cost capacity."""
         return self.ready and self.loaded
 
+    def as_reported(self) -> "RankSlot":
+        """The slot as the status sees it: a rank that missed its last `/state` reads, fewer than HOLD_MISSED_READS
+        in a row, answers what it last said, while its pod stays ready (the kubelet's own probe says the process
+        lives; a container down or failing it holds nothing). A rank that refuses the token is not held: it is
+        Uncontrolled until its pod is replaced."""
+        obs = self.observation
+        if obs.state is not None or obs.last_state is None or obs.token_rejected:
+            return self
+        if obs.missed_reads >= HOLD_MISSED_READS or not self.ready:
+            return self
+        return replace(
+            self, observation=obs.model_copy(update={"state": obs.last_state, "checksum": obs.last_checksum})
+        )
+
 
 @dataclass(frozen=True)
 class Facts:
@@ -93,6 +113,10 @@ class Facts:
     replicas: int
     ranks_per_replica: int
     _by_replica: dict[int, list[RankSlot]] = field(default_factory=dict)
+
+    def reported_slots(self) -> list[RankSlot]:
+        """The slots as the status sees them (`RankSlot.as_reported`)."""
+        return [slot.as_reported() for slot in self.slots]
 
     def replica_slots(self, replica: int) -> list[RankSlot]:
         return self._by_replica.get(replica, [])

@@ -97,6 +97,12 @@ class RankObservation(BaseModel):
     # Seconds since this process's `/state` last failed to answer, counted from the first miss in a row (None: it
     # answered, or was never asked). The executor keeps the clock; the planner compares it with its threshold.
     silent_for_s: float | None = Field(None, ge=0)
+    # While it does not answer: how many `/state` calls in a row got no answer (0: it answered, or was never asked),
+    # and this process's last answer before them with its checksum (None: none yet). The status holds that answer
+    # for a few misses (`facts.HOLD_MISSED_READS`); nothing else goes by it.
+    missed_reads: int = Field(0, ge=0)
+    last_state: WorkerState | None = None
+    last_checksum: str | None = None
 
 
 class EpochRefusal(BaseModel):

@@ -45,7 +45,7 @@ def _progress(facts: Facts, work: list[Action], rollout: RolloutPlan, asleep: bo
         return Progress("CreatingPods", "creating worker pods")
     if DeletePod in kinds:
         return Progress("ReplacingPods", "replacing or removing worker pods")
-    if any(s.pod is not None and s.usable and not s.loaded for s in facts.slots):
+    if any(s.pod is not None and s.usable and not s.loaded for s in facts.reported_slots()):
         return Progress("LoadingModel", "waiting for ranks to load the model")
     if SleepRank in kinds:
         return Progress("FallingAsleep", "putting ranks to sleep")
@@ -116,7 +116,8 @@ def plan(inp: PlanInput) -> Plan:
     progress = _progress(facts, work, rollout, sleep.asleep, {r.pod for r in pods.refused})
     refused = refusal_message(pods.refused)
     status = compute_status(facts, previous, sleep, rollout, progress, inp.now, groups, foreign, refused)
-    if status != previous:
+    if status != previous or (previous is not None and previous.unread):
+        # A status read with values dropped is written anew even where the rest equals this pass's.
         actions.append(PatchStatus(status=status))
     actions += _events(previous, status)
     actions += _refusal_event(previous, status)

@@ -20,6 +20,7 @@ from tidal.operator.planner.group_status import GroupsView
 from tidal.operator.planner.rollout import RolloutPlan
 from tidal.operator.planner.scale import current_replicas, scale_selector
 from tidal.operator.planner.sleep import SleepDecision
+from tidal.operator.planner.weights import served_by
 
 # Degraded's reason (and Progressing's, False) while the API server refuses pods the spec asks for.
 REFUSED_REASON = "PodTemplateRefused"
@@ -56,14 +57,15 @@ def rank_state(slot: RankSlot, rollout: RolloutPlan) -> RankState:
     return "Ready" if pod.ready else "Loading"
 
 
-def _weights_version(slot: RankSlot, previous: InferenceModelStatus | None) -> str | None:
-    """What the worker reports; for a rank that refuses the token, the last version it reported (what it serves,
-    as nothing can have changed its weights since)."""
+def _weights(slot: RankSlot, previous: InferenceModelStatus | None) -> tuple[str | None, str | None]:
+    """(version, source) the worker reports; for a rank that refuses the token, the last ones it reported (what it
+    serves, as nothing can have changed its weights since)."""
     if slot.state is not None:
-        return slot.state.weights_version
+        return slot.state.weights_version, slot.state.weights_source
     if not slot.observation.token_rejected or previous is None:
-        return None
-    return next((r.weights_version for r in previous.ranks if r.pod == slot.name), None)
+        return None, None
+    row = next((r for r in previous.ranks if r.pod == slot.name), None)
+    return (row.weights_version, row.weights_source) if row is not None else (None, None)
 
 
 def _sleep_state(slots: list[RankSlot]) -> SleepState:
@@ -75,7 +77,7 @@ def _sleep_state(slots: list[RankSlot]) -> SleepState:
 
 
 def _degraded(
-    facts: Facts,
+    slots: list[RankSlot],
     rollout: RolloutPlan,
     groups: GroupsView,
     foreign: str | None,
@@ -89,11 +91,12 @@ def _degraded(
     if crashes is not None:
         return crashes
     if rollout.sync == "UpdateFailed" and rollout.failure is not None:
-        served = rollout.served_version or "the previous weights"
+        # Ranks the roll reached before the refusal serve the new weights: say what each serves, not what the
+        # status last saw them all agree on.
         return "WeightsUpdateFailed", (
             f"updating weights to {rollout.failure.failed_version} failed ({rollout.failure.message}); the roll is "
-            f"stopped and ranks keep serving {served} (new pods start on it). Point spec.weights at a fixed "
-            "checkpoint (a new version, or a new source)."
+            f"stopped with {served_by(slots)} (new pods start on {rollout.view.start.version}). Point spec.weights "
+            "at a fixed checkpoint (a new version, or a new source)."
         )
     if rollout.sync == "ChecksumMismatch":
         return "ChecksumMismatch", "ranks report the same weights version with different checksums"
@@ -131,18 +134,20 @@ def compute_status(
     `refused`: the message about pods the spec asks for that the API server refuses (Degraded)."""
     model = facts.model
     generation = model.metadata.generation
-    states = [rank_state(s, rollout) for s in facts.slots]
-    ready_ranks = sum(1 for s in facts.slots if s.ready)
-    total = len(facts.slots)
+    # A rank that briefly misses `/state` keeps its last answer here (`RankSlot.as_reported`); readiness is the pods'.
+    slots = facts.reported_slots()
+    states = [rank_state(s, rollout) for s in slots]
+    ready_ranks = sum(1 for s in slots if s.ready)
+    total = len(slots)
     was_degraded = find_condition(previous.conditions, "Degraded") if previous is not None else None
-    crashes = crash_loop([s.pod for s in facts.slots if s.pod is not None], was_degraded, now)
-    degraded = _degraded(facts, rollout, groups, foreign, refused, crashes)
-    sleep_state = _sleep_state(facts.slots)
+    crashes = crash_loop([s.pod for s in slots if s.pod is not None], was_degraded, now)
+    degraded = _degraded(slots, rollout, groups, foreign, refused, crashes)
+    sleep_state = _sleep_state(slots)
     all_asleep = total > 0 and all(st == "Asleep" for st in states)
     expert_parallel = facts.ranks_per_replica > 1
     # With expert parallelism a replica serves while its group does, survivors included (Ready, and Degraded).
     every_rank = groups.all_serving if expert_parallel else ready_ranks == total
-    serving = total > 0 and every_rank and not any(s.asleep for s in facts.slots)
+    serving = total > 0 and every_rank and not any(s.asleep for s in slots)
 
     conds: list[Condition] = list(previous.conditions) if previous is not None else []
 
@@ -179,12 +184,18 @@ def compute_status(
         put("Sleeping", False, "FallingAsleep", f"{states.count('Asleep')}/{total} ranks asleep")
     else:
         put("Sleeping", False, "Awake", "")
+    weights = [_weights(s, previous) for s in slots]
+    took = sum(1 for s in slots if s.loaded and rollout.view.serves_desired(s))
+    # Synced leaves out ranks that serve nothing yet and will start on the desired weights (`weights._agreement`).
+    starting = sum(1 for s in slots if not s.loaded)
     sync_messages = {
-        "Synced": f"every rank serves {rollout.desired_version}",
+        "Synced": f"every rank that serves, serves {rollout.desired_version} ({starting} more start on it)"
+        if starting
+        else f"every rank serves {rollout.desired_version}",
         "RollingOut": f"rolling {rollout.desired_version} into the ranks",
         "WaitingForRanks": f"waiting for every rank to report {rollout.desired_version} and its checksum",
         "PausedWhileAsleep": f"{rollout.desired_version} reaches each rank when the model wakes, before it serves",
-        "UpdateFailed": f"the update to {rollout.desired_version} failed",
+        "UpdateFailed": f"the update to {rollout.desired_version} failed: {took}/{total} ranks serve it",
         "ChecksumMismatch": "ranks disagree on the weights' checksum",
         "NoRanks": "no ranks",
     }
@@ -204,10 +215,11 @@ def compute_status(
                 replica=s.replica,
                 rank=s.rank,
                 state=state,
-                weights_version=_weights_version(s, previous),
+                weights_version=version,
+                weights_source=source,
                 group_state=groups.rank_states.get(s.name),
             )
-            for s, state in zip(facts.slots, states, strict=True)
+            for s, state, (version, source) in zip(slots, states, weights, strict=True)
         ],
         weights_version=rollout.served_version,
         weights_source=rollout.view.served.source if rollout.view.served is not None else None,

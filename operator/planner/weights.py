@@ -20,7 +20,8 @@ from tidal.operator.planner.facts import Facts, RankSlot
 @dataclass(frozen=True)
 class WeightsView:
     desired: Weights
-    # What every rank serves with one checksum (None: they differ, or some do not report it yet).
+    # What every rank that serves serves with one checksum, ranks still starting on the desired weights left out
+    # (None: they differ, some do not report it yet, or none serves).
     agreed: Weights | None
     # Every rank reports one version, with different checksums: they serve different weights under one label.
     mismatch: bool
@@ -42,20 +43,43 @@ class WeightsView:
         return weights is not None and weights.same_as(self.desired)
 
 
-def _agreement(slots: list[RankSlot], one_checksum: bool) -> tuple[Weights | None, bool]:
-    """(the weights every rank serves with one checksum, or None; True when every rank reports the same weights
-    with different checksums).
+def _serves_nothing_until(slot: RankSlot, new_pod: Weights | None) -> Weights | None:
+    """For a rank that serves nothing now, the weights it will serve once it does (None: it serves, or may, or
+    what it will load is not known). No pod (or one going away): a new pod's, `new_pod`. A pod not ready gets no
+    request; its worker, started or restarted, loads its start weights, unless it loaded already (then it counts
+    with what it reports)."""
+    pod = slot.pod
+    if pod is None or pod.terminating or pod.finished:
+        return new_pod
+    if slot.observation.token_rejected or slot.loaded or (pod.ready and slot.state is None):
+        return None  # serving what it reports, or answering nothing while it may serve
+    return pod.start_weights
+
+
+def _agreement(
+    slots: list[RankSlot], desired: Weights, new_pod: Weights | None, one_checksum: bool
+) -> tuple[Weights | None, bool]:
+    """(the weights every rank that serves serves with one checksum, or None; True when they report the same
+    weights with different checksums).
+
+    A rank that serves nothing yet and will load the desired weights (a scale-up's new pod, a pod replaced or
+    restarting on them) does not count: it cannot serve other weights, and counting it would turn WeightsSynced
+    False and back on every such change. Any other rank that does not report its weights and checksum leaves
+    agreement unknown; so does no rank reporting at all.
 
     With expert parallelism each rank's checksum covers the experts it holds (and every dense tensor), so ranks
     differ by design: then every rank must report its weights and checksum, and no two checksums are compared."""
-    if not slots:
-        return None, False
     reported: list[tuple[Weights, str]] = []
     for slot in slots:
         weights, checksum = slot.weights, slot.observation.checksum
-        if not slot.loaded or weights is None or checksum is None:
+        if slot.loaded and weights is not None and checksum is not None:
+            reported.append((weights, checksum))
+            continue
+        will_load = _serves_nothing_until(slot, new_pod)
+        if will_load is None or not will_load.same_as(desired):
             return None, False
-        reported.append((weights, checksum))
+    if not reported:
+        return None, False
     versions = {w.version for w, _ in reported}
     sources = {posixpath.normpath(w.source) for w, _ in reported if w.source is not None}
     if len(versions) != 1 or len(sources) > 1:
@@ -96,7 +120,37 @@ def _failure(facts: Facts, desired: Weights, previous: InferenceModelStatus | No
 
 
 def weights_view(facts: Facts, previous: InferenceModelStatus | None) -> WeightsView:
+    """Agreement goes by the ranks as the status sees them (`Facts.reported_slots`): a rank that briefly missed
+    `/state` keeps its last answer."""
     desired = desired_weights(facts.model.spec)
-    agreed, mismatch = _agreement(facts.slots, one_checksum=facts.ranks_per_replica == 1)
+    failure = _failure(facts, desired, previous)
+    # A new pod starts on the desired weights unless a roll to them is held as failed (then on what served).
+    new_pod = desired if failure is None else None
+    one_checksum = facts.ranks_per_replica == 1
+    agreed, mismatch = _agreement(facts.reported_slots(), desired, new_pod, one_checksum)
     served = _served(agreed, desired, previous)
-    return WeightsView(desired, agreed, mismatch, served, _failure(facts, desired, previous))
+    return WeightsView(desired, agreed, mismatch, served, failure)
+
+
+NAMED_PER_WEIGHTS = 5  # pods a message names for one set of weights, then a count
+
+
+def served_by(slots: list[RankSlot]) -> str:
+    """Which ranks serve which weights, for a message: "v2 on tiny-r0-0; base on tiny-r1-0, tiny-r2-0". A version
+    served from two directories names them; ranks that serve nothing, or do not say, are "no weights reported by"."""
+    by_weights: dict[Weights | None, list[str]] = {}
+    for slot in slots:
+        weights = slot.weights if slot.loaded else None
+        by_weights.setdefault(weights, []).append(slot.name)
+    versions = [w.version for w in by_weights if w is not None]
+    parts = []
+    for weights, pods in by_weights.items():
+        named = ", ".join(pods[:NAMED_PER_WEIGHTS]) + (
+            f" and {len(pods) - NAMED_PER_WEIGHTS} more" if len(pods) > NAMED_PER_WEIGHTS else ""
+        )
+        if weights is None:
+            parts.append(f"no weights reported by {named}")
+        else:
+            label = weights.describe() if versions.count(weights.version) > 1 else weights.version
+            parts.append(f"{label} on {named}")
+    return "; ".join(parts)

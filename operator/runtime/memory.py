@@ -3,7 +3,8 @@
 The planner keeps no state, and whatever must survive an operator restart lives in the model's status. What is
 kept here are hints and clocks a fresh process can do without: back-off streaks, when the current weight roll began
 (for its duration metric), the checksums already read, weight updates the worker refused (which `/state` does
-not report), since when each rank's `/state` has gone unanswered, each group's last epoch sent with its answers
+not report), since when and how many times in a row each rank's `/state` has gone unanswered and its last answer
+(the status holds it through a brief silence), each group's last epoch sent with its answers
 (a fresh process goes by the epochs the workers report), and what the API server said of the pods the model is to
 get (a fresh process asks again). Holding all of it in one `ModelMemory` means a deleted model is forgotten by one
 `forget(key)`, which also stops the reconfigure calls still running for it.
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from tidal.contract.control_api import GroupReconfigureResult
+from tidal.contract.control_api import GroupReconfigureResult, WorkerState
 from tidal.operator.builders.weights import Weights
 from tidal.operator.planner.observed import EpochRefusal, SentEpoch, UpdateFailure
 from tidal.operator.runtime.queue import Key
@@ -86,6 +87,22 @@ class EpochFlight:
             self.task.cancel()
 
 
+@dataclass
+class Silence:
+    """A rank's `/state` calls in a row that got no answer."""
+
+    since: float  # time.monotonic() of the first
+    misses: int = 1
+
+
+@dataclass(frozen=True)
+class StateAnswer:
+    """A rank's last `/state` answer and its weights' checksum: what the status holds while it briefly misses."""
+
+    state: WorkerState
+    checksum: str | None
+
+
 @dataclass(frozen=True)
 class PodVerdict:
     """What the API server said of one pod manifest (by spec hash): None admits it, else its refusal message."""
@@ -110,8 +127,10 @@ class ModelMemory:
     # pod -> the last weight update it refused (cleared by its next successful update, or once the spec names other
     # weights: `keep_update_failures_for`).
     update_failures: dict[str, UpdateFailure] = field(default_factory=dict)
-    # pod UID -> time.monotonic() of the first `/state` call in a row that got no answer.
-    state_misses: dict[str, float] = field(default_factory=dict)
+    # pod UID -> its `/state` calls in a row that got no answer, and since when.
+    state_misses: dict[str, Silence] = field(default_factory=dict)
+    # pod UID -> its last `/state` answer (the status holds it for a few misses: `facts.HOLD_MISSED_READS`).
+    state_answers: dict[str, StateAnswer] = field(default_factory=dict)
     # replica -> the last epoch sent to its group.
     epochs: dict[int, EpochFlight] = field(default_factory=dict)
     # spec hash -> the API server's verdict on the pod built with it (a dry run, or a create it refused).
@@ -153,10 +172,11 @@ class ModelMemory:
         }
 
     def keep_checksums_of(self, pod_uids: set[str]) -> None:
-        """Drop the checksums (and `/state` misses) of processes that are gone, so the memory stays as small as the
-        model."""
+        """Drop the checksums (and `/state` misses and answers) of processes that are gone, so the memory stays as
+        small as the model."""
         self.checksums = {key: value for key, value in self.checksums.items() if key[0] in pod_uids}
-        self.state_misses = {uid: since for uid, since in self.state_misses.items() if uid in pod_uids}
+        self.state_misses = {uid: silence for uid, silence in self.state_misses.items() if uid in pod_uids}
+        self.state_answers = {uid: answer for uid, answer in self.state_answers.items() if uid in pod_uids}
 
 
 class ModelMemories:

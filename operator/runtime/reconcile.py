@@ -105,9 +105,13 @@ class Reconciler:
         try:
             model = InferenceModel.model_validate(body)
         except ValidationError as exc:
-            # The API server checks the same rules; this happens only with a CRD older than the operator.
+            # The API server checks the same rules; this happens only with a CRD older than the operator. (The status,
+            # this operator's own output, is read leniently and never refused: `InferenceModelStatus.read`.)
             log.error("%s/%s: invalid object, not reconciled: %s", *key, exc)
             return "error", self._config.resync_seconds
+        if model.status is not None and model.status.unread:
+            # Left by another operator version (a rollback): this pass writes the status anew.
+            log.warning("%s/%s: status values this operator does not know were dropped: %s", *key, model.status.unread)
         memory.keep_update_failures_for(desired_weights(model.spec))
         obs = await observe_kube(self._kube, body, model)
         grouped = model.spec.expert_parallel > 1

@@ -22,7 +22,7 @@ from tidal.contract.error_codes import ErrorCode
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.actions import EpochMemberRef, ReconfigureGroup, SleepRank, UpdateWeights, WakeRank
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, UpdateFailure
-from tidal.operator.runtime.memory import EpochFlight, ModelMemory, wall_clock
+from tidal.operator.runtime.memory import EpochFlight, ModelMemory, Silence, StateAnswer, wall_clock
 from tidal.operator.runtime.queue import Key
 from tidal.operator.workerclient import STATE_TIMEOUT_S, CallErrorCode, WorkerCallError, WorkerClient
 
@@ -100,7 +100,8 @@ class WorkerFleet:
         state_timeout_s: float = STATE_TIMEOUT_S,
     ) -> dict[str, RankObservation]:
         """`GET /state` (and the checksum when not known yet) of every reachable rank, in parallel. A rank that does
-        not answer is told with how long it has been silent (from the first miss in a row, per process)."""
+        not answer is told with how long it has been silent (from the first miss in a row, per process), how many
+        calls in a row it missed, and its last answer."""
         failures = memory.update_failures
         memory.keep_checksums_of({t.uid for t in targets.values()})
         checksums = memory.checksums
@@ -120,9 +121,20 @@ class WorkerFleet:
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
                 rejected = exc.code == ErrorCode.UNAUTHORIZED
-                since = memory.state_misses.setdefault(target.uid, asked)
-                silent = time.monotonic() - since
-                missed = RankObservation(update_failure=failures.get(pod), token_rejected=rejected, silent_for_s=silent)
+                silence = memory.state_misses.get(target.uid)
+                if silence is None:
+                    silence = memory.state_misses[target.uid] = Silence(since=asked)
+                else:
+                    silence.misses += 1
+                last = memory.state_answers.get(target.uid)
+                missed = RankObservation(
+                    update_failure=failures.get(pod),
+                    token_rejected=rejected,
+                    silent_for_s=time.monotonic() - silence.since,
+                    missed_reads=silence.misses,
+                    last_state=last.state if last is not None else None,
+                    last_checksum=last.checksum if last is not None else None,
+                )
                 return pod, missed
             memory.state_misses.pop(target.uid, None)
             checksum = None
@@ -139,6 +151,7 @@ class WorkerFleet:
                     except WorkerCallError as exc:
                         self._metrics.worker_call_errors.labels(WorkerCall.WEIGHTS_CHECKSUM).inc()
                         log.warning("%s/%s: checksum of %s: %s", *key, pod, exc)
+            memory.state_answers[target.uid] = StateAnswer(state, checksum)
             return pod, RankObservation(state=state, checksum=checksum, update_failure=failures.get(pod))
 
         pairs = await asyncio.gather(*(one(pod, target) for pod, target in targets.items()))

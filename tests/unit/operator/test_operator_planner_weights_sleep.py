@@ -240,3 +240,24 @@ def test_sleepers_that_wake_on_a_request_get_new_weights_while_asleep(level):
     # Without the setting the roll waits for the wake, as before.
     plain = with_status(make_model({"replicas": 2, **sleep, **V2}, generation=2), run(base, pods, asleep))
     assert _updates(run(plain, pods, asleep)) == []
+
+
+def test_a_roll_refused_by_one_replica_after_another_took_it_reports_what_each_serves():
+    # Replica 0 took v2; replica 1 refused it. Replica 0 serves v2 now: the status must not say every rank keeps
+    # serving base.
+    model, pods, ranks = _served_base(2)
+    first = run(model, pods, ranks, minutes=1)
+    new_dir, old_dir = "/srv/models/ckpt/v2", "/srv/models/tiny-llama"
+    ranks[pod_name(model, 0)] = worker("v2", "sum-v2", weights_source=new_dir)
+    second = run(with_status(model, first), pods, ranks, minutes=2)
+    assert [u.pod for u in _updates(second)] == [pod_name(model, 1)]
+    refused = UpdateFailure(version="v2", message="bad_checkpoint: truncated", source=new_dir)
+    ranks[pod_name(model, 1)] = worker("base", "sum-base", weights_source=old_dir, update_failure=refused)
+    held = run(with_status(model, second), pods, ranks, minutes=3)
+    assert [(r.pod, r.weights_version, r.weights_source) for r in held.status.ranks] == [
+        ("tiny-r0-0", "v2", new_dir), ("tiny-r1-0", "base", old_dir)
+    ]  # fmt: skip
+    degraded = _cond(held, "Degraded")
+    assert degraded.reason == "WeightsUpdateFailed" and "keep serving base" not in degraded.message
+    assert "v2 on tiny-r0-0" in degraded.message and "base on tiny-r1-0" in degraded.message
+    assert "1/2 ranks serve it" in _cond(held, "WeightsSynced").message

@@ -150,6 +150,7 @@ def test_state_silence_is_counted_from_the_first_miss_per_process():
     first, second = asyncio.run(main())
     assert first.state is None and first.silent_for_s is not None
     assert second.silent_for_s >= first.silent_for_s + 0.05
+    assert (first.missed_reads, second.missed_reads) == (1, 2) and second.last_state is None  # it never answered
     assert set(memory.state_misses) == {"uid-0"}
 
 

@@ -399,3 +399,68 @@ def test_a_pod_whose_identity_labels_were_edited_is_replaced_not_created_over_an
             assert kube.objects[("Pod", "tiny-r0-0")]["metadata"]["labels"][c.LABEL_REPLICA] == "0"
 
     asyncio.run(main())
+
+
+def test_one_missed_state_read_neither_rewrites_the_status_nor_posts_an_event():
+    # A slow answer or a network blip: the rank still serves what it said a pass ago. Conditions people alert on
+    # must not flip (and post two Events) for it.
+    kube = MemoryKube()
+    answer = {"ok": True}
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            if not answer["ok"]:
+                raise httpx.ReadTimeout("slow")
+            return httpx.Response(200, json=worker_state("base"))
+        return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            await reconcile(("ml", "tiny"))  # creates the children and the pod
+            start_pod(kube)
+            for _ in range(2):
+                await reconcile(("ml", "tiny"))
+            assert kube.model["status"]["phase"] == "Ready"
+            before = copy.deepcopy(kube.model["status"])
+            kube.writes.clear()
+            answer["ok"] = False
+            await reconcile(("ml", "tiny"))
+            assert kube.writes == [] and kube.model["status"] == before
+            answer["ok"] = True
+            await reconcile(("ml", "tiny"))
+            assert kube.writes == []
+
+    asyncio.run(main())
+
+
+def test_status_values_this_operator_does_not_know_do_not_stop_reconciling_and_are_rewritten():
+    # A newer operator wrote a phase, a condition type and a rank state this one does not know, then was rolled back
+    # (its CRD, which Helm never downgrades, accepts them). The spec is read strictly, the status leniently: what it
+    # does not understand is dropped, and the pass writes the status anew.
+    kube = MemoryKube()
+    since = "2026-01-01T00:00:00Z"
+    kube.model["status"] = {
+        "phase": "Hibernating",
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "AllRanksReady", "lastTransitionTime": since},
+            {"type": "Autoscaled", "status": "True", "reason": "ByKeda", "lastTransitionTime": since},
+        ],
+        "ranks": [{"pod": "tiny-r0-0", "replica": 0, "rank": 0, "state": "Migrating"}],
+    }  # fmt: skip
+    metrics = OperatorMetrics(CollectorRegistry())
+
+    async def main():
+        async with httpx.AsyncClient() as http:
+            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+            return await reconcile(("ml", "tiny"))
+
+    assert asyncio.run(main()) == 1.0
+    assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
+    status = kube.model["status"]
+    assert status["phase"] == "Pending" and status["ranks"][0]["state"] == "Pending"
+    assert {cond["type"] for cond in status["conditions"]} == {
+        "Ready", "Progressing", "Degraded", "Sleeping", "WeightsSynced"
+    }  # fmt: skip
