@@ -4,6 +4,8 @@ preempted and recomputed, and when the token budget splits prefills into chunks.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -92,3 +94,19 @@ def test_half_precision_first_tokens_agree_with_transformers(dtype, tiny_model):
     got = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1))
     agree = sum(r.output_token_ids == [e] for r, e in zip(got, expected, strict=True))
     assert agree >= len(prompts) - 1  # rounding differs between implementations; a near-tie may flip
+
+
+@torch.no_grad()
+def test_the_reference_is_the_plain_forward_argmax_for_a_prompt_holding_the_pad_id(tiny_model):
+    """A prompt may hold the pad id (an ordinary token to the engine; random ids hit the tiny models' pad, 4):
+    transformers' greedy tokens are still those its plain causal forward picks, and the engine's."""
+    model_dir = tiny_model("llama")
+    hf = load_reference_model(model_dir)
+    rng = random.Random(0)
+    prompt = [rng.randint(5, 300) for _ in range(28)]
+    prompt[3] = prompt[12] = prompt[20] = hf.config.pad_token_id
+    [answer] = transformers_greedy(model_dir, [prompt], 4)
+    logits = hf(torch.tensor([prompt + answer])).logits[0]  # [len(prompt) + 4, vocab_size]
+    assert answer == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    got, _ = run_engine(model_dir, [prompt], num_kv_blocks=16, max_model_len=32)
+    assert got == [answer]

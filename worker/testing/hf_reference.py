@@ -42,11 +42,30 @@ def load_reference_model(model_dir: Path, dtype: torch.dtype = torch.float32) ->
 
 @torch.no_grad()
 def transformers_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """One prompt at a time (no padding), fp32 on the CPU."""
-    # Any: GenerationMixin.generate declares a self type (a protocol) that transformers' models do not meet.
-    model: Any = load_reference_model(model_dir)
+    """Each new token is the argmax of transformers' plain causal forward over the whole sequence so far, until
+    `max_new_tokens` or an end-of-sequence id of the checkpoint's generation config; one prompt at a time, fp32 on
+    the CPU.
+
+    Not `model.generate`: given no attention mask, it infers one that masks every prompt position holding the pad
+    id (taken for left padding), so a prompt that holds it (the tiny models' pad, 4, is an ordinary id to the
+    engine, and random prompts hit it) got tokens the forward does not pick; and it applies whatever a checkpoint's
+    generation_config.json sets (repetition_penalty, no_repeat_ngram_size, suppress_tokens, ...). No KV cache
+    either: a forward over the full sequence is the reference least dependent on transformers' machinery."""
+    model = load_reference_model(model_dir)
+    eos_token_ids = _ids(model.generation_config.eos_token_id)
     outputs = []
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-        outputs.append(out[0, len(prompt) :].tolist())
+        tokens = list(prompt)
+        while len(tokens) < len(prompt) + max_new_tokens:
+            logits = model(torch.tensor([tokens])).logits  # [1, len(tokens), vocab_size]
+            tokens.append(int(logits[0, -1].argmax()))
+            if tokens[-1] in eos_token_ids:
+                break
+        outputs.append(tokens[len(prompt) :])
     return outputs
+
+
+def _ids(value: int | list[int] | None) -> set[int]:
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)
