@@ -1,8 +1,10 @@
-"""AsyncEngine: concurrent streams, refusal before queuing, abort by closing the stream or by id, shutdown."""
+"""AsyncEngine: concurrent streams, refusal before queuing, abort by closing the stream or by id, an id aborted and
+submitted again, shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -118,6 +120,49 @@ def test_abort_by_id_ends_the_stream(model_dir):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("abort_by_id", [False, True])
+def test_an_id_aborted_and_submitted_again_in_one_turn_gets_its_own_stream(model_dir, abort_by_id):
+    """The old request's stream is closed (after an abort by id, or as the abort) and its id submitted again
+    before the loop's next turn: the old request ends first, its final output goes nowhere, and the new one runs."""
+    prompt = [4, 5, 6]
+    fresh = LLMEngine.from_config(config(model_dir)).generate([prompt], GREEDY)[0]
+
+    async def main():
+        engine = AsyncEngine.from_config(config(model_dir))
+        await engine.start()
+        try:
+            old = engine.generate("again", [7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True))
+            await anext(old)
+            # The loop waits inside a step while the abort and the new request both reach its inbox.
+            stepping, go = threading.Event(), threading.Event()
+            step = engine._engine.step
+
+            def gated_step():
+                stepping.set()
+                go.wait()
+                return step()
+
+            engine._engine.step = gated_step
+            assert await asyncio.to_thread(stepping.wait, 10.0)
+            if abort_by_id:
+                engine.abort("again")
+            await old.aclose()
+            new = engine.generate("again", prompt, GREEDY)
+            first = asyncio.create_task(anext(new))
+            await wait_until(lambda: engine.stats().num_waiting == 1)
+            go.set()
+            outputs = [await asyncio.wait_for(first, 10.0)] + [out async for out in new]
+            await wait_until(lambda: engine.stats().kv_cache_usage == 0.0)
+        finally:
+            go.set()
+            await engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert [t for out in outputs for t in out.new_token_ids] == fresh.output_token_ids
+    assert [out.finish_reason for out in outputs] == [None] * (len(outputs) - 1) + [fresh.finish_reason]
 
 
 def test_shutdown_ends_running_streams_with_abort(model_dir):

@@ -2,6 +2,11 @@
 
 Only the loop thread touches the LLMEngine. Other threads hand it new requests and aborts through an inbox
 under a lock, and the loop hands outputs back to each request's asyncio queue on the event loop.
+
+A request id names a stream only while that stream is open: once closed (or aborted), the same id may be submitted
+again at once. So the loop routes every output to the stream of the request that produced it (the pairing made when
+the engine took the request), never by looking the id up when it delivers, and it applies a turn's aborts before
+its admissions (see `_take_inbox`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
+_Stream = asyncio.Queue[_Item]
+# (request id, the stream it is for, the item): delivered only while that stream still holds the id.
+_Delivery = tuple[str, _Stream, _Item]
 
 
 class EngineNotRunningError(RuntimeError):
@@ -54,7 +62,16 @@ class _NewRequest(NamedTuple):
     prompt_token_ids: list[int]
     params: SamplingParams
     n: int
+    stream: _Stream  # where its outputs go
     grammar: Any = None  # its structured output, compiled before it is queued (engine/grammars.py)
+
+
+@dataclass
+class _Admitted:
+    """A request the LLMEngine has taken: its stream, and how many of its samples have not finished."""
+
+    stream: _Stream
+    num_running: int
 
 
 @dataclass
@@ -78,7 +95,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox = _Inbox()
-        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # request id -> its output queue
+        self._streams: dict[str, _Stream] = {}  # request id -> the open stream that holds it
+        self._admitted: dict[str, _Admitted] = {}  # request id -> its request in the LLMEngine (under _step_lock)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -147,7 +165,7 @@ class AsyncEngine:
         frees all its samples."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        return self._stream(_NewRequest(request_id, list(prompt_token_ids), params, n))
+        return self._stream(_NewRequest(request_id, list(prompt_token_ids), params, n, asyncio.Queue()))
 
     async def _stream(self, request: _NewRequest) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
@@ -160,7 +178,7 @@ class AsyncEngine:
             request = request._replace(grammar=grammar)
         if self._admission is not None:
             await self._admission()
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        queue = request.stream
         with self._wake:
             if not self.is_running or self._stopping:
                 raise EngineNotRunningError("the engine is not running")
@@ -183,7 +201,8 @@ class AsyncEngine:
                 yield item
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
+                if self._streams.get(request_id) is queue:
+                    del self._streams[request_id]
             if not finished:
                 self.abort(request_id)
 
@@ -203,8 +222,7 @@ class AsyncEngine:
                 self._wake.notify()
                 return
             self._inbox.new = [item for item in self._inbox.new if item.request_id != request_id]
-        for output in _never_admitted(queued[0]):
-            self._deliver(request_id, output)
+        self._deliver_all([(request_id, queued[0].stream, output) for output in _never_admitted(queued[0])])
 
     def serving_problem(self) -> str | None:
         """Why requests would wait here now although the loop runs (None: they would not); see LockstepAsyncEngine."""
@@ -249,8 +267,7 @@ class AsyncEngine:
         waited). -> how many."""
         with self._lock:
             queued, self._inbox.new = self._inbox.new, []
-        for request in queued:
-            self._deliver(request.request_id, error)
+        self._deliver_all([(request.request_id, request.stream, error) for request in queued])
         return len(queued)
 
     @contextlib.contextmanager
@@ -278,7 +295,7 @@ class AsyncEngine:
         outputs = self._engine.drain()
         if outputs:
             self._stats = self._engine.stats()
-            self._deliver_all([(out.request_id, out) for out in outputs])
+            self._deliver_all(self._route(outputs))
 
     # ----- the loop thread -----
     def _has_work(self) -> bool:
@@ -297,10 +314,9 @@ class AsyncEngine:
         with self._wake:
             self._stopping = True  # refuses new requests and holds
             self._inbox = _Inbox()
-            request_ids = list(self._streams)
+            streams = list(self._streams.items())
             self._idle.notify_all()
-        for request_id in request_ids:
-            self._deliver(request_id, error)
+        self._deliver_all([(request_id, stream, error) for request_id, stream in streams])
 
     def _loop_until_stopped(self) -> None:
         while True:
@@ -325,62 +341,80 @@ class AsyncEngine:
         scheduling a step is left in flight between turns; abort_all ends it (and waits for the device)."""
         engine = self._engine
         # Stats are refreshed before outputs go out, so a client that sees its output sees the stats after it.
-        deliveries: list[tuple[str, _Item]] = []
+        deliveries: list[_Delivery] = []
         if stopping:
-            deliveries += [(out.request_id, out) for out in engine.abort_all()]
+            deliveries += self._route(engine.abort_all())
             # Never admitted (e.g. held by a sleep): they would otherwise wait for an output that never comes.
             refused = EngineNotRunningError("the engine shut down before this request started")
-            deliveries += [(request.request_id, refused) for request in inbox.new]
+            deliveries += [(request.request_id, request.stream, refused) for request in inbox.new]
             self._stats = engine.stats()
             self._deliver_all(deliveries)
             return False
         deliveries += self._take_inbox(inbox, interrupt)
         try:
-            deliveries += [(out.request_id, out) for out in engine.step()]
+            deliveries += self._route(engine.step())
         except Exception as err:  # a failed step must not leave clients waiting forever
             log.exception("engine step failed; failing the requests in flight")
-            deliveries += [(out.request_id, err) for out in engine.abort_all()]
+            deliveries += self._route(engine.abort_all(), err)
         self._stats = engine.stats()
         self._deliver_all(deliveries)
         return True
 
-    def _take_inbox(self, inbox: _Inbox, interrupt: str | None) -> list[tuple[str, _Item]]:
-        """Interrupt, admit and abort (with the step lock held); -> what to deliver."""
+    def _take_inbox(self, inbox: _Inbox, interrupt: str | None) -> list[_Delivery]:
+        """Interrupt, abort and admit (with the step lock held); -> what to deliver.
+
+        Aborts go before admissions, which is their order of arrival for any one id: abort() takes a request of
+        that id still in the inbox back itself, so an abort here was asked before every request of its id here.
+        An id aborted and then submitted again thus ends its old request before the new one is taken, instead of
+        the new one being refused as a duplicate (or ended by an abort meant for the old one)."""
         engine = self._engine
-        deliveries: list[tuple[str, _Item]] = []
+        deliveries: list[_Delivery] = []
         if interrupt is not None:
-            deliveries += [(out.request_id, RequestInterruptedError(interrupt)) for out in engine.abort_all()]
-        for request in inbox.new:
-            try:
-                engine.add_request(*request)
-            except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
-                deliveries.append((request.request_id, err))
+            deliveries += self._route(engine.abort_all(), RequestInterruptedError(interrupt))
         for request_id in inbox.aborts:
-            deliveries += [(request_id, output) for output in engine.abort_request(request_id)]
+            deliveries += self._route(engine.abort_request(request_id))
+        for request in inbox.new:
+            request_id = request.request_id
+            try:
+                engine.add_request(request_id, request.prompt_token_ids, request.params, request.n, request.grammar)
+            except Exception as err:  # refused (ValueError) or broken: either way this request alone ends
+                deliveries.append((request_id, request.stream, err))
+                continue
+            self._admitted[request_id] = _Admitted(request.stream, request.n)
         return deliveries
 
-    def _deliver_all(self, deliveries: list[tuple[str, _Item]]) -> None:
+    def _route(self, outputs: list[RequestOutput], error: BaseException | None = None) -> list[_Delivery]:
+        """The LLMEngine's outputs (with the step lock held), each to the stream of the request it came from (or
+        `error` in its place); a request is forgotten once each of its samples has finished."""
+        deliveries: list[_Delivery] = []
+        for out in outputs:
+            admitted = self._admitted.get(out.request_id)
+            if admitted is None:  # the LLMEngine's own use (`generate`), never through a stream: nobody to tell
+                log.warning("an output of request %r, which no stream submitted, was dropped", out.request_id)
+                continue
+            if out.finish_reason is not None:
+                admitted.num_running -= 1
+                if admitted.num_running == 0:
+                    del self._admitted[out.request_id]
+            deliveries.append((out.request_id, admitted.stream, out if error is None else error))
+        return deliveries
+
+    def _deliver_all(self, deliveries: list[_Delivery]) -> None:
         """A step's outputs go to the event loop in one call: one wake-up of the loop (a write to its self-pipe) per
         step instead of one per running request, which at 64 streams cost the step thread 64 system calls under
         the GIL and the loop as many wake-ups."""
         if not deliveries or self._loop is None:
             return
         with self._lock:
-            queues = [(self._streams.get(request_id), item) for request_id, item in deliveries]
-        batch = [(queue, item) for queue, item in queues if queue is not None]  # None: the client already left
+            # A stream that no longer holds its id was closed: the client already left.
+            batch = [
+                (stream, item) for request_id, stream, item in deliveries if self._streams.get(request_id) is stream
+            ]
         if batch:
             with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
                 self._loop.call_soon_threadsafe(_put_all, batch)
 
-    def _deliver(self, request_id: str, item: _Item) -> None:
-        with self._lock:
-            queue = self._streams.get(request_id)
-        if queue is None or self._loop is None:
-            return  # the client already left
-        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
-            self._loop.call_soon_threadsafe(queue.put_nowait, item)
 
-
-def _put_all(batch: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+def _put_all(batch: list[tuple[_Stream, _Item]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)

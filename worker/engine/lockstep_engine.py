@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from tidal.worker.engine.async_engine import AsyncEngine, _Inbox, _Item
+from tidal.worker.engine.async_engine import AsyncEngine, _Delivery, _Inbox
 from tidal.worker.engine.group_link import GroupLink
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.engine.lockstep import StepDecision, StepHeader, decide, version_tag
@@ -164,15 +164,15 @@ class LockstepAsyncEngine(AsyncEngine):
             with self._wake:
                 self._pause_if_drained(decision.group_idle)
             return
-        deliveries: list[tuple[str, _Item]] = []
+        deliveries: list[_Delivery] = []
         with self._step_lock:
             try:
-                deliveries += [(out.request_id, out) for out in engine.group_step()]
+                deliveries += self._route(engine.group_step())
                 link.count_step()
             except GroupBrokenError as err:
                 self._mark_broken(err)
             except Exception as err:  # a failed step must not leave clients waiting forever
                 log.exception("group step failed; failing the requests in flight")
-                deliveries += [(out.request_id, err) for out in engine.abort_all()]
+                deliveries += self._route(engine.abort_all(), err)
             self._stats = engine.stats()
         self._deliver_all(deliveries)
