@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import resource
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,26 @@ def test_uploads_append_in_order_and_one_at_a_time(tmp_path):
         uploads.write_chunk("caf\u00e9", "model.safetensors", 0, b"x")
     with pytest.raises(BadRequestError, match="no files"):
         uploads.finish(second.upload_id)
+
+
+def test_a_chunk_whose_write_failed_part_way_is_written_whole_by_its_retry(tmp_path):
+    uploads = Uploads(tmp_path)
+    upload = uploads.start(False)
+    data = bytes(range(256)) * 320
+    uploads.write_chunk(upload.upload_id, "model.safetensors", 0, data[:40_000])
+    # A file size limit stands for a disk that fills: the write stops part way, with some of its bytes written.
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65_536, limit[1]))
+    try:
+        with pytest.raises(OSError):
+            uploads.write_chunk(upload.upload_id, "model.safetensors", 40_000, data[40_000:])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert upload.received["model.safetensors"] == 40_000  # the offset the retry is sent at
+    uploads.write_chunk(upload.upload_id, "model.safetensors", 40_000, data[40_000:])
+    assert (upload.directory / "model.safetensors").read_bytes() == data
 
 
 def test_checksums_depend_on_bytes_dtype_and_shape_only():

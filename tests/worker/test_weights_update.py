@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -108,6 +109,34 @@ def test_truncated_file_is_rejected_before_anything_is_read(tiny_model, tmp_path
             with pytest.raises(CheckpointRejectedError, match="past the end"):
                 await manager.update_from_disk(WeightsUpdateRequest(source=str(bad), version="t"))
             assert manager.version == "a"
+
+    asyncio.run(scenario())
+
+
+def _many_bad_entries(directory):
+    header = json.dumps({f"t{i}": {"dtype": "NOPE", "shape": [1], "data_offsets": [0, 1]} for i in range(20_000)})
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + b"\0")
+
+
+def _many_missing_shards(directory):
+    weight_map = {f"t{i}": f"shard-{i:05d}.safetensors" for i in range(20_000)}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _a_long_name(directory):
+    save_file({"x" * 2_000_000: torch.zeros(1)}, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize("write", [_many_bad_entries, _many_missing_shards, _a_long_name])
+def test_a_checkpoint_with_countless_problems_is_refused_with_a_short_message(tiny_model, tmp_path, write):
+    # The message goes into the answer, the logs and the operator's status: it names a few problems, not megabytes.
+    write(tmp_path)
+
+    async def scenario() -> None:
+        async with running_manager(tiny_model("llama")) as manager:
+            with pytest.raises(CheckpointRejectedError) as err:
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(tmp_path), version="x"))
+            assert len(err.value.message) < 20_000 and manager.version == "a"
 
     asyncio.run(scenario())
 
@@ -320,6 +349,28 @@ def test_a_silent_trainer_fails_the_collective_update_in_time_and_frees_the_work
 
     with SilentPort() as silent:
         asyncio.run(scenario(silent))
+
+
+@pytest.mark.parametrize("shape", [[2**31, 2**31, 4], [2**40]])  # too large for torch to size, or to hold
+def test_an_announced_extra_too_large_for_any_model_is_refused_before_joining(tiny_model, version_b, shape):
+    tensors = {}
+    for path in sorted(version_b.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    specs = [TensorSpec(name=n, shape=list(t.shape), dtype="float32") for n, t in sorted(tensors.items())]
+
+    async def scenario() -> None:
+        async with running_manager(tiny_model("llama")) as manager:
+            request = CollectiveUpdateRequest(
+                master_address="127.0.0.1", master_port=_free_port(), rank=1, world_size=2, version="x",
+                tensors=[TensorSpec(name="extra.huge", shape=shape, dtype="float32"), *specs],
+                allow_extra_tensors=True, timeout_s=5.0,
+            )  # fmt: skip
+            # Refused before the (absent) trainer is called: else a 500 once its group is joined, or host memory gone.
+            with pytest.raises(CheckpointRejectedError, match=r"larger than all the model's weights.*extra\.huge"):
+                await manager.update_collective(request)
+            assert manager.version == "a"
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -69,7 +69,7 @@ def _shards(index: Path) -> list[Path]:
         raise CheckpointError([f"{index} lists no tensors"])
     missing = [str(f) for f in files if not f.exists()]
     if missing:
-        raise CheckpointFilesMissingError([f"{index} lists shards that are missing: {', '.join(missing)}"])
+        raise CheckpointFilesMissingError([f"{index} lists shards that are missing: {some_of(missing)}"])
     return files
 
 

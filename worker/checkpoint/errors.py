@@ -30,6 +30,19 @@ class ReadTimeoutError(CheckpointError):
         self.settled = settled
 
 
+# How much of a problem list a message shows: a header may declare a million malformed entries, or names megabytes
+# long, and the message goes into an HTTP answer, the logs and the operator's status.
+MAX_PROBLEMS_SHOWN = 8
+MAX_PROBLEM_CHARS = 1000
+
+
+def summary(problems: list[str]) -> str:
+    """The first problems, each shortened, joined for a message, and how many more there are."""
+    shown = [p if len(p) <= MAX_PROBLEM_CHARS else p[:MAX_PROBLEM_CHARS] + "..." for p in problems[:MAX_PROBLEMS_SHOWN]]
+    more = len(problems) - len(shown)
+    return "; ".join(shown) + (f" (and {more} more problems)" if more > 0 else "")
+
+
 def some_of(items: list[str], limit: int = 8) -> str:
     """The first `limit` items for an error message, and how many more there are."""
     shown = ", ".join(items[:limit])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from tidal.contract.error_codes import ErrorCode
+from tidal.worker.checkpoint.errors import summary
 
 
 class LifecycleError(Exception):
@@ -85,5 +86,5 @@ class CheckpointRejectedError(LifecycleError):
     code = ErrorCode.BAD_CHECKPOINT
 
     def __init__(self, problems: list[str]) -> None:
-        super().__init__("checkpoint rejected, nothing changed: " + "; ".join(problems))
+        super().__init__("checkpoint rejected, nothing changed: " + summary(problems))
         self.problems = problems

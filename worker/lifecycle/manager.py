@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from tidal.contract.control_api import (
     WeightsUpdateResult,
     WorkerState,
 )
+from tidal.worker.checkpoint.errors import some_of
 from tidal.worker.checkpoint.fp8_targets import plan_expected
 from tidal.worker.checkpoint.judge import Candidate, find_problems
 from tidal.worker.checkpoint.reader import LoadReport
@@ -377,6 +379,15 @@ class LifecycleManager:
             )  # fmt: skip
             if len(candidate) != len(request.tensors):
                 problems.append("a tensor name is announced twice")
+            # An extra is received into a buffer of its announced size: one no model tensor could need is refused,
+            # rather than allocated (or found too large for torch) after the trainer's group was joined.
+            oversized = [
+                t.name
+                for t in request.tensors
+                if math.prod(t.shape) * getattr(torch, t.dtype).itemsize > r.weights.nbytes
+            ]
+            if oversized:
+                problems.append(f"tensors larger than all the model's weights together: {some_of(oversized)}")
             if problems:  # refused before joining the trainer's group
                 raise CheckpointRejectedError(problems)
             stage = functools.partial(r.stage_from_group, request)

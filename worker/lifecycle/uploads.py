@@ -70,6 +70,9 @@ class Uploads:
             if offset != have:
                 raise UploadOffsetError(f"{file_name}: chunk at offset {offset}, but {have} bytes were received so far")
             with (upload.directory / file_name).open("ab") as f:
+                # Past `have`: what a write that failed part way (a full disk) left; kept, it would shift every byte
+                # after it, and the file could still pass its header's checks.
+                f.truncate(have)
                 f.write(data)
             upload.received[file_name] = have + len(data)
             return upload
