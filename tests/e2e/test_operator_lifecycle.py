@@ -33,7 +33,15 @@ def test_apply_example_is_ready_with_status_columns_and_events(devcluster, names
     status = obj["status"]
     assert status["observedGeneration"] == obj["metadata"]["generation"]
     assert (status["readyRanks"], status["totalRanks"], status["ready"]) == (1, 1, "1/1")
-    rank = {"pod": "tiny-r0-0", "replica": 0, "rank": 0, "state": "Ready", "weightsVersion": "base"}
+    source = str(models / "tiny-llama")  # where the worker reports reading its weights from
+    rank = {
+        "pod": "tiny-r0-0",
+        "replica": 0,
+        "rank": 0,
+        "state": "Ready",
+        "weightsVersion": "base",
+        "weightsSource": source,
+    }
     assert status["ranks"] == [rank]
     assert status["weightsVersion"] == "base" and status["sleepState"] == "Awake"
     assert status["endpoint"] == f"http://tiny.{namespace}.svc:8000"
