@@ -262,3 +262,42 @@ def test_a_token_in_the_query_string_is_refused_and_blanked_before_it_is_logged(
         asyncio.run(app(scope, receive, send))
         assert sent[0]["status"] == 400 and scope["query_string"] == b""
         assert b"Authorization header" in sent[1]["body"]  # type: ignore[operator]
+
+
+def test_a_chunk_whose_client_disconnects_mid_body_is_logged_in_one_line_and_not_counted(tmp_path, caplog):
+    import logging
+
+    from tidal.worker.control.app import build_control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    manager = LifecycleManager(LifecycleConfig(weights_version="a", upload_dir=tmp_path))
+    upload = manager.uploads.start(False)
+    app = build_control_app(manager, SecretStr(TEST_TOKEN))
+    arriving = [{"type": "http.request", "body": b"0123", "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return arriving.pop(0) if arriving else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    headers = [(b"authorization", f"Bearer {TEST_TOKEN}".encode()), (b"content-type", b"application/octet-stream")]
+    path, query = f"/weights/stream/{upload.upload_id}/chunk", b"file=model.safetensors&offset=0"
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query, "headers": headers}
+    with caplog.at_level(logging.DEBUG):
+        # An exception out of the app is what the server logs as "Exception in ASGI application", with its traceback.
+        asyncio.run(app(scope, receive, send))
+    records = [r for r in caplog.records if r.name.startswith("tidal")]
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info], [r.getMessage() for r in records]
+    told = [r for r in records if "disconnect" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno in (logging.INFO, logging.WARNING)
+    assert "\n" not in told[0].getMessage()
+    assert all(m.get("status") != 500 for m in sent if m["type"] == "http.response.start")
+    # The chunk was not counted: the upload is as it was, and the chunk is sent again at the same offset.
+    assert upload.received == {} and not (upload.directory / "model.safetensors").exists()
+    assert manager.uploads.write_chunk(upload.upload_id, "model.safetensors", 0, b"0123").received == {
+        "model.safetensors": 4
+    }
+    manager.uploads.discard_current()

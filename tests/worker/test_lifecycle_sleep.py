@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 
 import pytest
 
@@ -215,5 +217,58 @@ def test_a_transfer_that_fails_while_asleep_leaves_the_served_copy_and_its_check
             woke = await manager.wake_up(WakeUpRequest())
             assert woke.bytes_moved == manager.residency.weights.nbytes  # type: ignore[union-attr]  # not re-read
             assert (await manager.checksum(recompute=True)).overall == served
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stalls", ["header", "data"])
+@pytest.mark.parametrize("woken_by", ["control", "request"])
+def test_a_level2_wake_whose_read_stalls_fails_in_time_and_stays_asleep(tiny_model, monkeypatch, stalls, woken_by):
+    from tidal.worker.checkpoint import header, reader
+    from tidal.worker.lifecycle import manager as manager_module
+
+    model_dir = tiny_model("llama")
+    unblock = threading.Event()
+    module, name = (header, "_header_json") if stalls == "header" else (reader, "_read_fully")
+    real_read = getattr(module, name)
+
+    def stalled(*args: object) -> object:
+        unblock.wait()  # a stalled network file system: the read cannot be interrupted
+        return real_read(*args)
+
+    monkeypatch.setattr(manager_module, "_STAGE_GRACE_S", 0.5)
+
+    async def scenario() -> None:
+        async with running_manager(model_dir, checkpoint_read_timeout_s=0.5, asleep_requests="wake") as manager:
+            before = await greedy(manager, [[5, 6, 7]])
+            await manager.sleep(SleepRequest(level=2))
+            monkeypatch.setattr(module, name, stalled)
+            start = time.monotonic()
+            try:
+                if woken_by == "control":
+                    with pytest.raises(WeightsUnavailableError, match="did not finish in"):
+                        await asyncio.wait_for(manager.wake_up(WakeUpRequest()), 20)
+                else:  # TIDAL_ASLEEP_REQUESTS=wake: the request is refused, not held for good
+                    with pytest.raises(EngineNotRunningError, match="could not be woken"):
+                        await asyncio.wait_for(greedy(manager, [[5, 6, 7]]), 20)
+                assert time.monotonic() - start < 5
+                # Not busy: the state answers, asleep; what uses the host buffer waits for the blocked read.
+                state = manager.state()
+                assert state.sleep_state == "asleep" and state.sleep_level == 2
+                with pytest.raises(WeightsUnavailableError, match="still blocked"):
+                    await manager.wake_up(WakeUpRequest())
+            finally:
+                unblock.set()  # the read returns at last
+            monkeypatch.setattr(module, name, real_read)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    woke = await manager.wake_up(WakeUpRequest())
+                    break
+                except WeightsUnavailableError as err:
+                    assert "still blocked" in str(err) and time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            assert woke.state.sleep_state == "awake"
+            assert await greedy(manager, [[5, 6, 7]]) == before
 
     asyncio.run(scenario())

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tidal.contract.control_api import (
@@ -259,6 +260,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         fallback = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
         return _error(fallback, str(exc.detail), exc.headers, status=exc.status_code)
 
+    async def on_disconnect(request: Request, _: ClientDisconnect) -> JSONResponse:
+        # The client went away while its body arrived (a trainer restarting mid-chunk): the route did nothing (a
+        # chunk is written only once all of it arrived), and nobody is left to read an answer. Handled here, not by
+        # on_unexpected, which would log it as a failure with its traceback and re-raise it to the server.
+        log.info("control call %s %s: the client disconnected before its body arrived; nothing was done",
+                 request.method, request.url.path)  # fmt: skip
+        return _error(ErrorCode.INVALID_REQUEST, "the client disconnected before the whole body arrived")
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("control call %s %s failed", request.method, request.url.path, exc_info=exc)
         return _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -266,4 +275,5 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(LifecycleError, on_lifecycle_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, on_disconnect)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_unexpected)

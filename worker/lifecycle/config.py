@@ -25,9 +25,10 @@ class LifecycleConfig(BaseModel):
     asleep_retry_after_s: int = Field(default=30, ge=1, description="Retry-After of requests refused while asleep.")
     checkpoint_read_timeout_s: float = Field(
         default=600.0, gt=0,
-        description="Deadline of reading one update's checkpoint (disk or streamed); past it the update fails with "
-        "bad_checkpoint, the worker is no longer busy, and a read still blocked in the kernel keeps host-buffer "
-        "operations refused until it returns.",
+        description="Deadline of reading one update's checkpoint (disk or streamed), or a level-2 wake's re-read of "
+        "the served version; past it the update fails with bad_checkpoint (the wake with weights_unavailable, still "
+        "asleep), the worker is no longer busy, and a read still blocked in the kernel keeps host-buffer operations "
+        "refused until it returns.",
     )  # fmt: skip
     sleep_settle_timeout_s: float = Field(
         default=2.0, ge=0,

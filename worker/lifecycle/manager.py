@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from tidal.contract.control_api import (
     GroupReconfigureRequest,
     GroupReconfigureResult,
     GroupStatus,
+    ResidentTag,
     SleepRequest,
     SleepState,
     StreamFinishRequest,
@@ -247,7 +248,7 @@ class LifecycleManager:
             if self._is_asleep():
                 self._checksum = None
                 try:
-                    await self._timed("wake_up", self._loaded().wake, ALL_TAGS)
+                    await self._wake(self._loaded(), ALL_TAGS)
                 except Exception as err:
                     # The reason names files and control routes: it is for the logs, not for the client.
                     log.warning("a request could not wake the model: %s: %s", type(err).__name__, err)
@@ -284,9 +285,12 @@ class LifecycleManager:
                 self._operation = None
 
     async def _timed(self, operation: str, fn: Callable[..., int], *args: object) -> tuple[int, float]:
+        return await self._measured(operation, lambda: asyncio.to_thread(fn, *args))
+
+    async def _measured(self, operation: str, run: Callable[[], Awaitable[int]]) -> tuple[int, float]:
         start = time.monotonic()
         try:
-            num_bytes = await asyncio.to_thread(fn, *args)
+            num_bytes = await run()
         except Exception:
             if self.metrics is not None:
                 self.metrics.record_failure(operation)
@@ -333,8 +337,26 @@ class LifecycleManager:
         async with self._exclusive("wake_up") as r:
             tags = tuple(request.tags) if request.tags else ALL_TAGS
             self._checksum = None  # weights re-read from their directory may differ from what was hashed
-            num_bytes, seconds = await self._timed("wake_up", r.wake, tags)
+            num_bytes, seconds = await self._wake(r, tags)
             return TransitionResult(state=self.state(), duration_s=seconds, bytes_moved=num_bytes)
+
+    async def _wake(self, r: Residency, tags: tuple[ResidentTag, ...]) -> tuple[int, float]:
+        """Wake what `tags` name. Weights dropped by a level-2 sleep are re-read from disk first, the way an update is
+        staged (`_stage`): past the read deadline the wake fails (409 weights_unavailable), still asleep, and the
+        worker is free again; a read still blocked in the kernel keeps host-buffer operations refused meanwhile."""
+
+        async def run() -> int:
+            if not r.needs_reload(tags):
+                return await asyncio.to_thread(r.wake, tags)
+            start = time.monotonic()
+            stage = functools.partial(r.reload_served_version, r.read_deadline())
+            try:
+                reloaded = (await self._stage(r, stage)).num_bytes
+            except CheckpointRejectedError as err:  # the stage's deadline; the reload's own errors are converted
+                raise r.reload_failed(err.problems) from err
+            return reloaded + await asyncio.to_thread(r.wake, tags, time.monotonic() - start)
+
+        return await self._measured("wake_up", run)
 
     async def update_from_disk(self, request: WeightsUpdateRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
@@ -440,9 +462,10 @@ class LifecycleManager:
         )  # fmt: skip
 
     async def _stage(self, r: Residency, stage: Callable[[], LoadReport]) -> LoadReport:
-        """Run `stage` on a thread; with a read deadline, give up on it shortly after (a header read blocked in the
-        kernel is not bounded by the reader's own deadline): the update fails and the worker is free, while the
-        thread, until it returns, keeps host-buffer operations refused (StrayReads)."""
+        """Run `stage` (an update's, or a level-2 wake's re-read) on a thread; with a read deadline, give up on it
+        shortly after (a header read blocked in the kernel is not bounded by the reader's own deadline): the operation
+        fails and the worker is free, while the thread, until it returns, keeps host-buffer operations refused
+        (StrayReads)."""
         returned = threading.Event()
 
         def run() -> LoadReport:

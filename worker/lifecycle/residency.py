@@ -21,7 +21,7 @@ import torch
 
 from tidal.contract.control_api import CollectiveUpdateRequest, DrainMode, ResidentTag, WeightsChecksum
 from tidal.worker.checkpoint.directory import stored_tensors
-from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
+from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError, summary
 from tidal.worker.checkpoint.fp8_targets import Destination, QuantizeInto, fp8_weight_scales, plan_destinations
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected
@@ -130,15 +130,16 @@ class Residency:
         self.sleep_level = level
         return num_bytes
 
-    def wake(self, tags: tuple[ResidentTag, ...]) -> int:
+    def wake(self, tags: tuple[ResidentTag, ...], reloaded_s: float | None = None) -> int:
         """Restore what `tags` name; serving resumes once weights and KV cache are both back. -> bytes copied.
         The KV cache comes back in two steps: its first share before serving resumes, the rest right after, on a
-        thread, joining the block pool when it is all mapped (`kv_fill`)."""
+        thread, joining the block pool when it is all mapped (`kv_fill`). `reloaded_s`: how long re-reading the
+        weights took, when the caller did it just before (`needs_reload`), for the wake's phases."""
         if self.sleep_level is None:
             return 0
         self.stray_reads.check("wake up")
         num_bytes = 0
-        phases = self.last_wake_phases = {}
+        phases = self.last_wake_phases = {} if reloaded_s is None else {"reload from disk": reloaded_s}
         mark = time.perf_counter()
 
         def lap(name: str) -> None:
@@ -150,8 +151,8 @@ class Residency:
         with self._quiesced() as llm:
             lap("hold")
             if ResidentTag.WEIGHTS in tags and not self.weights.is_resident:
-                if not self._host_valid:
-                    num_bytes += self._reload_served_version()
+                if not self._host_valid:  # not re-read beforehand (see needs_reload), or invalidated since
+                    num_bytes += self.reload_served_version(self.read_deadline()).num_bytes
                     lap("reload from disk")
                 self.weights.restore()
                 lap("map weights")
@@ -174,14 +175,38 @@ class Residency:
         log.info("wake phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
         return num_bytes
 
-    def _reload_served_version(self) -> int:
+    def needs_reload(self, tags: tuple[ResidentTag, ...]) -> bool:
+        """Whether waking `tags` must first re-read the served version from disk (its weights were dropped by a
+        level-2 sleep). The manager does that before `wake`, as an update's stage, so that a read that never returns
+        is given up on at its deadline instead of holding the operation lock and the engine's step lock for good."""
+        return (
+            self.sleep_level is not None
+            and ResidentTag.WEIGHTS in tags
+            and not self.weights.is_resident
+            and not self._host_valid
+        )
+
+    def reload_served_version(self, deadline: float | None = None) -> LoadReport:
+        """Read the served version back into the host buffer from its directory, by `deadline` (see StrayReads for a
+        read blocked past it). WeightsUnavailableError if it did not come from a directory or cannot be read."""
+        self.stray_reads.check("wake up")
         if self.version_source is None:
             raise WeightsUnavailableError(
                 f"the weights of version {self.version} were dropped by a level-2 sleep and did not come from a "
                 "directory (streamed or broadcast); send a weight update before waking the weights"
             )
         log.info("reloading version %s from %s after a level-2 sleep", self.version, self.version_source)
-        return self.stage_from_disk(self.version_source, allow_extra=True, deadline=self.read_deadline()).num_bytes
+        try:
+            return self.stage_from_disk(self.version_source, allow_extra=True, deadline=deadline)
+        except CheckpointRejectedError as err:
+            raise self.reload_failed(err.problems) from err
+
+    def reload_failed(self, problems: list[str]) -> WeightsUnavailableError:
+        """The refusal of a wake whose re-read of the served version failed or passed its deadline: still asleep."""
+        return WeightsUnavailableError(
+            f"the weights of version {self.version}, dropped by a level-2 sleep, could not be re-read from "
+            f"{self.version_source}: {summary(problems)}; still asleep, nothing changed"
+        )
 
     # ----- weight updates: stage (checked, into the host buffer), then apply -----
     def read_deadline(self) -> float | None:
