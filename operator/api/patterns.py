@@ -11,6 +11,24 @@ ABSOLUTE_PATH = r"^/[-A-Za-z0-9_.+@/]*$"
 # Kubernetes quantities without sign or exponent ("500m", "4", "16Gi"): enough for CPU and memory requests.
 QUANTITY = r"^([0-9]+([.][0-9]+)?|[.][0-9]+)([KMGTPE]i|[mkMGTPE])?$"
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
-# Extended resource names such as nvidia.com/gpu or amd.com/gpu.
-RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 WEIGHTS_VERSION = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+# A label value (also a toleration's value): at most 63 characters, alphanumeric at both ends, or empty.
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+# A label or annotation key (also a toleration's key): a name of at most 63 characters, optionally under a DNS
+# subdomain prefix (`example.com/name`). The prefix's own limit (253 characters) is QUALIFIED_NAME_PREFIX_LENGTH.
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+QUALIFIED_NAME_PREFIX_LENGTH = r"^([^/]{1,253}/)?[^/]*$"
+# An annotation key: the same, but the API server lowercases it before the check, so the prefix may have capitals.
+ANNOTATION_KEY = (
+    r"^([A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?([.][A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+# No whitespace at either end (the API server refuses such a container image).
+TRIMMED = r"^\S(.*\S)?$"
+# A path that is only slashes: the root directory.
+ROOT_PATH = r"^/+$"
+# Extended resource names such as nvidia.com/gpu or amd.com/gpu: a name of at most 63 characters under a domain.
+RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$"

@@ -31,6 +31,16 @@ def _no_parent_segment(path: str) -> bool:
     return re.search(patterns.PARENT_SEGMENT, path) is None
 
 
+def _mounted_at(volume: "ModelVolume") -> str:
+    """Where the volume appears in the pod: what builders/weights.py `mount_path` gives (the API imports no builder
+    code; a unit test keeps the two equal)."""
+    if volume.mount_path is not None:
+        return volume.mount_path
+    if volume.host_path is not None:
+        return volume.host_path.path
+    return "/models"
+
+
 class PersistentVolumeClaimVolume(ApiModel):
     """A PersistentVolumeClaim in the model's namespace that holds the model files."""
 
@@ -42,7 +52,17 @@ class HostPathVolume(ApiModel):
     """A directory on the node. On the local dev cluster pods run as host processes, so this is the host filesystem."""
 
     path: str = Field(min_length=1, max_length=1024, pattern=patterns.ABSOLUTE_PATH)
-    """Absolute directory on the node."""
+    """Absolute directory on the node, without '..' segments."""
+
+    cel_rules = (
+        CelRule(
+            rule=f"!self.path.matches('{patterns.PARENT_SEGMENT}')",
+            message="model.volume.hostPath.path must not contain '..' segments: Kubernetes refuses them in a pod's "
+            "hostPath",
+            holds=lambda h: _no_parent_segment(h.path),
+            field_path=".path",
+        ),
+    )
 
 
 class ModelVolume(ApiModel):
@@ -61,6 +81,14 @@ class ModelVolume(ApiModel):
             rule="has(self.persistentVolumeClaim) != has(self.hostPath)",
             message="model.volume needs exactly one of persistentVolumeClaim or hostPath",
             holds=lambda v: (v.persistent_volume_claim is None) != (v.host_path is None),
+        ),
+        CelRule(
+            rule=f"has(self.mountPath) ? !self.mountPath.matches('{patterns.ROOT_PATH}') : "
+            f"!(has(self.hostPath) && self.hostPath.path.matches('{patterns.ROOT_PATH}'))",
+            message="model.volume would be mounted at /, over the worker container's own files: set mountPath to "
+            "another directory",
+            holds=lambda v: re.search(patterns.ROOT_PATH, _mounted_at(v)) is None,
+            field_path=".mountPath",
         ),
     )
 

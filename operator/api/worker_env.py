@@ -62,3 +62,8 @@ IN_PLACE_ENV_NAMES: frozenset[str] = frozenset({WEIGHTS_PATH, WEIGHTS_VERSION})
 # group size), so a rank keeps the world size it started with, and the slot count comes from the running members.
 # (A pod of expertParallel 1 keeps them in its hash, so its hash is what it was before groups could be resized.)
 GROUP_SHAPE_ENV_NAMES: frozenset[str] = frozenset({WORLD_SIZE, EXPERT_SLOTS_PER_RANK})
+
+# Worker options Tidal does not set but relies on staying unset: a control token file beside TIDAL_CONTROL_TOKEN makes
+# the worker refuse to start, and a control host other than the pod's IP puts the control API where the operator
+# cannot reach it. `spec.worker.env` may not set them either.
+GUARDED_ENV_NAMES: tuple[str, ...] = ("TIDAL_CONTROL_TOKEN_FILE", "TIDAL_CONTROL_HOST")

@@ -1,14 +1,37 @@
 """`spec.worker`: the worker pods' image, compute, scheduling, environment and pod-template escape hatch."""
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule, nested
-from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
+from tidal.operator.api.worker_env import GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
 
-LabelValue = Annotated[str, Field(max_length=63)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=patterns.LABEL_VALUE)]
+# The most annotations a pod template may add: each key is at most 317 characters (a 253-character prefix, '/', a
+# 63-character name), each value at most 4096, and a pod's annotations (Tidal's spec hash included) must stay within
+# the API server's 256 KiB.
+MAX_TEMPLATE_ANNOTATIONS = 56
+
+
+def _is_key(key: str, pattern: str) -> bool:
+    return re.search(pattern, key) is not None and re.search(patterns.QUALIFIED_NAME_PREFIX_LENGTH, key) is not None
+
+
+def keys_rule(field: str, attribute: str, where: str, what: str, pattern: str = patterns.QUALIFIED_NAME) -> CelRule:
+    """Every key of the map `field` (`attribute` in Python) is a label (or annotation) key, as the API server checks
+    it in a pod: the structural schema can only check a map's values."""
+    return CelRule(
+        rule=f"!has(self.{field}) || self.{field}.all(k, k.matches('{pattern}') && "
+        f"k.matches('{patterns.QUALIFIED_NAME_PREFIX_LENGTH}'))",
+        message=f"{where} keys must be {what} keys: a name of at most 63 characters (letters, digits, '-', '_', '.', "
+        "starting and ending with a letter or digit), optionally after a DNS subdomain prefix of at most 253 "
+        "characters and '/', e.g. 'example.com/team'",
+        holds=lambda m: all(_is_key(k, pattern) for k in getattr(m, attribute)),
+        field_path=f".{field}",
+    )
 
 
 class EnvVar(ApiModel):
@@ -23,12 +46,12 @@ class EnvVar(ApiModel):
 class Toleration(ApiModel):
     """A toleration for the worker pods (same meaning as in a Pod)."""
 
-    key: str | None = Field(None, min_length=1, max_length=316)
-    """Taint key; empty with operator Exists tolerates every taint."""
+    key: str | None = Field(None, min_length=1, max_length=317, pattern=patterns.QUALIFIED_NAME)
+    """Taint key (a label key); empty with operator Exists tolerates every taint."""
     operator: Literal["Exists", "Equal"] = "Equal"
     """How the key and value are compared."""
-    value: str | None = Field(None, max_length=63)
-    """Taint value to match (operator Equal only)."""
+    value: str | None = Field(None, max_length=63, pattern=patterns.LABEL_VALUE)
+    """Taint value to match (a label value; operator Equal only)."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect to match; empty matches all effects."""
     toleration_seconds: int | None = Field(None, ge=0, le=31536000)
@@ -50,6 +73,12 @@ class Toleration(ApiModel):
             message="tolerationSeconds only applies to effect NoExecute",
             holds=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
         ),
+        CelRule(
+            rule=f"!has(self.key) || self.key.matches('{patterns.QUALIFIED_NAME_PREFIX_LENGTH}')",
+            message="a toleration's key must have a prefix (before '/') of at most 253 characters",
+            holds=lambda t: t.key is None or re.search(patterns.QUALIFIED_NAME_PREFIX_LENGTH, t.key) is not None,
+            field_path=".key",
+        ),
     )
 
 
@@ -65,14 +94,37 @@ class WorkerResources(ApiModel):
     memory: str | None = Field(None, max_length=32, pattern=patterns.QUANTITY)
     """Memory for each rank's pod, e.g. `32Gi`."""
 
+    cel_rules = (
+        CelRule(
+            rule="!self.gpuResourceName.startsWith('requests.')",
+            message="worker.resources.gpuResourceName must not start with 'requests.': the API server refuses such "
+            "an extended resource name",
+            holds=lambda r: not r.gpu_resource_name.startswith("requests."),
+            field_path=".gpuResourceName",
+        ),
+    )
+
 
 class PodTemplateMetadata(ApiModel):
     """Extra labels and annotations for the worker pods."""
 
     labels: dict[str, LabelValue] = Field(default_factory=dict, max_length=64)
-    """Labels added to each worker pod (Tidal's own labels win on conflict)."""
-    annotations: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
-    """Annotations added to each worker pod."""
+    """Labels added to each worker pod (Tidal's own labels win on conflict); keys and values as in any label."""
+    annotations: dict[str, Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=MAX_TEMPLATE_ANNOTATIONS
+    )
+    """Annotations added to each worker pod; at most 56, so that a pod's annotations fit in the API server's 256 KiB."""
+
+    cel_rules = (
+        keys_rule("labels", "labels", "worker.podTemplate.metadata.labels", "label"),
+        keys_rule(
+            "annotations",
+            "annotations",
+            "worker.podTemplate.metadata.annotations",
+            "annotation",
+            patterns.ANNOTATION_KEY,
+        ),
+    )
 
 
 class PodTemplate(ApiModel):
@@ -90,14 +142,15 @@ class PodTemplate(ApiModel):
 class WorkerSpec(ApiModel):
     """The worker pods: one per rank, running `tidal-worker`."""
 
-    image: str = Field("ghcr.io/tidal-dev/tidal-worker:0.1.0", min_length=1, max_length=512)
-    """Worker container image. (The local dev cluster runs the command on the host and ignores it.)"""
+    image: str = Field("ghcr.io/tidal-dev/tidal-worker:0.1.0", min_length=1, max_length=512, pattern=patterns.TRIMMED)
+    """Worker container image, without whitespace at either end. (The local dev cluster runs the command on the
+    host and ignores it.)"""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """When the kubelet pulls the image."""
     resources: WorkerResources = nested(WorkerResources)
     """GPUs, CPU and memory per rank."""
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
-    """Node labels the worker pods require."""
+    """Node labels the worker pods require; keys and values as in any label."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Taints the worker pods tolerate."""
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
@@ -121,4 +174,14 @@ class WorkerSpec(ApiModel):
             holds=lambda w: len({e.name for e in w.env}) == len(w.env),
             field_path=".env",
         ),
+        CelRule(
+            rule="!has(self.env) || self.env.all(e, !(e.name in " + repr(list(GUARDED_ENV_NAMES)) + "))",
+            message="worker.env must not set "
+            + ", ".join(GUARDED_ENV_NAMES)
+            + ": the operator reaches each worker's control API on the pod's IP with the token it sets in "
+            + "TIDAL_CONTROL_TOKEN (with a token file as well, the worker refuses to start)",
+            holds=lambda w: all(e.name not in GUARDED_ENV_NAMES for e in w.env),
+            field_path=".env",
+        ),
+        keys_rule("nodeSelector", "node_selector", "worker.nodeSelector", "label"),
     )

@@ -13,7 +13,7 @@
 import copy
 from typing import Any
 
-from tidal.operator.api.worker_env import RESERVED_ENV_NAMES
+from tidal.operator.api.worker_env import GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
 
 WORKER_CONTAINER = "worker"
 SERVE_PORT_NAME = "serve"  # the OpenAI-compatible API (the Services' targetPort)
@@ -107,7 +107,8 @@ def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
         else:
             theirs.pop(key, None)
     reserved = [e for e in mine.get("env", []) if e["name"] in RESERVED_ENV_NAMES]
-    others = [e for e in theirs.get("env", []) if e["name"] not in RESERVED_ENV_NAMES]
+    # Guarded variables Tidal leaves unset, and a template may not set either (spec.worker.env is refused them).
+    others = [e for e in theirs.get("env", []) if e["name"] not in RESERVED_ENV_NAMES + GUARDED_ENV_NAMES]
     theirs["env"] = copy.deepcopy(reserved) + others
     owned = [p for p in mine.get("ports", []) if p.get("name") in OWNED_PORT_NAMES]
     extra = [p for p in theirs.get("ports", []) if p.get("name") not in OWNED_PORT_NAMES]

@@ -334,4 +334,171 @@ CASES: list[InvalidCase] = [
         "metadata.name must be a DNS label",
         "metadata.name",
     ),
+    # Each of the next ones was accepted by the CRD once, and its pods refused by the API server (or its workers
+    # unable to start or to be reached), which the user saw only in the model's status.
+    InvalidCase(
+        "pod-label-key-with-space",
+        "the pod's labels must be valid label keys",
+        {"spec.worker": {"podTemplate": {"metadata": {"labels": {"team a": "x"}}}}},
+        "worker.podTemplate.metadata.labels keys must be label keys",
+        "worker.podTemplate.metadata.labels keys must be label keys",
+        "spec.worker.podTemplate.metadata.labels",
+    ),
+    InvalidCase(
+        "pod-label-value-with-space",
+        "the pod's label values must be valid label values",
+        {"spec.worker": {"podTemplate": {"metadata": {"labels": {"team": "a b"}}}}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.podTemplate.metadata.labels.team",
+    ),
+    InvalidCase(
+        "pod-annotation-key-with-space",
+        "the pod's annotations must have valid keys",
+        {"spec.worker": {"podTemplate": {"metadata": {"annotations": {"a b": "c"}}}}},
+        "worker.podTemplate.metadata.annotations keys must be annotation keys",
+        "worker.podTemplate.metadata.annotations keys must be annotation keys",
+        "spec.worker.podTemplate.metadata.annotations",
+    ),
+    InvalidCase(
+        "too-many-pod-annotations",
+        "a pod's annotations may not exceed 256 KiB; 57 of the longest would",
+        {"spec.worker": {"podTemplate": {"metadata": {"annotations": {f"k{i}": "v" for i in range(57)}}}}},
+        "at most 56 items",
+        "must have at most 56 items",
+        "spec.worker.podTemplate.metadata.annotations",
+    ),
+    InvalidCase(
+        "node-selector-key-with-space",
+        "nodeSelector keys are label keys",
+        {"spec.worker": {"nodeSelector": {"gpu type": "h100"}}},
+        "worker.nodeSelector keys must be label keys",
+        "worker.nodeSelector keys must be label keys",
+        "spec.worker.nodeSelector",
+    ),
+    InvalidCase(
+        "node-selector-prefix-too-long",
+        "a label key's prefix is at most 253 characters",
+        {"spec.worker": {"nodeSelector": {"a" * 254 + "/gpu": "h100"}}},
+        "worker.nodeSelector keys must be label keys",
+        "worker.nodeSelector keys must be label keys",
+        "spec.worker.nodeSelector",
+    ),
+    InvalidCase(
+        "node-selector-value-with-space",
+        "nodeSelector values are label values",
+        {"spec.worker": {"nodeSelector": {"gpu": "h100 sxm"}}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.nodeSelector.gpu",
+    ),
+    InvalidCase(
+        "toleration-key-with-space",
+        "a toleration's key is a label key",
+        {"spec.worker": {"tolerations": [{"key": "gpu type", "operator": "Exists"}]}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.tolerations[0].key",
+    ),
+    InvalidCase(
+        "toleration-value-with-space",
+        "a toleration's value is a label value",
+        {"spec.worker": {"tolerations": [{"key": "gpu", "value": "a b"}]}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.tolerations[0].value",
+    ),
+    InvalidCase(
+        "image-with-trailing-space",
+        "the API server refuses an image with whitespace at either end",
+        {"spec.worker": {"image": "ghcr.io/tidal-dev/tidal-worker:0.1.0 "}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.image",
+    ),
+    InvalidCase(
+        "host-path-parent-segment",
+        "the API server refuses a hostPath with '..' in a pod",
+        {"spec.model.volume": {"hostPath": {"path": "/srv/../etc/models"}}},
+        "model.volume.hostPath.path must not contain '..' segments",
+        "model.volume.hostPath.path must not contain '..' segments",
+        "spec.model.volume.hostPath.path",
+    ),
+    InvalidCase(
+        "mount-path-root",
+        "the model volume over / would hide the worker's own files",
+        {"spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/"}},
+        "model.volume would be mounted at /",
+        "model.volume would be mounted at /",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "host-path-root-mounted-at-its-own-path",
+        "a hostPath is mounted at its own path by default, and / there would hide the worker's own files",
+        {"spec.model.volume": {"hostPath": {"path": "/"}}},
+        "model.volume would be mounted at /",
+        "model.volume would be mounted at /",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "gpu-resource-name-part-too-long",
+        "the name of an extended resource is at most 63 characters",
+        {"spec.worker": {"resources": {"gpusPerRank": 1, "gpuResourceName": "example.com/" + "g" * 64}}},
+        "String should match pattern",
+        "should match",
+        "spec.worker.resources.gpuResourceName",
+    ),
+    InvalidCase(
+        "gpu-resource-name-requests-prefix",
+        "the API server refuses extended resource names under requests.",
+        {"spec.worker": {"resources": {"gpusPerRank": 1, "gpuResourceName": "requests.example.com/gpu"}}},
+        "gpuResourceName must not start with 'requests.'",
+        "gpuResourceName must not start with 'requests.'",
+        "spec.worker.resources.gpuResourceName",
+    ),
+    InvalidCase(
+        "control-token-file-env",
+        "a token file beside the token Tidal sets: the worker refuses to start",
+        {"spec.worker": {"env": [{"name": "TIDAL_CONTROL_TOKEN_FILE", "value": "/etc/token"}]}},
+        "worker.env must not set TIDAL_CONTROL_TOKEN_FILE, TIDAL_CONTROL_HOST",
+        "worker.env must not set TIDAL_CONTROL_TOKEN_FILE, TIDAL_CONTROL_HOST",
+        "spec.worker.env",
+    ),
+    InvalidCase(
+        "control-host-env",
+        "a control API away from the pod's IP is out of the operator's reach",
+        {"spec.worker": {"env": [{"name": "TIDAL_CONTROL_HOST", "value": "127.0.0.1"}]}},
+        "worker.env must not set TIDAL_CONTROL_TOKEN_FILE, TIDAL_CONTROL_HOST",
+        "worker.env must not set TIDAL_CONTROL_TOKEN_FILE, TIDAL_CONTROL_HOST",
+        "spec.worker.env",
+    ),
 ]
+
+# Objects near the cases above that must stay accepted (the rules must not refuse what the API server takes in a pod).
+ACCEPTED_VARIANTS: dict[str, dict[str, Any]] = {
+    "prefixed-keys-and-empty-values": {
+        "spec.worker": {
+            "nodeSelector": {"node-role.kubernetes.io/gpu": "", "gpu": "h100_sxm.5"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "podTemplate": {
+                "metadata": {
+                    "labels": {"app.kubernetes.io/team": "A-1", "x": ""},
+                    # The API server lowercases an annotation key before checking it.
+                    "annotations": {"Example.com/Note": "any text at all", "b" * 253 + "/" + "c" * 63: "x"},
+                }
+            },
+        }
+    },
+    "host-root-mounted-elsewhere": {"spec.model.volume": {"hostPath": {"path": "/"}, "mountPath": "/host"}},
+    "many-pod-annotations": {
+        "spec.worker": {"podTemplate": {"metadata": {"annotations": {f"k{i}": "v" for i in range(56)}}}}
+    },
+    "gpu-resource-name-at-its-limits": {
+        "spec.worker": {"resources": {"gpusPerRank": 2, "gpuResourceName": "gpu.example.com/" + "g" * 63}}
+    },
+    "image-with-digest": {"spec.worker": {"image": "registry.example/tidal-worker@sha256:" + "a" * 64}},
+}
+
+
+def build_variant(changes: dict[str, Any]) -> dict[str, Any]:
+    return InvalidCase("variant", "", changes, "", "", "").build()

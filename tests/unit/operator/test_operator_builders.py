@@ -160,7 +160,11 @@ def test_pod_template_merge_rule():
                     "name": "worker",
                     "command": ["sh", "-c", "evil"],
                     "resources": {"limits": {"ephemeral-storage": "10Gi"}},
-                    "env": [{"name": "EXTRA", "value": "1"}, {"name": "TIDAL_RANK", "value": "9"}],
+                    "env": [
+                        {"name": "EXTRA", "value": "1"},
+                        {"name": "TIDAL_RANK", "value": "9"},
+                        {"name": "TIDAL_CONTROL_HOST", "value": "127.0.0.1"},
+                    ],
                     "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
                 },
                 {"name": "sidecar", "image": "busybox"},
@@ -178,6 +182,7 @@ def test_pod_template_merge_rule():
     assert worker["resources"]["limits"] == {"ephemeral-storage": "10Gi"}  # maps merge
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["EXTRA"] == "1" and env["TIDAL_RANK"] == "0"  # reserved variables stay Tidal's
+    assert "TIDAL_CONTROL_HOST" not in env  # guarded ones stay unset: the operator must reach the control API
     assert [m["name"] for m in worker["volumeMounts"]] == ["model", "cache"]  # named lists merge by name
     assert [v["name"] for v in spec["volumes"]] == ["model", "cache"]
     labels = pod["metadata"]["labels"]

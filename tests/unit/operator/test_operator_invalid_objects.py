@@ -2,10 +2,12 @@
 
 import pytest
 from crd_schema_check import check_object
-from invalid_objects import CASES, VALID
+from invalid_objects import ACCEPTED_VARIANTS, CASES, VALID, build_variant
 from pydantic import ValidationError
 
 from tidal.operator.api.resource import InferenceModel
+from tidal.operator.api.spec import ModelVolume, _mounted_at
+from tidal.operator.builders.weights import mount_path
 from tidal.operator.schema.crd import openapi_schema
 
 SCHEMA = openapi_schema()
@@ -36,3 +38,24 @@ def test_generated_schema_refuses(case):
     assert case.apiserver_error in joined
     assert any(e.startswith(f".{case.field}:") for e in errors), errors
     assert not any(e.startswith("<nil>") for e in errors), "a rule without a field: kubectl would print <nil>"
+
+
+@pytest.mark.parametrize("changes", ACCEPTED_VARIANTS.values(), ids=ACCEPTED_VARIANTS.keys())
+def test_near_misses_stay_valid_for_both(changes):
+    obj = build_variant(changes)
+    InferenceModel.model_validate(obj)
+    assert check_object(SCHEMA, obj) == []
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"hostPath": {"path": "/srv/models"}},
+        {"hostPath": {"path": "/srv/models"}, "mountPath": "/m"},
+        {"persistentVolumeClaim": {"claimName": "models"}},
+        {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/m"},
+    ],
+)
+def test_the_root_mount_rule_sees_the_mount_path_the_pod_gets(volume):
+    parsed = ModelVolume.model_validate(volume)
+    assert _mounted_at(parsed) == mount_path(parsed)
