@@ -4,7 +4,9 @@ back through JSON compares equal); a deleted model is forgotten, and its memory 
 
 import asyncio
 import base64
+import contextlib
 import copy
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -23,6 +25,44 @@ async def _broken(*args, **kwargs):
 
 
 CONFIG = OperatorConfig(namespace="tidal-system", pod_labels={"app.kubernetes.io/name": "tidal-operator"})
+
+
+@contextlib.asynccontextmanager
+async def reconciler_for(kube: MemoryKube, worker: Callable[[httpx.Request], httpx.Response] | None = None):
+    """A Reconciler over `kube`, its worker calls answered by `worker` (none: no worker answers)."""
+    metrics = OperatorMetrics(CollectorRegistry())
+    transport = httpx.MockTransport(worker) if worker is not None else None
+    async with httpx.AsyncClient(transport=transport) as http:
+        yield Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+
+
+def one_pass(kube: MemoryKube) -> float:
+    """One reconcile pass of the model in `kube`, no worker answering. -> its requeue delay."""
+
+    async def main() -> float:
+        async with reconciler_for(kube) as reconcile:
+            return await reconcile(("ml", "tiny"))
+
+    return asyncio.run(main())
+
+
+def serving_base(request: httpx.Request) -> httpx.Response:
+    """A worker's answer to /state or /weights/checksum while it serves `base`."""
+    if request.url.path == "/state":
+        return httpx.Response(200, json=worker_state("base"))
+    return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
+
+
+def refusing_worker(calls: list[str], status: int, code: str) -> Callable[[httpx.Request], httpx.Response]:
+    """A worker serving `base` that records every other call's path in `calls` and refuses it with `code`."""
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/state", "/weights/checksum"):
+            return serving_base(request)
+        calls.append(request.url.path)
+        return httpx.Response(status, json={"code": code, "message": "refused"})
+
+    return worker
 
 
 def test_first_pass_creates_then_a_quiet_pass_writes_nothing_then_deletion_is_forgotten():
@@ -72,11 +112,9 @@ def test_back_off_stays_capped_after_many_failures():
     # cap, or the exception escapes the queue and the model is never scheduled again.
     kube = MemoryKube()
     kube.list_model_pods = _broken
-    metrics = OperatorMetrics(CollectorRegistry())
 
     async def main():
-        async with httpx.AsyncClient() as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube) as reconcile:
             reconcile.memories.of(("ml", "tiny")).error_streak = 1100
             return await reconcile(("ml", "tiny"))
 
@@ -95,14 +133,8 @@ def test_a_status_field_this_operator_does_not_know_does_not_stop_reconciling():
              "newConditionField": "x"},
         ],
     }  # fmt: skip
-    metrics = OperatorMetrics(CollectorRegistry())
 
-    async def main():
-        async with httpx.AsyncClient() as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
-            return await reconcile(("ml", "tiny"))
-
-    assert asyncio.run(main()) == 1.0
+    assert one_pass(kube) == 1.0
     assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
 
 
@@ -188,21 +220,11 @@ def test_a_worker_call_that_keeps_failing_is_asked_again_with_back_off(spec, ans
     # Asked again on a later pass, but not every second: each try disturbs the rank and posts a Warning Event.
     kube = MemoryKube()
     kube.model["spec"].update(spec)
-    calls = []
-
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/state":
-            return httpx.Response(200, json=worker_state("base"))
-        if request.url.path == "/weights/checksum":
-            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-        calls.append(request.url.path)
-        return httpx.Response(409, json={"code": answer, "message": "refused"})
-
-    metrics = OperatorMetrics(CollectorRegistry())
+    calls: list[str] = []
+    worker = refusing_worker(calls, 409, answer)
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube, worker) as reconcile:
             await reconcile(("ml", "tiny"))  # creates the children and the pod
             start_pod(kube)
             return [await reconcile(("ml", "tiny")) for _ in range(3)]
@@ -219,21 +241,11 @@ def test_a_refused_version_is_tried_again_once_the_spec_named_other_weights_in_b
     kube = MemoryKube()
     v2 = {"source": "tiny-llama-v2", "version": "v2"}
     kube.model["spec"]["weights"] = v2
-    updates = []
-
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/state":
-            return httpx.Response(200, json=worker_state("base"))
-        if request.url.path == "/weights/checksum":
-            return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-        updates.append(request.url.path)
-        return httpx.Response(422, json={"code": "bad_checkpoint", "message": "truncated file"})
-
-    metrics = OperatorMetrics(CollectorRegistry())
+    updates: list[str] = []
+    worker = refusing_worker(updates, 422, "bad_checkpoint")
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube, worker) as reconcile:
             await reconcile(("ml", "tiny"))  # creates the children and the pod
             start_pod(kube)
             await reconcile(("ml", "tiny"))  # the update is refused
@@ -257,15 +269,10 @@ def test_a_pod_is_asked_on_its_own_control_port_until_it_is_replaced():
 
     def worker(request: httpx.Request) -> httpx.Response:
         asked.append((request.url.path, request.url.port))
-        if request.url.path == "/state":
-            return httpx.Response(200, json=worker_state("base"))
-        return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-
-    metrics = OperatorMetrics(CollectorRegistry())
+        return serving_base(request)
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube, worker) as reconcile:
             await reconcile(("ml", "tiny"))  # creates the children and the pod
             start_pod(kube)
             kube.model["spec"]["serving"] = {"port": 8000, "controlPort": 9001}
@@ -289,11 +296,9 @@ def test_a_planted_pod_under_a_rank_name_is_never_touched_and_is_reported():
     kube.model["spec"]["replicas"] = 2
     planted = {"kind": "Pod", "metadata": {"name": "tiny-r1-0", "labels": {"app": "web"}}, "status": {}}
     kube.objects[("Pod", "tiny-r1-0")] = copy.deepcopy(planted)
-    metrics = OperatorMetrics(CollectorRegistry())
 
     async def main():
-        async with httpx.AsyncClient() as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube) as reconcile:
             for _ in range(2):
                 await reconcile(("ml", "tiny"))
 
@@ -328,15 +333,10 @@ def test_a_damaged_token_secret_gets_a_new_token_and_pods_holding_the_old_one_ar
     def worker(request: httpx.Request) -> httpx.Response:
         if request.headers.get("Authorization") != f"Bearer {held['token']}":
             return httpx.Response(401, json={"code": "unauthorized", "message": "bad token"})
-        if request.url.path == "/state":
-            return httpx.Response(200, json=worker_state("base"))
-        return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
-
-    metrics = OperatorMetrics(CollectorRegistry())
+        return serving_base(request)
 
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube, worker) as reconcile:
             await reconcile(("ml", "tiny"))  # creates the children and the pod
             held["token"] = _token_of(kube)  # what the pod's worker reads at start
             start_pod(kube)
@@ -414,11 +414,8 @@ def test_one_missed_state_read_neither_rewrites_the_status_nor_posts_an_event():
             return httpx.Response(200, json=worker_state("base"))
         return httpx.Response(200, json={"version": "base", "overall": "sum-base", "tensors": {}})
 
-    metrics = OperatorMetrics(CollectorRegistry())
-
     async def main():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
+        async with reconciler_for(kube, worker) as reconcile:
             await reconcile(("ml", "tiny"))  # creates the children and the pod
             start_pod(kube)
             for _ in range(2):
@@ -450,14 +447,8 @@ def test_status_values_this_operator_does_not_know_do_not_stop_reconciling_and_a
         ],
         "ranks": [{"pod": "tiny-r0-0", "replica": 0, "rank": 0, "state": "Migrating"}],
     }  # fmt: skip
-    metrics = OperatorMetrics(CollectorRegistry())
 
-    async def main():
-        async with httpx.AsyncClient() as http:
-            reconcile = Reconciler(kube, WorkerFleet(http, metrics), metrics, CONFIG)
-            return await reconcile(("ml", "tiny"))
-
-    assert asyncio.run(main()) == 1.0
+    assert one_pass(kube) == 1.0
     assert "create Pod/tiny-r0-0" in kube.writes and "status" in kube.writes
     status = kube.model["status"]
     assert status["phase"] == "Pending" and status["ranks"][0]["state"] == "Pending"
