@@ -78,12 +78,16 @@ def label_value(flag: bool) -> str:
     return "true" if flag else "false"
 
 
+def identity_labels(model: str, replica: int, rank: int) -> dict[str, str]:
+    """The labels that say which model's rank a pod is (the observer checks them against the pod's name)."""
+    return {c.LABEL_MODEL: model, c.LABEL_REPLICA: str(replica), c.LABEL_RANK: str(rank)}
+
+
 def pod_labels(model: str, replica: int, rank: int, leader: bool, serving: bool) -> dict[str, str]:
     return {
         **model_labels(model),
         c.LABEL_COMPONENT: "worker",
-        c.LABEL_REPLICA: str(replica),
-        c.LABEL_RANK: str(rank),
+        **identity_labels(model, replica, rank),
         c.LABEL_LEADER: label_value(leader),
         c.LABEL_SERVING: label_value(serving),
     }

@@ -212,7 +212,7 @@ def observe_pod(pod: dict[str, Any], model: str) -> ObservedPod | None:
     if slot is None:
         return None
     replica, rank = slot
-    identity = {c.LABEL_MODEL: model, c.LABEL_REPLICA: str(replica), c.LABEL_RANK: str(rank)}
+    identity = names.identity_labels(model, replica, rank)
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
     ready_cond = next(
