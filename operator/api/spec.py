@@ -31,14 +31,7 @@ def _no_parent_segment(path: str) -> bool:
     return re.search(patterns.PARENT_SEGMENT, path) is None
 
 
-def _mounted_at(volume: "ModelVolume") -> str:
-    """Where the volume appears in the pod: what builders/weights.py `mount_path` gives (the API imports no builder
-    code; a unit test keeps the two equal)."""
-    if volume.mount_path is not None:
-        return volume.mount_path
-    if volume.host_path is not None:
-        return volume.host_path.path
-    return "/models"
+DEFAULT_PVC_MOUNT = "/models"
 
 
 class PersistentVolumeClaimVolume(ApiModel):
@@ -87,10 +80,18 @@ class ModelVolume(ApiModel):
             f"!(has(self.hostPath) && self.hostPath.path.matches('{patterns.ROOT_PATH}'))",
             message="model.volume would be mounted at /, over the worker container's own files: set mountPath to "
             "another directory",
-            holds=lambda v: re.search(patterns.ROOT_PATH, _mounted_at(v)) is None,
+            holds=lambda v: re.search(patterns.ROOT_PATH, v.mounted_at()) is None,
             field_path=".mountPath",
         ),
     )
+
+    def mounted_at(self) -> str:
+        """Where the volume appears in the pod (the builders mount it there; the root-mount rule checks it)."""
+        if self.mount_path is not None:
+            return self.mount_path
+        if self.host_path is not None:
+            return self.host_path.path
+        return DEFAULT_PVC_MOUNT
 
 
 class ModelSource(ApiModel):

@@ -29,17 +29,10 @@ class Weights:
         return self.version if self.source is None else f"{self.version} from {self.source}"
 
 
-DEFAULT_PVC_MOUNT = "/models"
-
-
 def mount_path(volume: ModelVolume) -> str:
     """A hostPath is mounted at its own path, so the same path works on the node and in the pod (on the dev
     cluster pods are host processes and the mount does not happen at all)."""
-    if volume.mount_path is not None:
-        return volume.mount_path
-    if volume.host_path is not None:
-        return volume.host_path.path
-    return DEFAULT_PVC_MOUNT
+    return volume.mounted_at()
 
 
 def model_dir(spec: InferenceModelSpec) -> str:

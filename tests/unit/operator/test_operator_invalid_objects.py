@@ -6,7 +6,7 @@ from invalid_objects import ACCEPTED_VARIANTS, CASES, VALID, build_variant
 from pydantic import ValidationError
 
 from tidal.operator.api.resource import InferenceModel
-from tidal.operator.api.spec import ModelVolume, _mounted_at
+from tidal.operator.api.spec import ModelVolume
 from tidal.operator.builders.weights import mount_path
 from tidal.operator.schema.crd import openapi_schema
 
@@ -58,4 +58,4 @@ def test_near_misses_stay_valid_for_both(changes):
 )
 def test_the_root_mount_rule_sees_the_mount_path_the_pod_gets(volume):
     parsed = ModelVolume.model_validate(volume)
-    assert _mounted_at(parsed) == mount_path(parsed)
+    assert parsed.mounted_at() == mount_path(parsed)
