@@ -148,12 +148,11 @@ class Residency:
             phases[name] = now - mark
             mark = now
 
+        if self.needs_reload(tags):  # never read inside the quiesced section: the caller re-reads under a deadline
+            raise RuntimeError("weights dropped by a level-2 sleep must be re-read (reload_served_version) first")
         with self._quiesced() as llm:
             lap("hold")
             if ResidentTag.WEIGHTS in tags and not self.weights.is_resident:
-                if not self._host_valid:  # not re-read beforehand (see needs_reload), or invalidated since
-                    num_bytes += self.reload_served_version(self.read_deadline()).num_bytes
-                    lap("reload from disk")
                 self.weights.restore()
                 lap("map weights")
                 num_bytes += self.weights.to_device(wait=False)
