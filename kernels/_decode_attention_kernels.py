@@ -24,10 +24,10 @@ LOG2E = 1.4426950408889634
 def _merge_if_last(part_ptr, lse_ptr, out_ptr, counters_ptr, seq, kv_head, heads, row_ok, dims, dim_ok, num_heads,
                    head_dim, used_splits, GROUP_P2: tl.constexpr, HEAD_DIM_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    MERGE_CHUNK: tl.constexpr):  # fmt: skip
-    """Counts this split in on its (sequence, KV head); the last of the `used_splits` splits that saw tokens (only
-    they count in) merges the group's heads over them, MERGE_CHUNK splits per load, in split order."""
+    """Counts this split in on its (sequence, KV head); the last to arrive merges the group's heads over the splits
+    that saw tokens (`used_splits`: the rest hold nothing), MERGE_CHUNK splits per load, in split order."""
     counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-    last = arrives_last(counter, used_splits)  # the partials and lse are stored
+    last = arrives_last(counter, NUM_SPLITS)  # the partials and lse are stored
     rows = (seq * num_heads + heads) * NUM_SPLITS  # [GROUP_P2] first partial of each head
     chunk = tl.arange(0, MERGE_CHUNK)
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)
@@ -136,7 +136,6 @@ def decode_split_kernel(
     V_LIKE_K: tl.constexpr,  # V's strides are K's
     V_PAGE_RUNS: tl.constexpr,  # kv_layout.has_page_runs(V)
     NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT: tl.constexpr,  # tokens a split gets at least (the last one: what is left)
     MERGE_CHUNK: tl.constexpr,
     IS_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -150,11 +149,8 @@ def decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each sequence's own context is cut into NUM_SPLITS pieces of whole tiles. Cutting the padded table width
     # instead (what the host knows without a sync, and a CUDA graph's fixed width) would leave a short context in
-    # one split while the others idle, and a decode step would wait on that split's serial tile loop. No piece is
-    # shorter than MIN_SPLIT tokens, though: the host picks NUM_SPLITS from that width, and a context far shorter
-    # (a graph captured for long ones, at a step where they are short) would otherwise go into pieces whose merge
-    # costs more than their parallelism wins.
-    split_len = tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT), BLOCK_N) * BLOCK_N
+    # one split while the others idle, and a decode step would wait on that split's serial tile loop.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.maximum(tl.minimum(seq_len, start + split_len), start)  # a split past the context: empty, not negative
 
@@ -208,19 +204,10 @@ def decode_split_kernel(
         out_rows = out_ptr + (seq * num_heads + heads[:, None]) * head_dim + dims[None, :]
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_P2]
+        tl.store(out_ptr + part[:, None] * head_dim + dims[None, :], result, mask=row_ok[:, None] & dim_ok[None, :])
+        lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
         used_splits = tl.where(split_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 0)  # the rest saw none
-        if used_splits <= 1:
-            # The first split saw the whole context (or there is none: zeros): its result is final. No partial, no
-            # count, no merge; the empty splits store nothing. That is two dependent round trips to L2 fewer.
-            if split == 0:
-                out_rows = merged_ptr + (seq * num_heads + heads[:, None]) * head_dim + dims[None, :]
-                tl.store(out_rows, result.to(merged_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-        elif split < used_splits:
-            part = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_P2]
-            tl.store(out_ptr + part[:, None] * head_dim + dims[None, :], result,
-                     mask=row_ok[:, None] & dim_ok[None, :])  # fmt: skip
-            lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
-            tl.store(lse_ptr + part, lse, mask=row_ok)
-            _merge_if_last(out_ptr, lse_ptr, merged_ptr, counters_ptr, seq, kv_head, heads, row_ok, dims, dim_ok,
-                           num_heads, head_dim, used_splits, GROUP_P2, HEAD_DIM_P2, NUM_SPLITS,
-                           MERGE_CHUNK)  # fmt: skip
+        _merge_if_last(out_ptr, lse_ptr, merged_ptr, counters_ptr, seq, kv_head, heads, row_ok, dims, dim_ok,
+                       num_heads, head_dim, used_splits, GROUP_P2, HEAD_DIM_P2, NUM_SPLITS, MERGE_CHUNK)  # fmt: skip

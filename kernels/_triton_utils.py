@@ -88,12 +88,11 @@ def q_for_cache(q, cache_ptr, IS_FP32: tl.constexpr):
 
 
 @triton.jit
-def arrives_last(counter_ptr, num_arrivals):
+def arrives_last(counter_ptr, NUM_SPLITS: tl.constexpr):
     """Counts this program in on its output tile's arrival counter (kernels/_split_k.py) once its partial is stored;
-    -> whether it is the last of the tile's `num_arrivals` splits to count in: the one that may now read every
-    split's partial (loads with .cg: from L2, never a stale L1 line) and must set the counter back to zero for the
-    next launch."""
+    -> whether it is the tile's last split, the one that may now read every split's partial (loads with .cg: from
+    L2, never a stale L1 line) and must set the counter back to zero for the next launch."""
     tl.debug_barrier()  # every thread's partial is written before the count releases them
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()  # and read by the last split's threads only after its count acquired them
-    return arrived == num_arrivals - 1
+    return arrived == NUM_SPLITS - 1

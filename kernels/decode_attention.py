@@ -12,10 +12,7 @@ from tidal.kernels._device import multiprocessor_count, pdl_launch_options
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels.kv_layout import cache_strides, has_page_runs, is_tokens_innermost
 
-# A split shorter than this spends more on the merge than it wins in parallelism. The host's split count follows
-# from the block table's width (no sync, and a CUDA graph's table is as wide as the longest context it serves), and
-# the kernel also cuts each sequence's own context into pieces no shorter than this: a short context in a wide
-# table takes one split, which writes its output directly (no partial, no arrival count, no merge).
+# A split shorter than this spends more on the merge than it wins in parallelism.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 # On an H200, batch 64 x 8 KV heads (512 programs, about 3.9 per multiprocessor) ran fastest unsplit.
@@ -102,12 +99,11 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
-    into up to that many pieces of at least `min_split_tokens` (split-K); by default it is chosen from the shapes, and
-    so are the tile's `block_n`, `num_warps` and `num_stages` (`choose_tile`; one given keeps the others' defaults).
-    The last split to finish on a (sequence, KV head) merges them, in the same launch."""
+    into that many pieces (split-K); by default it is chosen from the shapes, and so are the tile's `block_n`,
+    `num_warps` and `num_stages` (`choose_tile`; one given keeps the others' defaults). The last split to finish on
+    a (sequence, KV head) merges them, in the same launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -120,8 +116,6 @@ def paged_decode_attention_triton(
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if min_split_tokens < 1:
-        raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
     head_dim_p2 = max(triton.next_power_of_2(head_dim), 16)
     tokens_inner = is_tokens_innermost(v_cache)
     if block_n is None and num_warps is None and num_stages is None:
@@ -169,7 +163,6 @@ def paged_decode_attention_triton(
         V_LIKE_K=v_cache.stride() == k_cache.stride(),
         V_PAGE_RUNS=has_page_runs(v_cache),
         NUM_SPLITS=num_splits,
-        MIN_SPLIT=min_split_tokens,
         MERGE_CHUNK=MERGE_CHUNK,
         IS_FP32=q.dtype == torch.float32,
         num_warps=num_warps,

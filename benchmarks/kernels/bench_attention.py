@@ -7,11 +7,6 @@ bf16; kernels-h200-attention-fp8-v-layout.md) and prints the default beside the 
     cd benchmarks/kernels && python bench_attention.py [--batch 256 --context 400 --cache fp8 --top 12]
         [--splits 0 2 --block-n 64 128]   (a narrower grid: each variant compiles its own kernel)
         [--heads 32 4]                    (query and KV heads; the default is the 8B's 32 / 8)
-
-or, for batch 1 in a CUDA graph's wide block table (how the minimum split length plays at short contexts):
-
-    cd benchmarks/kernels && python bench_attention.py --wide-table 40960 --heads 32 4 [--contexts 160 1024]
-        [--min-split-tokens 1 256]
 """
 
 import argparse
@@ -153,37 +148,6 @@ def bench_prefill(batch=8, length=2048, num_heads=32, num_kv_heads=8, head_dim=1
     return rows
 
 
-def bench_decode_wide_table(contexts, table_tokens, min_splits, num_heads=32, num_kv_heads=4, head_dim=128,
-                            block_size=16, cache_dtype=FP8_E4M3, layers=48):  # fmt: skip
-    """Batch 1 as a decode step's CUDA graph runs it: the block table as wide as `table_tokens` (the graph's, so
-    the host picks many splits) whatever the context, one launch a layer for `layers` layers in one graph. Prints
-    microseconds a launch for each context and minimum split length (1: every split as short as the count gives)."""
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = choose_num_splits(1, num_kv_heads, table_tokens, num_sms)
-    print(f"batch 1, {num_heads}/{num_kv_heads} heads, d{head_dim}, table {table_tokens} tokens ({splits} splits), "
-          f"{layers} launches a graph")  # fmt: skip
-    for context in contexts:
-        k_cache, v_cache, tables, dense_k, dense_v = _paged(1, context, num_kv_heads, head_dim, block_size,
-                                                            cache_dtype)  # fmt: skip
-        wide = torch.zeros(1, table_tokens // block_size, dtype=tables.dtype, device="cuda")
-        wide[:, : tables.shape[1]] = tables
-        q = torch.randn(1, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        seq_lens = torch.full((1,), context, dtype=torch.int32, device="cuda")
-        scale = head_dim**-0.5
-        want = F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
-        for min_split in min_splits:
-
-            def step(min_split=min_split, args=(q, k_cache, v_cache, wide, seq_lens, scale)):
-                for _ in range(layers):
-                    out = paged_decode_attention_triton(*args, min_split_tokens=min_split)
-                return out
-
-            err = relative_error(step(), want)
-            us = graph_ms(step) * 1e3 / layers
-            print(f"context {context:6d}  min split {min_split:4d}: {us:6.2f} us a launch  (rel err {err:.1e})",
-                  flush=True)  # fmt: skip
-
-
 def run(sweep: bool = True) -> list[Row]:
     rows = bench_decode(sweep=sweep)
     rows += bench_decode(batch=4, context=32768, sweep=False)  # long context: where split-K matters
@@ -210,20 +174,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, nargs="+", default=SWEEP_BLOCK_N)
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("Q", "KV"),
                         help="query and KV heads (Qwen3-30B-A3B: 32 4)")  # fmt: skip
-    parser.add_argument(
-        "--wide-table",
-        type=int,
-        metavar="TOKENS",
-        help="batch 1 in a block table this wide, over --contexts and --min-split-tokens instead",
-    )
-    parser.add_argument("--contexts", type=int, nargs="+", default=[160, 512, 1024, 4096])
-    parser.add_argument("--min-split-tokens", type=int, nargs="+", default=[1, 128, 256])
     args = parser.parse_args()
-    if args.wide_table:
-        cache_dtype = FP8_E4M3 if args.cache == "fp8" else torch.bfloat16
-        bench_decode_wide_table(args.contexts, args.wide_table, args.min_split_tokens, args.heads[0], args.heads[1],
-                                cache_dtype=cache_dtype)  # fmt: skip
-        return
     sweep = decode_sweep(args.splits, args.block_n)
     cache_dtype = FP8_E4M3 if args.cache == "fp8" else torch.bfloat16
     rows = bench_decode(batch=args.batch, context=args.context, num_heads=args.heads[0], num_kv_heads=args.heads[1],

@@ -37,8 +37,7 @@ def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_k
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
-    # min_split_tokens=1: these short contexts split as asked, so the merge is what is checked.
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, min_split_tokens=1)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
     assert_close(got, paged_decode_attention_reference(*args))
     assert torch.all(got[torch.tensor(seq_lens) == 0] == 0)
 
@@ -54,7 +53,7 @@ def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermo
     kv = make_paged_kv(seq_lens, block_size, 2, 128, torch.float32, device, v_tokens_innermost)
     q = torch.randn(len(seq_lens), 4, 128, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n, min_split_tokens=1)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n)
     assert_close(got, paged_decode_attention_reference(*args))
 
 
@@ -118,17 +117,15 @@ def test_v_cache_is_read_by_its_own_strides(device):
 
 
 @pytest.mark.parametrize("num_splits", [4, 16])
-@pytest.mark.parametrize("min_split_tokens", [1, 32, 256])
-def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_splits, min_split_tokens):
+def test_short_contexts_in_a_wide_table_split_by_their_own_length(device, num_splits):
     # A CUDA graph passes its full-width table (max_model_len) whatever the contexts are: each sequence's splits must
-    # cover exactly its own context, most of them empty when it is short. With a minimum split of 32 the contexts
-    # take 1, 2 and 5 splits side by side in one launch; at 256 every one takes the single split's direct store.
+    # cover exactly its own context, most of them empty when it is short.
     kv = make_paged_kv([3, 40, 0, 130, 1], 16, 2, 64, torch.float32, device)
     tables = torch.zeros(5, 64, dtype=kv.block_tables.dtype, device=device)
     tables[:, : kv.block_tables.shape[1]] = kv.block_tables
     q = torch.randn(5, 4, 64, device=device)
     args = (q, kv.k_cache, kv.v_cache, tables, kv.seq_lens, 0.125)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, min_split_tokens=min_split_tokens)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
     assert_close(got, paged_decode_attention_reference(*args))
     assert not arrival_counters(torch.device(device), 1).any()  # every launch leaves the counters at zero
 
@@ -138,27 +135,6 @@ def test_in_kernel_merge_is_bitwise_repeatable(device):
     kv = make_paged_kv([300, 77], 16, 2, 64, torch.float32, device)
     q = torch.randn(2, 8, 64, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
-    first = paged_decode_attention_triton(*args, num_splits=8, block_n=16, min_split_tokens=16)
+    first = paged_decode_attention_triton(*args, num_splits=8, block_n=16)
     for _ in range(50 if device == "cuda" else 2):
-        assert torch.equal(paged_decode_attention_triton(*args, num_splits=8, block_n=16, min_split_tokens=16), first)
-
-
-def test_the_minimum_split_keeps_a_short_context_whole_and_cuts_a_long_one(device):
-    """The engine's default minimum (MIN_SPLIT_TOKENS) in a launch of many splits: the short contexts take one split
-    (its direct store), the long one several of at least that length merged by the last; the counters end at zero."""
-    seq_lens = [0, 1, 255, 256, 257, 700]
-    kv = make_paged_kv(seq_lens, 16, 2, 64, torch.float32, device)
-    q = torch.randn(len(seq_lens), 4, 64, device=device)
-    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
-    got = paged_decode_attention_triton(*args, num_splits=8, block_n=16)
-    assert_close(got, paged_decode_attention_reference(*args))
-    assert torch.all(got[0] == 0)
-    assert not arrival_counters(torch.device(device), 1).any()
-
-
-def test_a_minimum_split_below_one_token_is_refused(device):
-    kv = make_paged_kv([5], 16, 1, 64, torch.float32, device)
-    q = torch.randn(1, 1, 64, device=device)
-    with pytest.raises(ValueError, match="min_split_tokens must be >= 1"):
-        paged_decode_attention_triton(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125,
-                                      min_split_tokens=0)  # fmt: skip
+        assert torch.equal(paged_decode_attention_triton(*args, num_splits=8, block_n=16), first)
