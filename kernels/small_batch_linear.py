@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 
 from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._one_row_kernels import one_row_linear_kernel
 from tidal.kernels._small_batch_kernels import linear_rows_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import (
@@ -87,6 +88,35 @@ TUNED_FP8_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
     (4096, 14336, False): LaunchConfig(128, 256, 8, 4, split_k=4),
     (2048, 4096, False): LaunchConfig(64, 512, 4, 4, split_k=4),
 }
+
+
+@dataclass(frozen=True)
+class OneRowConfig:
+    """A one-row launch of the row-parallel GEMV (`_one_row_kernels.py`): each program owns `block_n` whole weight
+    rows and streams them `block_k` inputs at a time; no split of K."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# Shapes where one row takes the row-parallel GEMV, measured on an H100 at one row over 48 layers' weights in a
+# graph (benchmarks/kernels/probe_row_gemv.py, probe-row-gemv-h100.txt), by (outputs, inputs, gated, e4m3 weights).
+# Qwen3-30B-A3B's o projection in FP8: 4.89 us against 7.30 for its TUNED_FP8_LINEAR_CONFIGS tile (8 rows a program
+# rather than the 2 that measured 4.68: a quarter of the partial sums for the norm that reads them); its router
+# (16-bit in every weight mode): 1.62 us against 3.43 for its split-K tile. Inside the FP8 decode step at batch 1
+# (profile_steps.py, profile-steps-qwen3-30b-a3b-h100-one-row-ab.txt) the step took 2,644 us against 2,706: much of
+# the kernels' gain is hidden there, as the o projection's programs wait out decode attention, which lets them
+# launch at its start. Other shapes keep the tiled kernel until measured.
+TUNED_ONE_ROW_CONFIGS: dict[tuple[int, int, bool, bool], OneRowConfig] = {
+    (2048, 4096, False, True): OneRowConfig(8, 2048, 8),
+    (128, 2048, False, False): OneRowConfig(2, 2048, 8),
+}
+
+
+def choose_one_row_config(n_out: int, k_in: int, gated: bool, fp8_weights: bool) -> OneRowConfig | None:
+    """The row-parallel GEMV's config for a one-row launch of this shape, or None: the tiled kernel."""
+    return TUNED_ONE_ROW_CONFIGS.get((n_out, k_in, gated, fp8_weights))
 
 
 def choose_config(n_out: int, k_in: int, gated: bool = False, fp8_weights: bool = False) -> LaunchConfig:
@@ -223,12 +253,20 @@ def _launch(
     gated: bool,
     residual: torch.Tensor | None,
     gamma: torch.Tensor | None,
-    config: LaunchConfig | None,
+    config: LaunchConfig | OneRowConfig | None,
     weight_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
     num_rows, k_in = a.shape
-    config = config or choose_config(n_out, k_in, gated, weight.dtype == FP8_E4M3)
+    fp8 = weight.dtype == FP8_E4M3
+    if config is None and num_rows == 1:
+        config = choose_one_row_config(n_out, k_in, gated, fp8)
+    if isinstance(config, OneRowConfig):
+        if num_rows != 1:
+            raise ValueError(f"a one-row config launches one row, got {num_rows}")
+        return _launch_one_row(a, weight, bias, n_out, norm_partials, eps, gated, residual, gamma, config,
+                               weight_scale)  # fmt: skip
+    config = config or choose_config(n_out, k_in, gated, fp8)
     if config.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {config.split_k}")
     num_programs = triton.cdiv(n_out, config.block_n)
@@ -280,6 +318,61 @@ def _launch(
     return y, scaled, partial_sq
 
 
+def _launch_one_row(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n_out: int,
+    norm_partials: torch.Tensor | None,
+    eps: float,
+    gated: bool,
+    residual: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    config: OneRowConfig,
+    weight_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_launch` for one row on the row-parallel GEMV; the same outputs, one partial sum per program."""
+    k_in = a.shape[1]
+    num_programs = triton.cdiv(n_out, config.block_n)
+    y = torch.empty((1, n_out), dtype=a.dtype, device=a.device)
+    into_residual = residual is not None
+    scaled = torch.empty((1, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
+    partial_sq = torch.empty((num_programs if into_residual else 0, 1), dtype=torch.float32, device=a.device)
+    if n_out == 0:
+        return y, scaled, partial_sq
+    if k_in == 0:
+        raise ValueError("a linear layer needs at least one input feature")
+    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
+    one_row_linear_kernel[(num_programs,)](
+        a,
+        weight,
+        weight_scale if weight_scale is not None else partial_sq,  # never read without FP8 weights
+        bias if bias is not None else weight,
+        norm_partials if norm_partials is not None else a,
+        residual if residual is not None else a,
+        gamma if gamma is not None else weight,
+        y,
+        scaled,
+        partial_sq,
+        n_out,
+        k_in,
+        weight.stride(0),
+        num_partials,
+        eps,
+        ROW_SCALE=norm_partials is not None,
+        GATED=gated,
+        INTO_RESIDUAL=into_residual,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=config.block_n,
+        BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
+        # The previous norm's partial sums in one load where they are few (the one-row o projection leaves 256).
+        BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+        num_warps=config.num_warps,
+        **pdl_launch_options(a.device),
+    )
+    return y, scaled, partial_sq
+
+
 def linear_rows_triton(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -287,10 +380,11 @@ def linear_rows_triton(
     norm_partials: torch.Tensor | None = None,
     eps: float = 0.0,
     gated: bool = False,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | OneRowConfig | None = None,
     weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel; same contract as `linear_rows_reference`."""
+    """The Triton kernel; same contract as `linear_rows_reference`. At one row a shape in TUNED_ONE_ROW_CONFIGS (or
+    a OneRowConfig given) takes the row-parallel GEMV."""
     n_total = weight.shape[0]
     if gated and n_total % 2 != 0:
         raise ValueError(f"a gated weight stacks gate and up: its rows must be even, got {n_total}")
@@ -307,10 +401,11 @@ def linear_rows_into_residual_triton(
     residual: torch.Tensor,
     gamma: torch.Tensor,
     bias: torch.Tensor | None = None,
-    config: LaunchConfig | None = None,
+    config: LaunchConfig | OneRowConfig | None = None,
     weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, NormInput]:
-    """The Triton kernel; same contract as `linear_rows_into_residual_reference` with block_n = config.block_n."""
+    """The Triton kernel; same contract as `linear_rows_into_residual_reference` with block_n = config.block_n (the
+    chosen config's when None is given)."""
     n_out = weight.shape[0]
     _check(a, weight, bias, n_out, weight_scale)
     check_shape("residual", residual, (a.shape[0], n_out))

@@ -61,6 +61,7 @@ RECORDED: list[tuple[ModuleType, str]] = [
     (fused_moe, "combine_kernel"),
     (fp8_linear, "quantize_rows_kernel"),
     (small_batch_linear, "linear_rows_kernel"),
+    (small_batch_linear, "one_row_linear_kernel"),
     (small_batch_qkv, "qkv_rope_kernel"),
 ]
 

@@ -32,7 +32,7 @@ def test_tuned_launches_spill_no_registers() -> None:
     assert "STAGES=4" in pipelined and int(pipelined.split("smem")[1].split()[0]) > 0, pipelined
     # Every kernel of both models' small-batch steps was compiled and reported.
     for kernel in ("pair_gate_up_kernel", "token_down_kernel", "topk_softmax_kernel", "linear_rows_kernel",
-                   "qkv_rope_kernel"):  # fmt: skip
+                   "one_row_linear_kernel", "qkv_rope_kernel"):  # fmt: skip
         assert kernel in result.stdout, result.stdout
     # FP8 experts: the grouped GEMMs W8A16 and W8A8 (e4m3 operands on the tensor cores) compile for sm_90 unspilled.
     assert "W_SCALED=1 A_SCALED=0" in result.stdout and "W_SCALED=1 A_SCALED=1" in result.stdout, result.stdout
