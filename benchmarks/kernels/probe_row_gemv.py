@@ -1,19 +1,20 @@
-"""Probe: a one-row projection as a row-parallel GEMV of many small programs, against the engine's `linear_rows`.
+"""One-row projections: the engine's row-parallel GEMV (`OneRowConfig`) against its tiled `linear_rows`, per shape.
 
 step_floor.py showed that a batch-1 decode step's chain of launches can stream its bytes in about half the time the
-engine's kernels take, if every launch keeps enough programs resident (its `chain, PDL` rows at 2-8 programs a
-multiprocessor against 1). The engine's batch-1 projections run few, large programs: Qwen3-30B-A3B's o projection
-128 (64 outputs by a quarter of K each, the split's partials added by the last), its whole-head qkv 80. This probe
-asks whether the other shape of the same work wins: each program owns a few whole weight rows (no split of K, so no
-partials and no arrival count), streams them in long contiguous runs, and there are thousands of programs.
+engine's kernels took, if every launch keeps enough programs resident. `kernels/_one_row_kernels.py` is the shape of
+kernel that does: each program owns a few whole weight rows (no split of K, no partials), thousands of programs.
+`TUNED_ONE_ROW_CONFIGS` routes a shape to it only where this sweep measured it faster, so this script prints, per
+projection of the two benchmark models, the tiled kernel's time, the one-row configs' best few, and the table entry
+to add when one wins.
 
-Each timed graph runs the projection over 48 distinct weight sets (more bytes than the L2 holds), as a decode step
-runs it over the model's layers, with PDL between launches as the engine launches them. Only the products and the
-per-row FP8 scale are computed: no epilogue (norm, residual, rotary), on either side.
+Each timed graph runs the projection with the epilogue the decode step gives it (o and down into the residual with
+the next norm's input, qkv-free projections with the row scale, gate/up gated) over enough distinct weight sets to
+pass the L2 (48 layers where they fit in 400 MB), with PDL between launches as the engine launches them.
 
-    cd benchmarks/kernels && python probe_row_gemv.py [--shapes o qkv router] [--layers 48]
+    cd benchmarks/kernels && python probe_row_gemv.py [--shapes qwen3-o qwen3-router ...] [--weight-dtype fp8|bf16]
 
-On a CPU (`TRITON_INTERPRET=1 ... --smoke`) it checks one small variant against torch and times nothing.
+(Its first run, in 0519273, timed a private copy of the products loop without epilogues: probe-row-gemv-h100.txt.)
+`tests/kernels/test_probe_row_gemv.py` runs its cases small on a CPU (interpreted), to keep the script working.
 """
 
 from __future__ import annotations
@@ -22,142 +23,142 @@ import argparse
 import itertools
 import pathlib
 import sys
+from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from common import graph_ms
 
-from tidal.kernels._device import pdl_launch_options
-from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
 from tidal.kernels.fp8_linear import quantize_rows
-from tidal.kernels.small_batch_linear import choose_config, linear_rows_triton
-
-# (outputs, inputs, e4m3 weights) of Qwen3-30B-A3B's batch-1 projections: o, the fused qkv (32 + 2 x 4 heads of
-# 128), the router (kept 16-bit by the engine).
-SHAPES = {"o": (2048, 4096, True), "qkv": (5120, 2048, True), "router": (128, 2048, False)}
-# (rows a program, inputs a load, warps, load stages): fp32 products of a step stay in registers, so rows x inputs
-# stays within 64 a thread; and at least 2 KB of e4m3 a load.
-VARIANTS = [
-    (rows, block_k, warps, stages)
-    for rows, block_k, warps, stages in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8), (1, 3))
-    if 2048 <= rows * block_k <= 64 * 32 * warps
-]
+from tidal.kernels.small_batch_linear import (
+    LaunchConfig,
+    OneRowConfig,
+    choose_config,
+    linear_rows_into_residual_triton,
+    linear_rows_reference,
+    linear_rows_triton,
+)
 
 
-@triton.jit
-def row_gemv_kernel(a_ptr, w_ptr, scale_ptr, y_ptr, n_out, k_in: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, W_SCALED: tl.constexpr,
-                    USE_PDL: tl.constexpr):  # fmt: skip
-    """Program p: y[rows] = W[rows] @ a (one row of activations), rows = [p * BLOCK_N, (p + 1) * BLOCK_N), times each
-    row's scale for e4m3 weights. The weights are no kernel's output, but a program waits before reading anything,
-    as the engine's kernels do."""
-    wait_for_previous_kernel(USE_PDL)
-    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = outs < n_out
-    rows = w_ptr + outs.to(tl.int64)[:, None] * k_in
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, k_in, BLOCK_K, num_stages=STAGES):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_in
-        w = tl.load(rows + ks[None, :], mask=out_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        a = tl.load(a_ptr + ks, mask=k_mask, other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    let_next_kernel_launch(USE_PDL)
-    y = tl.sum(acc, axis=1)
-    if W_SCALED:
-        y *= tl.load(scale_ptr + outs, mask=out_mask, other=1.0)
-    tl.store(y_ptr + outs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+@dataclass(frozen=True)
+class Projection:
+    n_out: int  # outputs (gated: of gate and of up each)
+    k_in: int
+    epilogue: str  # "residual", "row_scale", "gated" (with the row scale) or "plain"
+    fp8_capable: bool = True  # the router and the LM heads stay 16-bit in every weight mode
 
 
-def row_gemv(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, variant: tuple[int, int, int, int]):
-    rows, block_k, warps, stages = variant
-    n_out, k_in = w.shape
-    y = torch.empty(n_out, dtype=a.dtype, device=a.device)
-    row_gemv_kernel[(triton.cdiv(n_out, rows),)](
-        a, w, scale if scale is not None else w, y, n_out, k_in, BLOCK_N=rows,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k_in)), STAGES=stages, W_SCALED=scale is not None,
-        num_warps=warps, **pdl_launch_options(a.device),
-    )  # fmt: skip
-    return y
+PROJECTIONS = {
+    "qwen3-o": Projection(2048, 4096, "residual"),
+    "qwen3-router": Projection(128, 2048, "row_scale", fp8_capable=False),
+    "qwen3-lm-head": Projection(151936, 2048, "plain", fp8_capable=False),
+    "llama3-o": Projection(4096, 4096, "residual"),
+    "llama3-gate-up": Projection(14336, 4096, "gated"),
+    "llama3-down": Projection(4096, 14336, "residual"),
+    "llama3-lm-head": Projection(128256, 4096, "plain", fp8_capable=False),
+}
+LAYER_BYTES_BUDGET = 400 * 2**20
 
 
-def layer_weights(n_out: int, k_in: int, fp8: bool, layers: int, device: torch.device):
-    """`layers` distinct weight sets: (weight, per-row scale or None)."""
-    out = []
-    for _ in range(layers):
-        w = torch.randn(n_out, k_in, device=device, dtype=torch.bfloat16) / k_in**0.5
-        out.append(quantize_rows(w) if fp8 else (w, None))
-    return out
+def one_row_variants(gated: bool) -> list[OneRowConfig]:
+    """Rows a program x inputs a load x warps: at most 64 fp32 products a thread (32 when gated: two accumulators),
+    at least 1,024 weights a load."""
+    limit = 32 if gated else 64
+    return [
+        OneRowConfig(rows, block_k, warps)
+        for rows, block_k, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8))
+        if 1024 <= rows * block_k <= limit * 32 * warps
+    ]
 
 
-def reference(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    y = w.float() @ a.float()
-    return y if scale is None else y * scale
+class Case:
+    """One projection's weights over several layers and one step's inputs, and a call of it with a config."""
+
+    def __init__(self, projection: Projection, fp8: bool, device: torch.device, layers: int | None = None) -> None:
+        self.projection, self.fp8 = projection, fp8 and projection.fp8_capable
+        rows_total = 2 * projection.n_out if projection.epilogue == "gated" else projection.n_out
+        layer_bytes = rows_total * projection.k_in * (1 if self.fp8 else 2)
+        self.layers = layers or max(4, min(48, LAYER_BYTES_BUDGET // layer_bytes))
+        self.weights = []
+        for _ in range(self.layers):
+            w = torch.randn(rows_total, projection.k_in, device=device, dtype=torch.bfloat16) / projection.k_in**0.5
+            self.weights.append(quantize_rows(w) if self.fp8 else (w, None))
+        self.layer_bytes = layer_bytes
+        self.a = torch.randn(1, projection.k_in, device=device, dtype=torch.bfloat16)
+        self.partials = torch.rand(16, 1, device=device) * projection.k_in / 16 + 0.5
+        self.residual = torch.randn(1, projection.n_out, device=device, dtype=torch.bfloat16)
+        self.gamma = torch.rand(projection.n_out, device=device, dtype=torch.bfloat16) + 0.5
+
+    def run(self, layer: int, config: LaunchConfig | OneRowConfig | None) -> torch.Tensor:
+        w, scale = self.weights[layer]
+        epilogue = self.projection.epilogue
+        if epilogue == "residual":
+            return linear_rows_into_residual_triton(self.a, w, self.residual, self.gamma, None, config, scale)[0]
+        if epilogue == "plain":
+            return linear_rows_triton(self.a, w, config=config, weight_scale=scale)
+        return linear_rows_triton(self.a, w, None, self.partials, 1e-6, gated=epilogue == "gated", config=config,
+                                  weight_scale=scale)  # fmt: skip
+
+    def reference(self) -> torch.Tensor:
+        w, scale = self.weights[0]
+        epilogue = self.projection.epilogue
+        partials = self.partials if epilogue in ("row_scale", "gated") else None
+        y = linear_rows_reference(self.a, w, None, partials, 1e-6, gated=epilogue == "gated", weight_scale=scale)
+        return (y.float() + self.residual.float()).to(y.dtype) if epilogue == "residual" else y
+
+    def us_per_layer(self, config: LaunchConfig | OneRowConfig | None) -> float:
+        def chain() -> None:
+            for layer in range(self.layers):
+                self.run(layer, config)
+
+        chain()  # compiles outside the capture
+        return graph_ms(chain) * 1e3 / self.layers
 
 
-def probe(name: str, layers: int, device: torch.device) -> None:
-    n_out, k_in, fp8 = SHAPES[name]
-    weights = layer_weights(n_out, k_in, fp8, layers, device)
-    a = torch.randn(1, k_in, device=device, dtype=torch.bfloat16)
-    num_bytes = sum(w.numel() * w.element_size() for w, _ in weights) / layers
-    want = reference(a[0], *weights[0])
-    config = choose_config(n_out, k_in, fp8_weights=fp8)
-    kind = "e4m3" if fp8 else "bf16"
-    print(f"\n# {name}: {n_out} x {k_in} {kind}, {num_bytes / 1e6:.2f} MB a layer, {layers} layers")
-
-    def engine() -> None:
-        for w, scale in weights:
-            linear_rows_triton(a, w, weight_scale=scale)
-
-    results = []
-    engine()
-    us = graph_ms(engine) * 1e3 / layers
-    programs = triton.cdiv(n_out, config.block_n) * config.split_k
-    label = f"linear_rows {config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} "
-    results.append((us, label + f"split {config.split_k} ({programs} programs)"))
-    for variant in VARIANTS:
-        rows = variant[0]
-        err = (row_gemv(a[0], *weights[0], variant).float() - want).abs().max().item() / want.abs().max().item()
-
-        def chain(variant=variant) -> None:
-            for w, scale in weights:
-                row_gemv(a[0], w, scale, variant)
-
-        us = graph_ms(chain) * 1e3 / layers
-        label = f"row_gemv {variant[0]} rows x {variant[1]} w{variant[2]} s{variant[3]}"
-        results.append((us, label + f" ({triton.cdiv(n_out, rows)} programs, err {err:.1e})"))
-    print(f"{results[0][0]:8.2f} us {num_bytes / results[0][0] / 1e6:5.2f} TB/s  {results[0][1]}  [the engine's]")
-    for us, label in sorted(results[1:])[:8]:
-        print(f"{us:8.2f} us {num_bytes / us / 1e6:5.2f} TB/s  {label}")
+def relative_error(case: Case, config: LaunchConfig | OneRowConfig | None) -> float:
+    got, want = case.run(0, config).float(), case.reference().float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
-def smoke() -> None:
-    for fp8 in (False, True):
-        (w, scale), a = layer_weights(24, 96, fp8, 1, torch.device("cpu"))[0], torch.randn(96, dtype=torch.bfloat16)
-        got = row_gemv(a, w, scale, (4, 32, 1, 1)).float()
-        want = reference(a, w, scale)
-        assert torch.allclose(got, want, rtol=2e-2, atol=2e-2), (got, want)
-    print("smoke: row_gemv matches torch")
+def probe(name: str, fp8: bool, device: torch.device, top: int) -> None:
+    projection = PROJECTIONS[name]
+    case = Case(projection, fp8, device)
+    gated = projection.epilogue == "gated"
+    kind = "e4m3" if case.fp8 else "bf16"
+    print(f"\n# {name}: {projection.n_out} x {projection.k_in} {kind}, {projection.epilogue}, "
+          f"{case.layer_bytes / 1e6:.2f} MB a layer, {case.layers} layers")  # fmt: skip
+    tiled = choose_config(projection.n_out, projection.k_in, gated, case.fp8)
+    tiled_us = case.us_per_layer(tiled)
+    engine_us = case.us_per_layer(None)
+    print(f"{tiled_us:8.2f} us {case.layer_bytes / tiled_us / 1e6:5.2f} TB/s  tiled {tiled}")
+    print(f"{engine_us:8.2f} us {case.layer_bytes / engine_us / 1e6:5.2f} TB/s  the engine's choice today")
+    timed = []
+    for config in one_row_variants(gated):
+        timed.append((case.us_per_layer(config), config, relative_error(case, config)))
+    timed.sort(key=lambda row: row[0])
+    for us, config, err in timed[:top]:
+        print(f"{us:8.2f} us {case.layer_bytes / us / 1e6:5.2f} TB/s  {config} (err {err:.1e})")
+    best_us, best, _ = timed[0]
+    if best_us < 0.97 * tiled_us:
+        key = (projection.n_out, projection.k_in, gated, case.fp8)
+        print(f"TUNED_ONE_ROW_CONFIGS entry: {key}: {best}  # {best_us:.2f} us against {tiled_us:.2f} tiled")
+    else:
+        print("no entry: the tiled kernel is within 3% or faster")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["o", "qkv", "router"])
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--smoke", action="store_true", help="one small variant against torch, on a CPU")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(PROJECTIONS), default=sorted(PROJECTIONS))
+    parser.add_argument("--weight-dtype", choices=["fp8", "bf16"], default="fp8")
+    parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
-    if args.smoke:
-        smoke()
-        return
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name(device)}; {len(VARIANTS)} row_gemv variants a shape")
+    print(f"{torch.cuda.get_device_name(device)}; {args.weight_dtype} weights where the engine quantizes them")
     for name in args.shapes:
-        probe(name, args.layers, device)
+        probe(name, args.weight_dtype == "fp8", device, args.top)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The one-row sweep (benchmarks/kernels/probe_row_gemv.py) calls the engine's projections as the decode step does,
+and its reference is theirs: every epilogue, small and interpreted on a CPU, compiled on a GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
+
+import probe_row_gemv
+
+from tidal.kernels.small_batch_linear import LaunchConfig, OneRowConfig
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "row_scale", "gated", "plain"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_each_case_matches_its_reference_on_both_kernels(device, epilogue, fp8):
+    case = probe_row_gemv.Case(probe_row_gemv.Projection(24, 96, epilogue), fp8, device, layers=1)
+    assert case.fp8 == fp8
+    # The tiled kernel's bf16 tensor-core dot has no interpreted equivalent (tolerances.DOT_DTYPES): GPU only.
+    tiled = (LaunchConfig(16, 32, 4, 2),) if device == "cuda" else ()
+    for config in (OneRowConfig(4, 32, 2), *tiled):
+        assert probe_row_gemv.relative_error(case, config) < 3e-2, config
+
+
+def test_the_router_and_lm_heads_stay_16_bit_as_the_engine_keeps_them(device):
+    case = probe_row_gemv.Case(probe_row_gemv.Projection(8, 32, "plain", fp8_capable=False), True, device, layers=1)
+    assert not case.fp8 and case.weights[0][1] is None
+
+
+def test_the_variants_fit_the_registers_and_load_enough():
+    for gated in (False, True):
+        variants = probe_row_gemv.one_row_variants(gated)
+        assert variants
+        limit = 32 if gated else 64
+        assert all(1024 <= v.block_n * v.block_k <= limit * 32 * v.num_warps for v in variants)
