@@ -30,5 +30,14 @@ ANNOTATION_KEY = (
 TRIMMED = r"^\S(.*\S)?$"
 # A path that is only slashes: the root directory.
 ROOT_PATH = r"^/+$"
+# Mount points that break the container (SYSTEM_MOUNT_POINT, whatever the slashes): at or below /proc (the container
+# runtime refuses nearly every mount there) and /sys (the kernel's view, which the GPU driver reads); at /dev (the
+# device nodes, GPUs included) and /etc (passwd, hosts, resolv.conf) themselves. Below /dev and /etc is allowed:
+# /dev/shm is the usual way to give PyTorch and NCCL more shared memory, /dev/infiniband holds RDMA devices, and
+# /etc/ssl/certs a CA bundle.
+SYSTEM_DIR = r"^/+((proc|sys)(/.*)?|dev/*|etc/*)$"
+# A pod template's volume mount may not be there, nor at the root directory, nor have a `.` or `..` segment anywhere
+# (another spelling of some directory). One expression, as the API server's cost estimate of a rule counts each match.
+BAD_TEMPLATE_MOUNT = r"^/+((proc|sys)(/.*)?|dev/*|etc/*)?$|(^|/)[.][.]?(/|$)"
 # Extended resource names such as nvidia.com/gpu or amd.com/gpu: a name of at most 63 characters under a domain.
 RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$"

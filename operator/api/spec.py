@@ -83,6 +83,14 @@ class ModelVolume(ApiModel):
             holds=lambda v: re.search(patterns.ROOT_PATH, v.mounted_at()) is None,
             field_path=".mountPath",
         ),
+        CelRule(
+            rule=f"has(self.mountPath) ? !self.mountPath.matches('{patterns.SYSTEM_DIR}') : "
+            f"!(has(self.hostPath) && self.hostPath.path.matches('{patterns.SYSTEM_DIR}'))",
+            message="model.volume would be mounted over a system directory (/proc, /sys or anything below them, /dev "
+            "or /etc), which breaks the worker container: set mountPath to another directory",
+            holds=lambda v: re.search(patterns.SYSTEM_DIR, v.mounted_at()) is None,
+            field_path=".mountPath",
+        ),
     )
 
     def mounted_at(self) -> str:

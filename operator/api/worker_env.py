@@ -67,3 +67,9 @@ GROUP_SHAPE_ENV_NAMES: frozenset[str] = frozenset({WORLD_SIZE, EXPERT_SLOTS_PER_
 # the worker refuse to start, and a control host other than the pod's IP puts the control API where the operator
 # cannot reach it. `spec.worker.env` may not set them either.
 GUARDED_ENV_NAMES: tuple[str, ...] = ("TIDAL_CONTROL_TOKEN_FILE", "TIDAL_CONTROL_HOST")
+
+# Two ways to size the worker's KV cache: a block count and a byte size. The worker refuses to start with both (exit
+# code 2, so each pod would crash-loop); `spec.worker.env` may set one of them.
+NUM_KV_BLOCKS = "TIDAL_NUM_KV_BLOCKS"
+KV_CACHE_BYTES = "TIDAL_KV_CACHE_BYTES"
+EXCLUSIVE_ENV_NAMES: tuple[tuple[str, str], ...] = ((NUM_KV_BLOCKS, KV_CACHE_BYTES),)

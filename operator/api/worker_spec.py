@@ -1,13 +1,13 @@
 """`spec.worker`: the worker pods' image, compute, scheduling, environment and pod-template escape hatch."""
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tidal.operator.api import patterns
 from tidal.operator.api.base import ApiModel, CelRule, nested
-from tidal.operator.api.worker_env import GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
+from tidal.operator.api.worker_env import EXCLUSIVE_ENV_NAMES, GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
 
 LabelValue = Annotated[str, Field(max_length=63, pattern=patterns.LABEL_VALUE)]
 # The most annotations a pod template may add: each key is at most 317 characters (a 253-character prefix, '/', a
@@ -32,6 +32,73 @@ def keys_rule(field: str, attribute: str, where: str, what: str, pattern: str = 
         holds=lambda m: all(_is_key(k, pattern) for k in getattr(m, attribute)),
         field_path=f".{field}",
     )
+
+
+def exclusive_env_rule(first: str, second: str) -> CelRule:
+    """`spec.worker.env` sets at most one of two variables the worker refuses to start with together."""
+    return CelRule(
+        rule=f"!has(self.env) || !(self.env.exists(e, e.name == '{first}') && "
+        f"self.env.exists(e, e.name == '{second}'))",
+        message=f"worker.env sets both {first} and {second}: set only one (the worker refuses to start with both)",
+        holds=lambda w: not {first, second} <= {e.name for e in w.env},
+        field_path=".env",
+    )
+
+
+# Checked on each of a pod template's volume mounts, where the API server reports the mount's own path.
+TEMPLATE_MOUNT_RULE = CelRule(
+    rule=f"!has(self.mountPath) || !self.mountPath.matches('{patterns.BAD_TEMPLATE_MOUNT}')",
+    message="worker.podTemplate.spec mounts a volume over a system directory: a container's volumeMounts may not use "
+    "/, /proc, /sys or anything below them, /dev or /etc (below /dev and /etc is fine, e.g. /dev/shm or "
+    "/etc/ssl/certs), nor a path with '.' or '..' segments",
+    holds=lambda mount_path: re.search(patterns.BAD_TEMPLATE_MOUNT, mount_path) is None,
+    field_path=".mountPath",
+)
+# Where a pod template's containers mount volumes. `podTemplate.spec` stays free-form (the API server checks the pod
+# when the operator creates it), but a CEL rule sees only the fields a schema declares: these, kept with their unknown
+# fields. Each is nullable, as a `null` in the template removes the key in the merge. The bounds keep the rule's
+# estimated cost within the API server's budget.
+MAX_TEMPLATE_CONTAINERS = 32
+MAX_TEMPLATE_VOLUME_MOUNTS = 64
+MAX_MOUNT_PATH_LENGTH = 512
+_CONTAINERS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "nullable": True,
+    "maxItems": MAX_TEMPLATE_CONTAINERS,
+    "items": {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "properties": {
+            "volumeMounts": {
+                "type": "array",
+                "nullable": True,
+                "maxItems": MAX_TEMPLATE_VOLUME_MOUNTS,
+                "items": {
+                    "type": "object",
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "properties": {
+                        "mountPath": {"type": "string", "nullable": True, "maxLength": MAX_MOUNT_PATH_LENGTH}
+                    },
+                    "x-kubernetes-validations": [TEMPLATE_MOUNT_RULE.to_schema()],
+                },
+            }
+        },
+    },
+}
+_TEMPLATE_CONTAINER_LISTS = ("containers", "initContainers")
+
+
+def _template_mount_paths(spec: dict[str, Any]) -> list[str]:
+    """Every mountPath of the template's containers and init containers (malformed parts are the schema's)."""
+    paths = []
+    for key in _TEMPLATE_CONTAINER_LISTS:
+        containers = spec.get(key)
+        for container in containers if isinstance(containers, list) else []:
+            mounts = container.get("volumeMounts") if isinstance(container, dict) else None
+            for mount in mounts if isinstance(mounts, list) else []:
+                if isinstance(mount, dict) and isinstance(mount.get("mountPath"), str):
+                    paths.append(mount["mountPath"])
+    return paths
 
 
 class EnvVar(ApiModel):
@@ -134,9 +201,20 @@ class PodTemplate(ApiModel):
     """Extra pod labels and annotations."""
     spec: dict[str, Any] = Field(
         default_factory=dict,
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+        json_schema_extra={
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {key: _CONTAINERS_SCHEMA for key in _TEMPLATE_CONTAINER_LISTS},
+        },
     )
-    """A partial PodSpec merged over the one Tidal builds (not validated here; the API server checks the pod)."""
+    """A partial PodSpec merged over the one Tidal builds (the API server checks the pod). Only where containers
+    mount volumes is checked here: not over a system directory (/, /proc, /sys, /dev, /etc)."""
+
+    @model_validator(mode="after")
+    def _check_mount_paths(self) -> Self:
+        # The Python twin of TEMPLATE_MOUNT_RULE, which the schema puts on each volume mount.
+        if not all(TEMPLATE_MOUNT_RULE.holds(path) for path in _template_mount_paths(self.spec)):
+            raise ValueError(TEMPLATE_MOUNT_RULE.message)
+        return self
 
 
 class WorkerSpec(ApiModel):
@@ -183,5 +261,6 @@ class WorkerSpec(ApiModel):
             holds=lambda w: all(e.name not in GUARDED_ENV_NAMES for e in w.env),
             field_path=".env",
         ),
+        *(exclusive_env_rule(first, second) for first, second in EXCLUSIVE_ENV_NAMES),
         keys_rule("nodeSelector", "node_selector", "worker.nodeSelector", "label"),
     )

@@ -83,6 +83,9 @@ def field_table(schema: dict[str, Any], root: str) -> str:
         )
         for rule in node.get("x-kubernetes-validations", []):
             rules.append(f"| `{path}` | `{_cell(rule['rule'])}` | {_cell(rule['message'])} |")
+        # A list's rules on each of its items (a toleration, a pod template's volume mount).
+        for rule in node.get("items", {}).get("x-kubernetes-validations", []) if node.get("type") == "array" else []:
+            rules.append(f"| `{path}[]` | `{_cell(rule['rule'])}` | {_cell(rule['message'])} |")
     if rules:
         lines += ["", "Cross-field rules (CEL, checked by the API server and by the pydantic model alike):", ""]
         lines += ["| Where | Rule | Message |", "| --- | --- | --- |", *rules]

@@ -26,6 +26,7 @@ _PLAIN_KEYWORDS = {
     "required",
     "x-kubernetes-validations",
     "x-kubernetes-preserve-unknown-fields",
+    "nullable",
 }
 _DROPPED_KEYWORDS = {"title", "$defs"}
 # pydantic writes JSON Schema's numeric form (`"exclusiveMinimum": 0`); OpenAPI v3.0, which the API server speaks,

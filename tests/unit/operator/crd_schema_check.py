@@ -12,7 +12,8 @@ import celpy
 
 _TYPES = {
     "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    # The API server reads a JSON 1.0 as a float and takes it for an integer field (and stores 1).
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
     "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
     "boolean": lambda v: isinstance(v, bool),
     "object": lambda v: isinstance(v, dict),
@@ -41,6 +42,8 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
     """Errors as '<path>: <message>' lines; empty when the value is accepted."""
     errors: list[str] = []
     kind = schema.get("type")
+    if value is None and schema.get("nullable"):
+        return []
     if kind and not _TYPES[kind](value):
         return [f"{path}: must be of type {kind}"]
     if "enum" in schema and value not in schema["enum"]:
@@ -61,6 +64,10 @@ def validate(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
             errors += validate(schema["items"], item, f"{path}[{i}]")
     if kind == "object" and not schema.get("x-kubernetes-preserve-unknown-fields"):
         errors += _validate_object(schema, value, path)
+    elif kind == "object":  # unknown fields are kept, the declared ones still checked
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                errors += validate(sub, value[name], f"{path}.{name}")
     if not errors:
         errors += _cel(schema, value, path)
     return errors
@@ -106,7 +113,7 @@ def _cel(schema: dict[str, Any], value: Any, path: str) -> list[str]:
     for rule in schema.get("x-kubernetes-validations", []):
         program = _CEL.program(_CEL.compile(rule["rule"]))
         try:
-            result = program.evaluate({"self": celpy.json_to_cel(value)})
+            result = program.evaluate({"self": celpy.json_to_cel(_without_nulls(value))})
         except celpy.CELEvalError as err:  # e.g. a rule reading an absent field: the API server refuses too
             result = err
         if not (isinstance(result, celpy.celtypes.BoolType) and bool(result)):  # an evaluation error fails too
@@ -115,6 +122,15 @@ def _cel(schema: dict[str, Any], value: Any, path: str) -> list[str]:
             # A rule on the whole object without a fieldPath has no path at all: the API server prints "<nil>".
             errors.append(f"{path + field_path or '<nil>'}: Invalid value: {rule['message']}")
     return errors
+
+
+def _without_nulls(value: Any) -> Any:
+    """CEL on the API server sees a field that is null as absent."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def resolve_field_path(schema: dict[str, Any], field_path: str) -> dict[str, Any]:

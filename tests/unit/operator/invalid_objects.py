@@ -53,6 +53,16 @@ def _env(*names: str) -> list[dict[str, str]]:
     return [{"name": n, "value": "1"} for n in names]
 
 
+def _template_mount(path: str, key: str = "containers", container: str = "worker") -> dict[str, Any]:
+    """A pod template that mounts an emptyDir at `path` in `container` (of `containers` or `initContainers`)."""
+    return {
+        "spec": {
+            key: [{"name": container, "volumeMounts": [{"name": "scratch", "mountPath": path}]}],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+        }
+    }
+
+
 CASES: list[InvalidCase] = [
     InvalidCase(
         "bad-dtype",
@@ -472,6 +482,103 @@ CASES: list[InvalidCase] = [
         "worker.env must not set TIDAL_CONTROL_TOKEN_FILE, TIDAL_CONTROL_HOST",
         "spec.worker.env",
     ),
+    # Accepted once, and then each pod crash-looped or could not start its container.
+    InvalidCase(
+        "kv-blocks-and-kv-bytes-env",
+        "the worker refuses to start with both ways of sizing the KV cache (exit code 2)",
+        {"spec.worker": {"env": _env("TIDAL_NUM_KV_BLOCKS", "TIDAL_KV_CACHE_BYTES")}},
+        "worker.env sets both TIDAL_NUM_KV_BLOCKS and TIDAL_KV_CACHE_BYTES",
+        "worker.env sets both TIDAL_NUM_KV_BLOCKS and TIDAL_KV_CACHE_BYTES",
+        "spec.worker.env",
+    ),
+    InvalidCase(
+        "mount-path-proc",
+        "the model volume over /proc: the container runtime refuses the mount",
+        {"spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/proc"}},
+        "model.volume would be mounted over a system directory",
+        "model.volume would be mounted over a system directory",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "mount-path-under-sys",
+        "the model volume under /sys would hide the kernel's view the GPU driver reads",
+        {"spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/sys/models"}},
+        "model.volume would be mounted over a system directory",
+        "model.volume would be mounted over a system directory",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "host-path-under-proc-mounted-at-its-own-path",
+        "a hostPath is mounted at its own path by default",
+        {"spec.model.volume": {"hostPath": {"path": "/proc/models"}}},
+        "model.volume would be mounted over a system directory",
+        "model.volume would be mounted over a system directory",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "mount-path-dev",
+        "the model volume over /dev would hide the device nodes (GPUs included)",
+        {"spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "//dev/"}},
+        "model.volume would be mounted over a system directory",
+        "model.volume would be mounted over a system directory",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "mount-path-etc",
+        "the model volume over /etc would hide passwd, hosts and resolv.conf",
+        {"spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/etc"}},
+        "model.volume would be mounted over a system directory",
+        "model.volume would be mounted over a system directory",
+        "spec.model.volume.mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-proc",
+        "a pod template's volume over /proc: the container runtime refuses the mount",
+        {"spec.worker": {"podTemplate": _template_mount("/proc")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.containers[0].volumeMounts[0].mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-under-sys",
+        "a pod template's volume under /sys",
+        {"spec.worker": {"podTemplate": _template_mount("/sys/fs/cgroup")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.containers[0].volumeMounts[0].mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-dev",
+        "a pod template's volume over /dev would hide the device nodes",
+        {"spec.worker": {"podTemplate": _template_mount("/dev")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.containers[0].volumeMounts[0].mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-etc",
+        "a pod template's volume over /etc would hide passwd, hosts and resolv.conf",
+        {"spec.worker": {"podTemplate": _template_mount("/etc/", container="sidecar")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.containers[0].volumeMounts[0].mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-root",
+        "a pod template's volume over / would hide the container's own files",
+        {"spec.worker": {"podTemplate": _template_mount("/", key="initContainers", container="init")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.initContainers[0].volumeMounts[0].mountPath",
+    ),
+    InvalidCase(
+        "pod-template-mount-dot-segments",
+        "'.' and '..' segments would reach a system directory by another spelling",
+        {"spec.worker": {"podTemplate": _template_mount("/data/../proc")}},
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "worker.podTemplate.spec mounts a volume over a system directory",
+        "spec.worker.podTemplate.spec.containers[0].volumeMounts[0].mountPath",
+    ),
 ]
 
 # Objects near the cases above that must stay accepted (the rules must not refuse what the API server takes in a pod).
@@ -497,6 +604,36 @@ ACCEPTED_VARIANTS: dict[str, dict[str, Any]] = {
         "spec.worker": {"resources": {"gpusPerRank": 2, "gpuResourceName": "gpu.example.com/" + "g" * 63}}
     },
     "image-with-digest": {"spec.worker": {"image": "registry.example/tidal-worker@sha256:" + "a" * 64}},
+    "one-kv-cache-size-env": {"spec.worker": {"env": _env("TIDAL_NUM_KV_BLOCKS", "HF_HOME")}},
+    # Below /etc is fine (CA bundles under /etc/ssl, config files); /etc itself is not. Below /dev too: /dev/shm is
+    # the usual way to give PyTorch and NCCL more shared memory, /dev/infiniband RDMA devices. A mount path that
+    # only starts like a system directory is another directory.
+    "mounts-below-etc-and-dev": {
+        "spec.model.volume": {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/etc/tidal/models"},
+        "spec.worker": {
+            "podTemplate": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "worker",
+                            "volumeMounts": [
+                                {"name": "certs", "mountPath": "/etc/ssl/certs"},
+                                {"name": "shm", "mountPath": "/dev/shm"},
+                                {"name": "data", "mountPath": "/process-data"},
+                                {"name": "sysroot", "mountPath": "/system"},
+                            ],
+                        },
+                        {"name": "sidecar", "image": "busybox", "volumeMounts": None},
+                    ],
+                    "initContainers": None,
+                }
+            }
+        },
+    },
+    "host-path-under-dev-mounted-at-its-own-path": {"spec.model.volume": {"hostPath": {"path": "/dev/shm/models"}}},
+    # The API server reads a JSON 1.0 for an integer field as 1 and stores 1 (checked against kube-apiserver v1.36.3);
+    # the operator's model takes 1.0 as 1 too.
+    "sleep-level-as-1.0": {"spec.sleep": {"level": 1.0}},
 }
 
 

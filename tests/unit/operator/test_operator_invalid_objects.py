@@ -59,3 +59,11 @@ def test_near_misses_stay_valid_for_both(changes):
 def test_the_root_mount_rule_sees_the_mount_path_the_pod_gets(volume):
     parsed = ModelVolume.model_validate(volume)
     assert parsed.mounted_at() == mount_path(parsed)
+
+
+@pytest.mark.parametrize("level", [1.0, 2.0])
+def test_a_sleep_level_written_as_a_float_reaches_the_operator_as_an_integer(level):
+    # The API server takes a JSON 1.0 for an integer field and stores 1; were a 1.0 to reach the operator, its model
+    # would still read the integer (the level is sent to the worker's control API as it is).
+    parsed = InferenceModel.model_validate(build_variant({"spec.sleep": {"level": level}}))
+    assert type(parsed.spec.sleep.level) is int and parsed.spec.sleep.level == level

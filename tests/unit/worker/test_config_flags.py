@@ -72,6 +72,29 @@ def test_names_the_operator_sets_are_worker_options():
     assert set(worker_env.RESERVED_ENV_NAMES) - not_options <= env_names
 
 
+def test_the_env_pairs_the_crd_refuses_together_are_refused_together_by_the_worker(tmp_path, monkeypatch):
+    """`spec.worker.env` may set one of each pair in worker_env.EXCLUSIVE_ENV_NAMES: with both, the worker refuses to
+    start (exit code 2), so each pod would crash-loop. Either one alone starts."""
+    from tidal.operator.api import worker_env
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("TIDAL_MODEL", str(tmp_path))
+    env_names = {n for o in WORKER_OPTIONS.options.values() for n in o.env_names}
+    assert worker_env.EXCLUSIVE_ENV_NAMES
+    for first, second in worker_env.EXCLUSIVE_ENV_NAMES:
+        assert {first, second} <= env_names
+        monkeypatch.setenv(first, "64")
+        monkeypatch.setenv(second, "1048576")
+        with pytest.raises(ValidationError, match="set at most one of"):
+            WorkerConfig.from_flat()
+        for name in (first, second):
+            monkeypatch.delenv(name)
+            WorkerConfig.from_flat()
+            monkeypatch.setenv(name, "64")
+        monkeypatch.delenv(first)
+        monkeypatch.delenv(second)
+
+
 def test_the_crds_weight_dtypes_are_the_workers():
     """`spec.model.weightDtype` reaches the worker as TIDAL_WEIGHT_DTYPE: one set of names on both sides."""
     from tidal.operator.api.spec import WeightDtype
