@@ -1,17 +1,24 @@
 # ruff: noqa: ANN001, ANN202 -- @triton.jit parameters stay unannotated: Triton reads annotations as specialisation hints.
 # mypy: disable-error-code="no-untyped-def"
-"""Triton kernel of a one-row projection as a row-parallel GEMV (wrapper: small_batch_linear, `OneRowConfig`).
+"""Triton kernels of one-row projections as row-parallel GEMVs (wrappers: small_batch_linear and small_batch_qkv,
+`OneRowConfig`).
 
 At one row `linear_rows_kernel` pads the row to a 16-row tensor-core tile and gives each program 32-64 outputs over
 a share of K, so a 2048-output projection is ~128 programs and a split-K reduction. Here each program owns BLOCK_N
 whole weight rows, streams them in contiguous runs of BLOCK_K inputs, and reduces with sums (no tensor cores, no
 split, no partials): thousands of small programs, which keeps far more loads in flight per multiprocessor
-(benchmarks/kernels/probe_row_gemv.py). The epilogue is linear_rows_kernel's, on one row."""
+(benchmarks/kernels/probe_row_gemv.py). The epilogues are linear_rows_kernel's and qkv_rope_kernel's, on one row."""
 
 import triton
 import triton.language as tl
 
-from tidal.kernels._triton_utils import let_next_kernel_launch, wait_for_previous_kernel
+from tidal.kernels._triton_utils import (
+    arrives_last,
+    for_cache,
+    let_next_kernel_launch,
+    v_slot_offset,
+    wait_for_previous_kernel,
+)
 
 
 @triton.jit
@@ -111,3 +118,147 @@ def one_row_linear_kernel(
         tl.store(partial_sq_ptr + pid, tl.sum(tl.where(out_mask, hf * hf, 0.0), axis=0))
     else:
         tl.store(y_ptr + outs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _finish_pair(x1, x2, head, dims, dim_ok, position, slot, is_q, is_k, is_v, cos_sin_ptr, cos_sin_stride, q_ptr,
+                 k_cache_ptr, v_cache_ptr, q_gamma_ptr, k_gamma_ptr, q_eps, k_eps, num_q_heads, num_kv_heads,
+                 v_stride_block, v_stride_offset, v_stride_head, v_stride_dim, HEAD_DIM: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr):  # fmt: skip
+    """Dims `dims` of both halves of one head (x1, x2 fp32, already rounded to the activations' dtype): q and k
+    normalised (QK_NORM; then `dims` is the whole half) and rotated, q stored, k and v written to the caches."""
+    if QK_NORM:
+        sum_sq = tl.sum(tl.where(dim_ok, x1 * x1 + x2 * x2, 0.0), axis=0)
+        inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + tl.where(is_q, q_eps, k_eps))
+        g1 = tl.where(is_q, tl.load(q_gamma_ptr + dims, mask=dim_ok, other=0.0),
+                      tl.load(k_gamma_ptr + dims, mask=dim_ok, other=0.0)).to(tl.float32)  # fmt: skip
+        g2 = tl.where(is_q, tl.load(q_gamma_ptr + HALF + dims, mask=dim_ok, other=0.0),
+                      tl.load(k_gamma_ptr + HALF + dims, mask=dim_ok, other=0.0)).to(tl.float32)  # fmt: skip
+        # Rounded again, as the separate norm's output is before its rotation; v is not normalised.
+        x1 = tl.where(is_v, x1, (x1 * inv_rms * g1).to(q_ptr.dtype.element_ty).to(tl.float32))
+        x2 = tl.where(is_v, x2, (x2 * inv_rms * g2).to(q_ptr.dtype.element_ty).to(tl.float32))
+    angles = cos_sin_ptr + position * cos_sin_stride + dims
+    cos = tl.load(angles, mask=dim_ok, other=1.0).to(tl.float32)
+    sin = tl.load(angles + HALF, mask=dim_ok, other=0.0).to(tl.float32)
+    y1 = tl.where(is_v, x1, x1 * cos - x2 * sin)
+    y2 = tl.where(is_v, x2, x2 * cos + x1 * sin)
+    q_out = q_ptr + head * HEAD_DIM + dims
+    tl.store(q_out, y1.to(q_ptr.dtype.element_ty), mask=dim_ok & is_q)
+    tl.store(q_out + HALF, y2.to(q_ptr.dtype.element_ty), mask=dim_ok & is_q)
+    kv_head = tl.where(is_v, head - num_q_heads - num_kv_heads, head - num_q_heads)
+    kv_mask = dim_ok & (slot >= 0) & (head >= num_q_heads)
+    dest = slot * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + dims
+    tl.store(k_cache_ptr + dest, for_cache(y1, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
+    tl.store(k_cache_ptr + dest + HALF, for_cache(y2, k_cache_ptr, q_ptr), mask=kv_mask & is_k)
+    v_slot = tl.where(slot >= 0, slot, 0)  # -1 would give a negative block; its stores are masked anyway
+    v_dest = (v_slot_offset(v_slot, v_stride_block, v_stride_offset, BLOCK_SIZE) + kv_head * v_stride_head
+              + dims * v_stride_dim)  # fmt: skip
+    tl.store(v_cache_ptr + v_dest, for_cache(y1, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
+    tl.store(v_cache_ptr + v_dest + HALF * v_stride_dim, for_cache(y2, v_cache_ptr, q_ptr), mask=kv_mask & is_v)
+
+
+@triton.jit
+def one_row_qkv_kernel(
+    a_ptr,  # [1, K]
+    w_ptr,  # [(Hq + 2 Hkv) * D, K]: q heads, then k heads, then v heads; 16-bit, fp32 or e4m3
+    w_scale_ptr,  # [(Hq + 2 Hkv) * D] fp32 scales of an e4m3 W's rows
+    bias_ptr,  # [(Hq + 2 Hkv) * D] when HAS_BIAS
+    norm_partials_ptr,  # [P_IN, 1] fp32 when ROW_SCALE
+    positions_ptr,  # [1]
+    cos_sin_ptr,  # [max_position, D]: cos of the D/2 frequencies, then their sin
+    slot_ptr,  # [1] cache slot of the row's k and v; -1: not written
+    q_ptr,  # [1, Hq * D] rotated q out
+    k_cache_ptr,  # [num_blocks * block_size, Hkv, D] (dense slots)
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] at its strides (kernels/kv_layout.py)
+    q_gamma_ptr,  # [D] q's per-head norm weight when QK_NORM
+    k_gamma_ptr,  # [D] k's, when QK_NORM
+    workspace_ptr,  # [heads, D] fp32: each head's projected values, when QK_NORM over several programs a head
+    counters_ptr,  # [>= heads] int32 arrival counters, zero between launches, likewise
+    k_in,
+    w_stride,
+    num_partials_in,
+    eps,
+    q_eps,
+    k_eps,
+    cos_sin_stride,
+    num_q_heads,
+    num_kv_heads,
+    v_stride_block,
+    v_stride_offset,
+    v_stride_head,
+    v_stride_dim,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PROGRAMS_PER_HEAD: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program p: BLOCK_N dims of both halves of head p // PROGRAMS_PER_HEAD (rotary pairs), their weight rows
+    streamed whole as in one_row_linear_kernel; then the fused qkv's epilogue (qkv_rope_kernel's, on one row).
+    A q/k norm needs the head's every value: with several programs a head, each stores its values to the workspace
+    and counts in on the head's counter, and the last one finishes the whole head."""
+    wait_for_previous_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    head = pid // PROGRAMS_PER_HEAD
+    dims = (pid % PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
+    dim_ok = dims < HALF
+    outs = head * HEAD_DIM + dims
+    W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
+    if ROW_SCALE:
+        sum_sq = tl.zeros([BLOCK_P], tl.float32)
+        for p0 in range(0, num_partials_in, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            sum_sq += tl.load(norm_partials_ptr + ps, mask=ps < num_partials_in, other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / k_in + eps)
+    if W_FP8:
+        w_scale1 = tl.load(w_scale_ptr + outs, mask=dim_ok, other=1.0)
+        w_scale2 = tl.load(w_scale_ptr + outs + HALF, mask=dim_ok, other=1.0)
+    if HAS_BIAS:
+        bias1 = tl.load(bias_ptr + outs, mask=dim_ok, other=0.0).to(tl.float32)
+        bias2 = tl.load(bias_ptr + outs + HALF, mask=dim_ok, other=0.0).to(tl.float32)
+    position = tl.load(positions_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    x1 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs, dim_ok, BLOCK_N, BLOCK_K)
+    x2 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs + HALF, dim_ok, BLOCK_N, BLOCK_K)
+    let_next_kernel_launch(USE_PDL)
+    if W_FP8:
+        x1 = x1 * w_scale1
+        x2 = x2 * w_scale2
+    if ROW_SCALE:
+        x1 = x1 * inv_rms
+        x2 = x2 * inv_rms
+    if HAS_BIAS:
+        x1 += bias1
+        x2 += bias2
+    # Rounded to the activations' dtype first, as the unfused projection's output is before its rotation.
+    x1 = x1.to(q_ptr.dtype.element_ty).to(tl.float32)
+    x2 = x2.to(q_ptr.dtype.element_ty).to(tl.float32)
+    is_q = head < num_q_heads
+    is_v = head >= num_q_heads + num_kv_heads
+    is_k = (head >= num_q_heads) & (head < num_q_heads + num_kv_heads)
+    if QK_NORM and PROGRAMS_PER_HEAD > 1:
+        row = workspace_ptr + head.to(tl.int64) * HEAD_DIM
+        tl.store(row + dims, x1, mask=dim_ok)
+        tl.store(row + HALF + dims, x2, mask=dim_ok)
+        counter = counters_ptr + head
+        last = arrives_last(counter, PROGRAMS_PER_HEAD)
+        half_dims = tl.arange(0, HALF)
+        # .cg: from L2, where the head's other programs stored theirs, never a stale L1 line.
+        x1 = tl.load(row + half_dims, mask=last, other=0.0, cache_modifier=".cg")
+        x2 = tl.load(row + HALF + half_dims, mask=last, other=0.0, cache_modifier=".cg")
+        _finish_pair(x1, x2, head, half_dims, last & (half_dims < HALF), position, slot, is_q, is_k, is_v,
+                     cos_sin_ptr, cos_sin_stride, q_ptr, k_cache_ptr, v_cache_ptr, q_gamma_ptr, k_gamma_ptr, q_eps,
+                     k_eps, num_q_heads, num_kv_heads, v_stride_block, v_stride_offset, v_stride_head, v_stride_dim,
+                     HEAD_DIM, HALF, BLOCK_SIZE, QK_NORM)  # fmt: skip
+        tl.store(counter, 0, mask=last)  # ready for the next launch
+    else:
+        _finish_pair(x1, x2, head, dims, dim_ok, position, slot, is_q, is_k, is_v, cos_sin_ptr, cos_sin_stride,
+                     q_ptr, k_cache_ptr, v_cache_ptr, q_gamma_ptr, k_gamma_ptr, q_eps, k_eps, num_q_heads,
+                     num_kv_heads, v_stride_block, v_stride_offset, v_stride_head, v_stride_dim, HEAD_DIM, HALF,
+                     BLOCK_SIZE, QK_NORM)  # fmt: skip

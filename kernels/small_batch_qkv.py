@@ -17,13 +17,14 @@ import torch
 import triton
 
 from tidal.kernels._device import pdl_launch_options
+from tidal.kernels._one_row_kernels import one_row_qkv_kernel
 from tidal.kernels._small_batch_kernels import qkv_rope_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import INDEX_DTYPES, check_contiguous, check_dtype, check_shape
 from tidal.kernels.kv_cache_dtype import check_cache_dtype
 from tidal.kernels.kv_layout import cache_strides, check_kv_layouts
 from tidal.kernels.rotary_store_kv import HeadNorm, check_head_norms, rotary_store_kv_reference
-from tidal.kernels.small_batch_linear import MAX_ROWS, check_weight_scale, linear_rows_reference
+from tidal.kernels.small_batch_linear import MAX_ROWS, OneRowConfig, check_weight_scale, linear_rows_reference
 
 # Half-head widths a whole-head program takes as one tile: a tensor-core tile is a power of two of at least 16; wider
 # than 128, its two fp32 accumulators of 16 rows would crowd the registers (no supported family has such heads).
@@ -149,6 +150,7 @@ def qkv_rope_store_triton(
     num_warps: int | None = None,
     weight_scale: torch.Tensor | None = None,
     block_n: int | None = None,
+    one_row: OneRowConfig | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
@@ -171,6 +173,10 @@ def qkv_rope_store_triton(
     q = torch.empty((num_rows, num_q_heads, head_dim), dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return q
+    if one_row is not None:
+        return _launch_one_row(a, weight, bias, norm_partials, eps, positions, cos_sin_cache, k_cache, v_cache,
+                               slot_mapping, num_q_heads, num_kv_heads, q_norm, k_norm, weight_scale, one_row, q,
+                               qk_norm)  # fmt: skip
     # A q/k norm needs the whole head in one program. Otherwise 32 or 16 of a half: a tensor-core tile is at least 16
     # wide, and lanes past the half are masked.
     if block_n is None:
@@ -211,6 +217,66 @@ def qkv_rope_store_triton(
         BLOCK_P=64,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch_options(a.device),
+    )  # fmt: skip
+    return q
+
+
+def _launch_one_row(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm_partials: torch.Tensor | None,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_norm: HeadNorm | None,
+    k_norm: HeadNorm | None,
+    weight_scale: torch.Tensor | None,
+    config: OneRowConfig,
+    q: torch.Tensor,
+    qk_norm: bool,
+) -> torch.Tensor:
+    """The one-row launch (`one_row_qkv_kernel`): `config.block_n` dims of both halves of a head a program, its rows
+    streamed whole; with a q/k norm the head's programs meet on an arrival counter and the last finishes the head.
+    Not chosen by default: it has not been measured inside a decode step yet (benchmarks/results/moe-perf-h200.md,
+    ninth pass), so a caller asks for it."""
+    if a.shape[0] != 1:
+        raise ValueError(f"a one-row config launches one row, got {a.shape[0]}")
+    num_heads, head_dim, k_in = num_q_heads + 2 * num_kv_heads, k_cache.shape[-1], a.shape[1]
+    half = head_dim // 2
+    block_n = config.block_n
+    if block_n & (block_n - 1) or not 1 <= block_n <= max(1, triton.next_power_of_2(half)):
+        raise ValueError(f"block_n must be a power of two of at most the half-head {half}, got {block_n}")
+    programs_per_head = triton.cdiv(half, block_n)
+    # With a q/k norm each head's values meet in the workspace (one fp32 row of head_dim a head).
+    splits = programs_per_head if qk_norm else 1
+    workspace, counters = split_buffers(q, num_heads, splits, head_dim // splits)
+    q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
+    k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
+    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
+    one_row_qkv_kernel[(num_heads * programs_per_head,)](
+        a, weight, weight_scale if weight_scale is not None else cos_sin_cache,  # the scales: never read without FP8
+        bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
+        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
+        k_in, weight.stride(0), num_partials, eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
+        *cache_strides(v_cache),
+        HEAD_DIM=head_dim,
+        HALF=half,
+        BLOCK_SIZE=k_cache.shape[1],
+        PROGRAMS_PER_HEAD=programs_per_head,
+        ROW_SCALE=norm_partials is not None,
+        HAS_BIAS=bias is not None,
+        QK_NORM=qk_norm,
+        BLOCK_N=block_n,
+        BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
+        BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+        num_warps=config.num_warps,
         **pdl_launch_options(a.device),
     )  # fmt: skip
     return q

@@ -8,7 +8,8 @@ projection of the two benchmark models, the tiled kernel's time, the one-row con
 to add when one wins.
 
 Each timed graph runs the projection with the epilogue the decode step gives it (o and down into the residual with
-the next norm's input, qkv-free projections with the row scale, gate/up gated) over enough distinct weight sets to
+the next norm's input, the router with the row scale, gate/up gated, the fused qkv with its rotary, q/k norm and
+cache write) over enough distinct weight sets to
 pass the L2 (48 layers where they fit in 400 MB), with PDL between launches as the engine launches them.
 
     cd benchmarks/kernels && python probe_row_gemv.py [--shapes qwen3-o qwen3-router ...] [--weight-dtype fp8|bf16]
@@ -32,6 +33,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from common import graph_ms
 
 from tidal.kernels.fp8_linear import quantize_rows
+from tidal.kernels.rotary import build_cos_sin_cache
+from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import (
     LaunchConfig,
     OneRowConfig,
@@ -40,20 +43,25 @@ from tidal.kernels.small_batch_linear import (
     linear_rows_reference,
     linear_rows_triton,
 )
+from tidal.kernels.small_batch_qkv import qkv_rope_store_reference, qkv_rope_store_triton
 
 
 @dataclass(frozen=True)
 class Projection:
     n_out: int  # outputs (gated: of gate and of up each)
     k_in: int
-    epilogue: str  # "residual", "row_scale", "gated" (with the row scale) or "plain"
+    epilogue: str  # "residual", "row_scale", "gated" (with the row scale), "plain", or "qkv" (rotary, cache write)
     fp8_capable: bool = True  # the router and the LM heads stay 16-bit in every weight mode
+    heads: tuple[int, int, int] = (0, 0, 0)  # qkv: query heads, KV heads, head_dim
+    qk_norm: bool = False  # qkv: Qwen3's per-head q/k norms
 
 
 PROJECTIONS = {
+    "qwen3-qkv": Projection(5120, 2048, "qkv", heads=(32, 4, 128), qk_norm=True),
     "qwen3-o": Projection(2048, 4096, "residual"),
     "qwen3-router": Projection(128, 2048, "row_scale", fp8_capable=False),
     "qwen3-lm-head": Projection(151936, 2048, "plain", fp8_capable=False),
+    "llama3-qkv": Projection(6144, 4096, "qkv", heads=(32, 8, 128)),
     "llama3-o": Projection(4096, 4096, "residual"),
     "llama3-gate-up": Projection(14336, 4096, "gated"),
     "llama3-down": Projection(4096, 14336, "residual"),
@@ -90,6 +98,14 @@ class Case:
         self.partials = torch.rand(16, 1, device=device) * projection.k_in / 16 + 0.5
         self.residual = torch.randn(1, projection.n_out, device=device, dtype=torch.bfloat16)
         self.gamma = torch.rand(projection.n_out, device=device, dtype=torch.bfloat16) + 0.5
+        _, kv_heads, head_dim = projection.heads
+        if projection.epilogue == "qkv":
+            self.cos_sin = build_cos_sin_cache(head_dim, 256, 10000.0, None, torch.bfloat16, device)
+            self.positions = torch.tensor([159], device=device)
+            self.slots = torch.tensor([21], device=device)
+            self.caches = [torch.zeros(4, 16, kv_heads, head_dim, device=device, dtype=torch.bfloat16) for _ in "kv"]
+            norm = [HeadNorm(torch.rand(head_dim, device=device, dtype=torch.bfloat16) + 0.5, 1e-6) for _ in "qk"]
+            self.norms = norm if projection.qk_norm else [None, None]
 
     def run(self, layer: int, config: LaunchConfig | OneRowConfig | None) -> torch.Tensor:
         w, scale = self.weights[layer]
@@ -98,13 +114,23 @@ class Case:
             return linear_rows_into_residual_triton(self.a, w, self.residual, self.gamma, None, config, scale)[0]
         if epilogue == "plain":
             return linear_rows_triton(self.a, w, config=config, weight_scale=scale)
+        if epilogue == "qkv":  # its tiled kernel takes its own defaults (config None)
+            one_row = config if isinstance(config, OneRowConfig) else None
+            return qkv_rope_store_triton(self.a, w, None, self.partials, 1e-6, self.positions, self.cos_sin,
+                                         *self.caches, self.slots, *self.projection.heads[:2], *self.norms,
+                                         weight_scale=scale, one_row=one_row)  # fmt: skip
         return linear_rows_triton(self.a, w, None, self.partials, 1e-6, gated=epilogue == "gated", config=config,
                                   weight_scale=scale)  # fmt: skip
 
     def reference(self) -> torch.Tensor:
         w, scale = self.weights[0]
         epilogue = self.projection.epilogue
-        partials = self.partials if epilogue in ("row_scale", "gated") else None
+        partials = self.partials if epilogue in ("row_scale", "gated", "qkv") else None
+        if epilogue == "qkv":
+            caches = [c.clone() for c in self.caches]
+            return qkv_rope_store_reference(self.a, w, None, partials, 1e-6, self.positions, self.cos_sin, *caches,
+                                            self.slots, *self.projection.heads[:2], *self.norms,
+                                            weight_scale=scale)  # fmt: skip
         y = linear_rows_reference(self.a, w, None, partials, 1e-6, gated=epilogue == "gated", weight_scale=scale)
         return (y.float() + self.residual.float()).to(y.dtype) if epilogue == "residual" else y
 
@@ -125,23 +151,29 @@ def relative_error(case: Case, config: LaunchConfig | OneRowConfig | None) -> fl
 def probe(name: str, fp8: bool, device: torch.device, top: int) -> None:
     projection = PROJECTIONS[name]
     case = Case(projection, fp8, device)
+    qkv = projection.epilogue == "qkv"
     gated = projection.epilogue == "gated"
     kind = "e4m3" if case.fp8 else "bf16"
     print(f"\n# {name}: {projection.n_out} x {projection.k_in} {kind}, {projection.epilogue}, "
           f"{case.layer_bytes / 1e6:.2f} MB a layer, {case.layers} layers")  # fmt: skip
-    tiled = choose_config(projection.n_out, projection.k_in, gated, case.fp8)
+    tiled = None if qkv else choose_config(projection.n_out, projection.k_in, gated, case.fp8)
     tiled_us = case.us_per_layer(tiled)
     engine_us = case.us_per_layer(None)
-    print(f"{tiled_us:8.2f} us {case.layer_bytes / tiled_us / 1e6:5.2f} TB/s  tiled {tiled}")
+    print(f"{tiled_us:8.2f} us {case.layer_bytes / tiled_us / 1e6:5.2f} TB/s  tiled {tiled or 'qkv defaults'}")
     print(f"{engine_us:8.2f} us {case.layer_bytes / engine_us / 1e6:5.2f} TB/s  the engine's choice today")
     timed = []
-    for config in one_row_variants(gated):
+    # A qkv program holds a rotary pair's two rows a dim (two accumulators, as gated), at most the half-head's dims.
+    half = projection.heads[2] // 2
+    variants = [v for v in one_row_variants(gated or qkv) if not qkv or v.block_n <= half]
+    for config in variants:
         timed.append((case.us_per_layer(config), config, relative_error(case, config)))
     timed.sort(key=lambda row: row[0])
     for us, config, err in timed[:top]:
         print(f"{us:8.2f} us {case.layer_bytes / us / 1e6:5.2f} TB/s  {config} (err {err:.1e})")
     best_us, best, _ = timed[0]
-    if best_us < 0.97 * tiled_us:
+    if best_us < 0.97 * tiled_us and qkv:
+        print(f"one-row qkv wins: {best}  # {best_us:.2f} us against {tiled_us:.2f}: measure it inside the step")
+    elif best_us < 0.97 * tiled_us:
         key = (projection.n_out, projection.k_in, gated, case.fp8)
         print(f"TUNED_ONE_ROW_CONFIGS entry: {key}: {best}  # {best_us:.2f} us against {tiled_us:.2f} tiled")
     else:

@@ -46,7 +46,7 @@ from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS, sma
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.rotary_store_kv import HeadNorm
-from tidal.kernels.small_batch_linear import NormInput
+from tidal.kernels.small_batch_linear import NormInput, OneRowConfig
 
 SM90 = GPUTarget("cuda", 90, 32)
 # The kernels these wrappers launch, by the module attribute each wrapper calls them through.
@@ -63,6 +63,7 @@ RECORDED: list[tuple[ModuleType, str]] = [
     (small_batch_linear, "linear_rows_kernel"),
     (small_batch_linear, "one_row_linear_kernel"),
     (small_batch_qkv, "qkv_rope_kernel"),
+    (small_batch_qkv, "one_row_qkv_kernel"),
 ]
 
 
@@ -217,14 +218,17 @@ def llama3_8b_launches() -> list[Launch]:
     return launches
 
 
-def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool) -> None:
+def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool, one_row: OneRowConfig | None = None,
+         weight_dtype: torch.dtype = torch.bfloat16) -> None:  # fmt: skip
     rows, blocks = 1, 4
     norm = HeadNorm(_empty(head_dim), 1e-6) if qk_norm else None
+    n_out = (heads + 2 * kv_heads) * head_dim
+    scale = _empty(n_out, dtype=torch.float32) if weight_dtype == FP8_E4M3 else None
     small_batch_qkv.qkv_rope_store_triton(
-        _empty(rows, hidden), _empty((heads + 2 * kv_heads) * head_dim, hidden), None,
+        _empty(rows, hidden), _empty(n_out, hidden, dtype=weight_dtype), None,
         _empty(hidden // 64, rows, dtype=torch.float32), 1e-6, _empty(rows, dtype=torch.int64),
         _empty(4096, head_dim), _empty(blocks, 16, kv_heads, head_dim), _empty(blocks, 16, kv_heads, head_dim),
-        _empty(rows, dtype=torch.int64), heads, kv_heads, norm, norm,
+        _empty(rows, dtype=torch.int64), heads, kv_heads, norm, norm, weight_scale=scale, one_row=one_row,
     )  # fmt: skip
 
 
@@ -279,12 +283,23 @@ def whole_head_256_launches() -> list[Launch]:
     return launches
 
 
+def one_row_qkv_launches() -> list[Launch]:
+    """The one-row qkv (`one_row_qkv_kernel`, not chosen by default yet) at configs its sweep is likely to pick, on
+    e4m3 weights: Qwen3-30B-A3B's with the q/k norms (several programs a head), the 8B's without."""
+    with recording() as launches:
+        for config in (OneRowConfig(4, 1024, 4), OneRowConfig(8, 512, 8), OneRowConfig(16, 1024, 8)):
+            _qkv(2048, 32, 4, 128, qk_norm=True, one_row=config, weight_dtype=FP8_E4M3)
+            _qkv(4096, 32, 8, 128, qk_norm=False, one_row=config, weight_dtype=FP8_E4M3)
+    return launches
+
+
 MODELS: dict[str, Callable[[], list[Launch]]] = {
     "qwen3-30b-a3b": qwen3_30b_a3b_launches,
     "llama3-8b": llama3_8b_launches,
     "qkv-head-dim-256": whole_head_256_launches,
     "qwen3-30b-a3b-fp8-experts": qwen3_30b_a3b_fp8_experts_launches,
     "fp8-projections": fp8_projections_launches,
+    "one-row-qkv": one_row_qkv_launches,
 }
 
 

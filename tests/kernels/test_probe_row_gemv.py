@@ -24,6 +24,16 @@ def test_each_case_matches_its_reference_on_both_kernels(device, epilogue, fp8):
         assert probe_row_gemv.relative_error(case, config) < 3e-2, config
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_qkv_case_matches_its_reference(device, qk_norm, fp8):
+    projection = probe_row_gemv.Projection(128, 48, "qkv", heads=(2, 1, 32), qk_norm=qk_norm)
+    case = probe_row_gemv.Case(projection, fp8, device, layers=1)
+    assert probe_row_gemv.relative_error(case, probe_row_gemv.OneRowConfig(4, 16, 2)) < 3e-2
+    if device == "cuda":  # the tiled qkv kernel's defaults: a tensor-core dot
+        assert probe_row_gemv.relative_error(case, None) < 3e-2
+
+
 def test_the_router_and_lm_heads_stay_16_bit_as_the_engine_keeps_them(device):
     case = probe_row_gemv.Case(probe_row_gemv.Projection(8, 32, "plain", fp8_capable=False), True, device, layers=1)
     assert not case.fp8 and case.weights[0][1] is None
