@@ -147,6 +147,14 @@ def test_unexpected_tensor(broken):
         load_model(broken, "auto", CPU)
 
 
+def test_non_finite_weights(broken):
+    # The model directory is refused at start-up as an update from it would be: serving NaN gives garbage.
+    name = "model.layers.1.mlp.down_proj.weight"
+    rewrite_weights(broken, lambda t: t[name].view(-1)[:2].fill_(float("nan")))
+    with pytest.raises(ModelLoadError, match=rf"holds NaN or Inf: {name}: 2 non-finite values \(NaN or Inf\)"):
+        load_model(broken, "auto", CPU)
+
+
 def test_engine_rejects_a_cache_smaller_than_the_requested_context(tiny_model):
     config = EngineConfig(
         model_path=tiny_model("llama"), device="cpu", num_kv_blocks=2, block_size=16, max_model_len=64

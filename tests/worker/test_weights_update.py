@@ -73,6 +73,16 @@ def _broken(source, out, change):
     return out
 
 
+NAN_TENSOR = "model.layers.1.mlp.down_proj.weight"
+INF_TENSOR = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _poison(tensors, name, values):
+    """Write `values` (NaN, +/-Inf) into the first elements of `tensors[name]`."""
+    flat = tensors[name].view(-1)
+    flat[: len(values)] = torch.tensor(values, dtype=flat.dtype)
+
+
 @pytest.mark.parametrize(
     ("case", "change", "reason"),
     [
@@ -80,6 +90,12 @@ def _broken(source, out, change):
         ("shape", lambda t: t.update({"model.norm.weight": torch.ones(65)}), "wrong shapes"),
         ("dtype", lambda t: t.update({"lm_head.weight": t["lm_head.weight"].half()}), "wrong dtypes"),
         ("extra", lambda t: t.update({"model.extra.weight": torch.ones(3)}), "does not have"),
+        ("nan", lambda t: _poison(t, NAN_TENSOR, [float("nan")]), f"{NAN_TENSOR}: 1 non-finite value (NaN or Inf)"),
+        (
+            "inf",
+            lambda t: _poison(t, INF_TENSOR, [float("inf"), -float("inf")]),
+            f"{INF_TENSOR}: 2 non-finite values (NaN or Inf)",
+        ),
     ],
 )
 def test_a_bad_checkpoint_changes_nothing(tiny_model, version_b, tmp_path, case, change, reason):
@@ -391,5 +407,83 @@ def test_an_update_while_asleep_is_what_the_wake_serves(tiny_model, version_b, l
             await manager.wake_up(WakeUpRequest())
             assert manager.residency is not None and "reload from disk" not in manager.residency.last_wake_phases
             assert await greedy(manager, prompts) == expected_b
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])  # fp8: the values are checked before they are quantized
+def test_non_finite_weights_are_refused_on_every_path_and_the_old_ones_serve(
+    tiny_model, version_b, tmp_path, weight_dtype
+):
+    model_dir = tiny_model("llama")
+    tensors = {}
+    for path in sorted(version_b.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    _poison(tensors, NAN_TENSOR, [float("nan")] * 3)
+    _poison(tensors, INF_TENSOR, [float("inf")])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors, bad / "model.safetensors")
+    reasons = [f"{NAN_TENSOR}: 3 non-finite values (NaN or Inf)", f"{INF_TENSOR}: 1 non-finite value (NaN or Inf)"]
+
+    with ControlledWorker(model_path=model_dir, num_kv_blocks=64, weight_dtype=weight_dtype) as worker:
+        before_text, before_sum = worker.text("Hello"), worker.checksum()
+
+        def assert_refused_and_unchanged(response) -> None:
+            assert response.status_code == 422, response.text
+            body = response.json()
+            assert body["code"] == "bad_checkpoint" and "nothing changed" in body["message"], body
+            assert all(reason in body["message"] for reason in reasons), body["message"]
+            assert worker.checksum() == before_sum and worker.text("Hello") == before_text
+            assert worker.control.get("/state").json()["weights_version"] == "base"  # type: ignore[union-attr]
+
+        # From a directory.
+        assert_refused_and_unchanged(worker.post("/weights/update", {"source": str(bad), "version": "nan"}))
+
+        # Streamed: the file in one chunk.
+        upload_id = worker.post("/weights/stream/start").json()["upload_id"]
+        data = (bad / "model.safetensors").read_bytes()
+        chunk = worker.control.post(  # type: ignore[union-attr]
+            f"/weights/stream/{upload_id}/chunk", params={"file": "model.safetensors", "offset": 0}, content=data
+        )
+        assert chunk.status_code == 200, chunk.text
+        assert_refused_and_unchanged(worker.post(f"/weights/stream/{upload_id}/finish", {"version": "nan"}))
+
+        # Collective: the trainer broadcasts the poisoned tensors; the worker receives them all, then refuses.
+        names = sorted(tensors)
+        specs = [{"name": n, "shape": list(tensors[n].shape), "dtype": "float32"} for n in names]
+        port = _free_port()
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, str(bad), str(port), json.dumps(names)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            body = {"master_address": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2,
+                    "backend": "gloo", "tensors": specs, "version": "nan", "timeout_s": 60}  # fmt: skip
+            assert_refused_and_unchanged(worker.post("/weights/collective", body))
+            assert trainer.wait(timeout=60) == 0, trainer.stdout.read()  # type: ignore[union-attr]
+        finally:
+            trainer.kill()
+
+        # The worker is not left busy or unable: a good update goes through.
+        assert worker.post("/weights/update", {"source": str(version_b), "version": "b"}).status_code == 200
+
+
+def test_non_finite_weights_staged_while_asleep_leave_the_old_ones_to_wake(tiny_model, version_b, tmp_path):
+    # Asleep at level 1 the host buffer is the only copy of the served weights: the refused update must not touch it.
+    model_dir = tiny_model("llama")
+    prompts = prompt_ids(model_dir)
+    bad = _broken(model_dir, tmp_path / "nan", lambda t: _poison(t, NAN_TENSOR, [float("nan")]))
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            before, before_sum = await greedy(manager, prompts), await manager.checksum()
+            await manager.sleep(SleepRequest(level=1))
+            with pytest.raises(CheckpointRejectedError, match=f"{NAN_TENSOR}: 1 non-finite value"):
+                await manager.update_from_disk(WeightsUpdateRequest(source=str(bad), version="nan"))
+            assert manager.version == "a"
+            await manager.wake_up(WakeUpRequest())
+            assert (await manager.checksum(recompute=True)).overall == before_sum.overall
+            assert await greedy(manager, prompts) == before
 
     asyncio.run(scenario())

@@ -5,6 +5,8 @@ weight) receives the file's bytes directly. Any other (another dtype, a device t
 two staging buffers in turn (pinned when a destination is on a GPU): while `copy_` converts and moves what one holds
 (asynchronously to a GPU), the next part of the checkpoint is read into the other. A `QuantizeInto` destination (an
 FP8 weight, tidal.worker.checkpoint.fp8_targets) is staged too, in whole rows, and quantized on its device.
+Every float tensor's values are checked as they arrive (`values.FiniteCheck`): one holding NaN or Inf fails the
+read once all is read, naming each such tensor (a quantized weight's values are checked before quantization).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tidal.worker.checkpoint.errors import CheckpointError, ReadTimeoutError
 from tidal.worker.checkpoint.fp8_targets import Destination, QuantizeInto
 from tidal.worker.checkpoint.header import StoredTensor
 from tidal.worker.checkpoint.host_bytes import byte_view
+from tidal.worker.checkpoint.values import FiniteCheck
 
 PIECE_BYTES = 64 * 2**20  # one read call; pieces of big tensors are read in parallel
 # Each of the two staging buffers: pinning costs ~0.5 s per GiB, so they are small and read in small pieces.
@@ -50,8 +53,9 @@ def read_tensors(
     deadline: float | None = None,
 ) -> LoadReport:
     """Copy each tensor into `destinations[name]` (same shape; the dtype is converted). A file that cannot be read
-    to the end (an I/O error, shrunk since its header was read) is a CheckpointError; the destinations may then
-    hold part of the checkpoint. `deadline` (time.monotonic()): past it, ReadTimeoutError."""
+    to the end (an I/O error, shrunk since its header was read) is a CheckpointError, and a tensor holding NaN or
+    Inf a NonFiniteValuesError naming every such tensor; the destinations may then hold part or all of the
+    checkpoint. `deadline` (time.monotonic()): past it, ReadTimeoutError."""
     start = time.monotonic()
     jobs = [(t, destinations[t.name]) for t in tensors]
     for tensor, dest in jobs:
@@ -59,10 +63,15 @@ def read_tensors(
             raise ValueError(f"{tensor.name}: destination shape {list(dest.shape)}, stored {list(tensor.shape)}")
     direct = [(t, dest) for t, dest in jobs if isinstance(dest, torch.Tensor) and _takes_bytes(t, dest)]
     staged = [(t, dest) for t, dest in jobs if not (isinstance(dest, torch.Tensor) and _takes_bytes(t, dest))]
+    finite = FiniteCheck()
     try:
-        num_bytes = read_into(direct, num_threads, deadline) + _read_staged(staged, num_threads, deadline)
+        num_bytes = read_into(direct, num_threads, deadline)
+        for tensor, dest in direct:
+            finite.add(tensor.name, dest)  # the file's bytes as they are
+        num_bytes += _read_staged(staged, num_threads, deadline, finite)
     except OSError as err:
         raise CheckpointError([f"reading the checkpoint failed part way: {err}"]) from err
+    finite.raise_if_any()
     return LoadReport(len(jobs), num_bytes, time.monotonic() - start)
 
 
@@ -93,7 +102,9 @@ class _Part:
         return (self.end - self.begin) * self.tensor.dtype.itemsize
 
 
-def _read_staged(jobs: list[tuple[StoredTensor, Destination]], num_threads: int | None, deadline: float | None) -> int:
+def _read_staged(
+    jobs: list[tuple[StoredTensor, Destination]], num_threads: int | None, deadline: float | None, finite: FiniteCheck
+) -> int:
     if not jobs:
         return 0
     on_gpu = any(dest.device.type == "cuda" for _, dest in jobs)
@@ -122,10 +133,15 @@ def _read_staged(jobs: list[tuple[StoredTensor, Destination]], num_threads: int 
         for part, offset in zip(fill, offsets, strict=False):
             staged = buffer[offset : offset + part.nbytes].view(part.tensor.dtype)  # [end - begin]
             if isinstance(part.dest, QuantizeInto):  # whole rows (see _parts)
+                finite.add(part.tensor.name, staged)  # before quantizing: a scale would hide what was wrong
                 row_length = part.dest.row_length()
                 part.dest.write_rows(part.begin // row_length, staged.view(-1, row_length))
             else:
-                _destination(part.dest, part).copy_(staged.view(_shape(part)), non_blocking=True)
+                dest = _destination(part.dest, part)
+                dest.copy_(staged.view(_shape(part)), non_blocking=True)
+                # As converted: a value past the destination dtype's range became Inf too.
+                converted = part.tensor.dtype if dest.dtype != part.tensor.dtype else None
+                finite.add(part.tensor.name, dest, converted)
         # Each device's copies run on its current stream; an event there says when the buffer may be refilled.
         devices = {part.dest.device for part in fill if part.dest.device.type == "cuda"}
         copied[i % 2] = [torch.cuda.current_stream(device).record_event() for device in devices]

@@ -26,6 +26,7 @@ from tidal.worker.checkpoint.fp8_targets import Destination, QuantizeInto, fp8_w
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected
 from tidal.worker.checkpoint.reader import LoadReport
+from tidal.worker.checkpoint.values import FiniteCheck
 from tidal.worker.engine.async_engine import AsyncEngine
 from tidal.worker.engine.llm_engine import LLMEngine
 from tidal.worker.lifecycle import collective
@@ -237,7 +238,10 @@ class Residency:
         return LoadReport(len(request.tensors), num_bytes, time.monotonic() - start)
 
     def _receive_broadcast(self, request: CollectiveUpdateRequest, views: dict[str, torch.Tensor]) -> int:
-        converted: list[tuple[Destination, torch.Tensor]] = []
+        """-> bytes received. Every tensor is received (the trainer's broadcasts must all be matched) before one
+        holding NaN or Inf refuses the update (CheckpointRejectedError naming each), as a checkpoint's would."""
+        received: list[tuple[str, torch.Tensor]] = []  # the model's tensors received in their served dtype
+        converted: list[tuple[str, Destination, torch.Tensor]] = []
         # An FP8 weight sent in a float dtype (its scale not sent) is quantized into its view and its scale's.
         planned = plan_destinations(views, self.fp8_scales, {spec.name: spec.dtype for spec in request.tensors})
 
@@ -246,11 +250,12 @@ class Residency:
                 dtype = getattr(torch, spec.dtype)
                 view = planned.get(spec.name)
                 if isinstance(view, torch.Tensor) and view.dtype == dtype:
+                    received.append((spec.name, view))
                     yield spec.name, view
                     continue
                 scratch = torch.empty(spec.shape, dtype=dtype)  # an extra, or a dtype converted afterwards
                 if view is not None:
-                    converted.append((view, scratch))
+                    converted.append((spec.name, view, scratch))
                 yield spec.name, scratch
 
         group = collective.join_group(
@@ -262,11 +267,19 @@ class Residency:
             num_bytes = collective.receive_into(group, destinations(), on)
         finally:
             collective.leave_group(group)
-        for view, scratch in converted:
-            if isinstance(view, QuantizeInto):
-                view.write_rows(0, scratch)
+        finite = FiniteCheck()
+        for name, view in received:
+            finite.add(name, view)
+        for name, dest, scratch in converted:
+            if isinstance(dest, QuantizeInto):
+                finite.add(name, scratch)  # as sent: quantizing would turn a NaN or an Inf into a scale's
+                dest.write_rows(0, scratch)
             else:
-                view.copy_(scratch)
+                dest.copy_(scratch)
+                finite.add(name, dest, scratch.dtype)
+        problems = finite.problems()
+        if problems:  # raised inside the staging target: what was staged is dropped, the served copy untouched
+            raise CheckpointRejectedError(problems)
         return num_bytes
 
     @contextlib.contextmanager

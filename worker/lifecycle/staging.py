@@ -1,7 +1,7 @@
 """The lifecycle's side of staging a checkpoint from disk (a local directory or a finished upload) in host memory: every
-check happens before the first byte is written, and any checkpoint problem is a CheckpointRejectedError (code
-bad_checkpoint; nothing changed). Also the spare buffer an update is staged in when the host buffer is the served
-copy."""
+check of names, shapes and dtypes happens before the first byte is written, of values (NaN, Inf) as they are staged,
+and any checkpoint problem is a CheckpointRejectedError (code bad_checkpoint; nothing served changed). Also the spare
+buffer an update is staged in when the host buffer is the served copy."""
 
 from __future__ import annotations
 
@@ -52,8 +52,9 @@ def stage_tensors(
     fp8_scales: Mapping[str, str] | None = None,
 ) -> LoadReport:
     """Read each tensor into its host view (an FP8 weight stored in a float dtype: quantized into its view and its
-    scale's). A file that cannot be read to the end, or by `deadline`, is a CheckpointRejectedError (caused by the
-    CheckpointError); the views may then hold part of the new checkpoint."""
+    scale's). A file that cannot be read to the end, or by `deadline`, or a tensor holding NaN or Inf (checked as it
+    is read, before any quantization), is a CheckpointRejectedError (caused by the CheckpointError); the views may
+    then hold part of the new checkpoint."""
     destinations = plan_destinations(host_views, fp8_scales or {}, {t.name: t.dtype_name for t in tensors})
     with _rejected_on_problems():
         report = read_tensors(tensors, destinations, deadline=deadline)

@@ -19,6 +19,7 @@ from tidal.worker.checkpoint.fp8_targets import plan_reads
 from tidal.worker.checkpoint.header import StoredTensor, dtype_name
 from tidal.worker.checkpoint.judge import Expected, tensors_to_read
 from tidal.worker.checkpoint.reader import CONVERTIBLE_DTYPES, LoadReport, read_tensors
+from tidal.worker.checkpoint.values import NonFiniteValuesError
 from tidal.worker.loader.errors import CheckpointMismatchError, MissingModelFileError, ModelLoadError
 from tidal.worker.models.base import CausalLM
 
@@ -50,5 +51,7 @@ def _as_load_error(model_path: Path) -> Iterator[None]:
         raise MissingModelFileError("; ".join(err.problems)) from err
     except CheckpointUnfitError as err:
         raise CheckpointMismatchError("checkpoint does not fit the model: " + "; ".join(err.problems)) from err
+    except NonFiniteValuesError as err:  # a diverged training run's weights: serving them would give garbage
+        raise ModelLoadError(f"the checkpoint in {model_path} holds NaN or Inf: " + "; ".join(err.problems)) from err
     except CheckpointError as err:
         raise ModelLoadError(f"cannot read the checkpoint in {model_path}: " + "; ".join(err.problems)) from err

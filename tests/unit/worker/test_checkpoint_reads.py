@@ -20,6 +20,7 @@ from tidal.worker.checkpoint.fp8_targets import QuantizeInto, fp8_weight_scales,
 from tidal.worker.checkpoint.header import dtype_name
 from tidal.worker.checkpoint.judge import Candidate, Expected, find_problems, tensors_to_read
 from tidal.worker.checkpoint.reader import read_into, read_tensors
+from tidal.worker.checkpoint.values import FiniteCheck, NonFiniteValuesError, count_non_finite
 
 EXPECTED = {"a": Expected((2, 3), frozenset({"bfloat16"})), "b": Expected((4,), frozenset({"bfloat16", "float32"}))}
 
@@ -178,3 +179,47 @@ def test_quantizing_reads_take_whole_rows_and_plan_the_scales(tmp_path, monkeypa
     assert planned == expected and all(isinstance(d, torch.Tensor) for d in destinations.values())
     read_tensors(tensors_to_read(again, planned, allow_extra=False), destinations)
     assert all(torch.equal(copies[n].view(torch.uint8), t.view(torch.uint8)) for n, t in served.items())
+
+
+def test_non_finite_values_fail_the_read_naming_each_tensor(tmp_path, monkeypatch):
+    """Direct, staged (converted, in parts) and quantizing reads all count NaN and Inf; an integer tensor has none;
+    a value a conversion pushes past the destination's range is reported as such."""
+    monkeypatch.setattr(reader, "STAGING_BYTES", 4 * 24 * 4)  # parts of four fp32 rows of 24
+    direct = torch.ones(5, 3)
+    direct[1, 2] = float("nan")
+    converted = torch.randn(17, 24)
+    converted[0, 0], converted[16, 23] = float("inf"), -float("inf")  # in the first and the last part
+    quantized = torch.randn(9, 24)
+    quantized[4] = float("nan")  # a whole row: its scale would be NaN, hiding how many
+    overflow = torch.tensor([1.0, 70000.0])  # beyond float16's range
+    tensors = {"direct": direct, "converted": converted, "quantized": quantized, "overflow": overflow,
+               "ints": torch.arange(4), "fine": torch.randn(3)}  # fmt: skip
+    stored = stored_tensors(checkpoint(tmp_path / "c", tensors))
+    destinations = {
+        "direct": torch.empty(5, 3),
+        "converted": torch.empty(17, 24, dtype=torch.bfloat16),
+        "quantized": QuantizeInto(torch.zeros(9, 24, dtype=FP8_E4M3), torch.zeros(9)),
+        "overflow": torch.empty(2, dtype=torch.float16),
+        "ints": torch.empty(4, dtype=torch.int64),
+        "fine": torch.empty(3),
+    }
+    with pytest.raises(NonFiniteValuesError) as err:
+        read_tensors(list(stored.values()), destinations)
+    assert sorted(err.value.problems) == [
+        "converted: 2 non-finite values (NaN or Inf)",
+        "direct: 1 non-finite value (NaN or Inf)",
+        "overflow: 1 non-finite value (NaN or Inf, or beyond float16's range)",
+        "quantized: 24 non-finite values (NaN or Inf)",
+    ]
+    assert isinstance(err.value, CheckpointError)  # every caller's existing handling of a bad checkpoint applies
+
+
+def test_the_finite_check_reads_float8_values_and_counts_exactly():
+    e4m3 = torch.tensor([1.0, float("nan"), -2.0, float("nan")]).to(FP8_E4M3)
+    assert count_non_finite(e4m3) == 2 and count_non_finite(torch.tensor([1, 2])) == 0
+    check = FiniteCheck()
+    check.add("w", e4m3)
+    check.add("w", torch.tensor([float("inf")]))  # another part of the same tensor
+    check.add("ok", torch.ones(2, dtype=torch.bfloat16))
+    check.add("empty", torch.empty(0))
+    assert check.problems() == ["w: 3 non-finite values (NaN or Inf)"]
