@@ -39,6 +39,16 @@ def _row_products(a_ptr, w_ptr, w_stride, k_in, outs, out_mask, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _inv_rms(partials_ptr, num_partials, k_in, eps, BLOCK_P: tl.constexpr):
+    """1 / rms of the row from the previous kernel's partial sums of squares [num_partials, 1], BLOCK_P a load."""
+    sum_sq = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in range(0, num_partials, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        sum_sq += tl.load(partials_ptr + ps, mask=ps < num_partials, other=0.0)
+    return tl.rsqrt(tl.sum(sum_sq, axis=0) / k_in + eps)
+
+
+@triton.jit
 def one_row_linear_kernel(
     a_ptr,  # [1, K]
     w_ptr,  # [N, K]; gated: gate rows [0, N_OUT), up rows [N_OUT, 2 N_OUT); 16-bit, fp32 or e4m3
@@ -74,11 +84,7 @@ def one_row_linear_kernel(
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     # The epilogue's small inputs first, each round trip overlapping the weight stream (as in linear_rows_kernel).
     if ROW_SCALE:
-        sum_sq = tl.zeros([BLOCK_P], tl.float32)
-        for p0 in range(0, num_partials_in, BLOCK_P):
-            ps = p0 + tl.arange(0, BLOCK_P)
-            sum_sq += tl.load(norm_partials_ptr + ps, mask=ps < num_partials_in, other=0.0)
-        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / k_in + eps)
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, k_in, eps, BLOCK_P)
     if W_FP8:
         w_scale = tl.load(w_scale_ptr + outs, mask=out_mask, other=1.0)
         if GATED:
@@ -211,11 +217,7 @@ def one_row_qkv_kernel(
     outs = head * HEAD_DIM + dims
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     if ROW_SCALE:
-        sum_sq = tl.zeros([BLOCK_P], tl.float32)
-        for p0 in range(0, num_partials_in, BLOCK_P):
-            ps = p0 + tl.arange(0, BLOCK_P)
-            sum_sq += tl.load(norm_partials_ptr + ps, mask=ps < num_partials_in, other=0.0)
-        inv_rms = tl.rsqrt(tl.sum(sum_sq, axis=0) / k_in + eps)
+        inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, k_in, eps, BLOCK_P)
     if W_FP8:
         w_scale1 = tl.load(w_scale_ptr + outs, mask=dim_ok, other=1.0)
         w_scale2 = tl.load(w_scale_ptr + outs + HALF, mask=dim_ok, other=1.0)

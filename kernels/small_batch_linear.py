@@ -243,6 +243,40 @@ def linear_rows_into_residual_reference(
     return h, NormInput(scaled, sq.T.contiguous())
 
 
+def _outputs(
+    a: torch.Tensor, n_out: int, num_programs: int, into_residual: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h * gamma, partial sums) of a launch of `num_programs` N-tiles; the last two empty unless into_residual."""
+    num_rows = a.shape[0]
+    y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
+    scaled = torch.empty((num_rows, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
+    partial_sq = torch.empty((num_programs if into_residual else 0, num_rows), dtype=torch.float32, device=a.device)
+    return y, scaled, partial_sq
+
+
+def _inputs(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    norm_partials: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    partial_sq: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """The kernels' first seven pointers; an absent input passes a tensor the launch has anyway (Triton's launcher
+    refuses a null pointer), which the kernel never reads."""
+    return (
+        a,
+        weight,
+        weight_scale if weight_scale is not None else partial_sq,
+        bias if bias is not None else weight,
+        norm_partials if norm_partials is not None else a,
+        residual if residual is not None else a,
+        gamma if gamma is not None else weight,
+    )
+
+
 def _launch(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -270,10 +304,7 @@ def _launch(
     if config.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {config.split_k}")
     num_programs = triton.cdiv(n_out, config.block_n)
-    y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
-    into_residual = residual is not None
-    scaled = torch.empty((num_rows, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
-    partial_sq = torch.empty((num_programs if into_residual else 0, num_rows), dtype=torch.float32, device=a.device)
+    y, scaled, partial_sq = _outputs(a, n_out, num_programs, residual is not None)
     if num_rows == 0 or n_out == 0:
         return y, scaled, partial_sq
     if k_in == 0:
@@ -281,13 +312,7 @@ def _launch(
     # A split's partial: its BLOCK_M x BLOCK_N tile, and the up tile's beside it.
     workspace, counters = split_buffers(partial_sq, num_programs, config.split_k, 2 * MAX_ROWS * config.block_n)
     linear_rows_kernel[(num_programs, config.split_k)](
-        a,
-        weight,
-        weight_scale if weight_scale is not None else partial_sq,  # never read without FP8 weights
-        bias if bias is not None else weight,
-        norm_partials if norm_partials is not None else a,
-        residual if residual is not None else a,
-        gamma if gamma is not None else weight,
+        *_inputs(a, weight, weight_scale, bias, norm_partials, residual, gamma, partial_sq),
         y,
         scaled,
         partial_sq,
@@ -303,7 +328,7 @@ def _launch(
         counters,
         ROW_SCALE=norm_partials is not None,
         GATED=gated,
-        INTO_RESIDUAL=into_residual,
+        INTO_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         IS_FP32=a.dtype == torch.float32,
         SPLIT_K=config.split_k,
@@ -334,23 +359,14 @@ def _launch_one_row(
     """`_launch` for one row on the row-parallel GEMV; the same outputs, one partial sum per program."""
     k_in = a.shape[1]
     num_programs = triton.cdiv(n_out, config.block_n)
-    y = torch.empty((1, n_out), dtype=a.dtype, device=a.device)
-    into_residual = residual is not None
-    scaled = torch.empty((1, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
-    partial_sq = torch.empty((num_programs if into_residual else 0, 1), dtype=torch.float32, device=a.device)
+    y, scaled, partial_sq = _outputs(a, n_out, num_programs, residual is not None)
     if n_out == 0:
         return y, scaled, partial_sq
     if k_in == 0:
         raise ValueError("a linear layer needs at least one input feature")
     num_partials = norm_partials.shape[0] if norm_partials is not None else 0
     one_row_linear_kernel[(num_programs,)](
-        a,
-        weight,
-        weight_scale if weight_scale is not None else partial_sq,  # never read without FP8 weights
-        bias if bias is not None else weight,
-        norm_partials if norm_partials is not None else a,
-        residual if residual is not None else a,
-        gamma if gamma is not None else weight,
+        *_inputs(a, weight, weight_scale, bias, norm_partials, residual, gamma, partial_sq),
         y,
         scaled,
         partial_sq,
@@ -361,7 +377,7 @@ def _launch_one_row(
         eps,
         ROW_SCALE=norm_partials is not None,
         GATED=gated,
-        INTO_RESIDUAL=into_residual,
+        INTO_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         BLOCK_N=config.block_n,
         BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
