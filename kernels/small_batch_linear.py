@@ -243,17 +243,6 @@ def linear_rows_into_residual_reference(
     return h, NormInput(scaled, sq.T.contiguous())
 
 
-def _outputs(
-    a: torch.Tensor, n_out: int, num_programs: int, into_residual: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h * gamma, partial sums) of a launch of `num_programs` N-tiles; the last two empty unless into_residual."""
-    num_rows = a.shape[0]
-    y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
-    scaled = torch.empty((num_rows, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
-    partial_sq = torch.empty((num_programs if into_residual else 0, num_rows), dtype=torch.float32, device=a.device)
-    return y, scaled, partial_sq
-
-
 def _inputs(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -290,29 +279,51 @@ def _launch(
     config: LaunchConfig | OneRowConfig | None,
     weight_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given."""
+    """-> (y, h * gamma, partial sums); the last two are empty unless `residual` is given. One row of a shape in
+    TUNED_ONE_ROW_CONFIGS (or any row given a OneRowConfig) runs the row-parallel GEMV, the rest the tiled kernel;
+    the outputs are the same, one partial sum per program (N-tile)."""
     num_rows, k_in = a.shape
     fp8 = weight.dtype == FP8_E4M3
     if config is None and num_rows == 1:
         config = choose_one_row_config(n_out, k_in, gated, fp8)
-    if isinstance(config, OneRowConfig):
-        if num_rows != 1:
-            raise ValueError(f"a one-row config launches one row, got {num_rows}")
-        return _launch_one_row(a, weight, bias, n_out, norm_partials, eps, gated, residual, gamma, config,
-                               weight_scale)  # fmt: skip
+    one_row = isinstance(config, OneRowConfig)
+    if one_row and num_rows != 1:
+        raise ValueError(f"a one-row config launches one row, got {num_rows}")
     config = config or choose_config(n_out, k_in, gated, fp8)
-    if config.split_k < 1:
+    if isinstance(config, LaunchConfig) and config.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {config.split_k}")
     num_programs = triton.cdiv(n_out, config.block_n)
-    y, scaled, partial_sq = _outputs(a, n_out, num_programs, residual is not None)
+    into_residual = residual is not None
+    y = torch.empty((num_rows, n_out), dtype=a.dtype, device=a.device)
+    scaled = torch.empty((num_rows, n_out) if into_residual else (0, 0), dtype=a.dtype, device=a.device)
+    partial_sq = torch.empty((num_programs if into_residual else 0, num_rows), dtype=torch.float32, device=a.device)
     if num_rows == 0 or n_out == 0:
         return y, scaled, partial_sq
     if k_in == 0:
         raise ValueError("a linear layer needs at least one input feature")
+    inputs = _inputs(a, weight, weight_scale, bias, norm_partials, residual, gamma, partial_sq)
+    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
+    epilogue = {
+        "ROW_SCALE": norm_partials is not None,
+        "GATED": gated,
+        "INTO_RESIDUAL": into_residual,
+        "HAS_BIAS": bias is not None,
+    }
+    if isinstance(config, OneRowConfig):
+        one_row_linear_kernel[(num_programs,)](
+            *inputs, y, scaled, partial_sq, n_out, k_in, weight.stride(0), num_partials, eps, **epilogue,
+            BLOCK_N=config.block_n,
+            BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
+            # The previous norm's partial sums in one load where they are few (the one-row o projection leaves 256).
+            BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+            num_warps=config.num_warps,
+            **pdl_launch_options(a.device),
+        )  # fmt: skip
+        return y, scaled, partial_sq
     # A split's partial: its BLOCK_M x BLOCK_N tile, and the up tile's beside it.
     workspace, counters = split_buffers(partial_sq, num_programs, config.split_k, 2 * MAX_ROWS * config.block_n)
     linear_rows_kernel[(num_programs, config.split_k)](
-        *_inputs(a, weight, weight_scale, bias, norm_partials, residual, gamma, partial_sq),
+        *inputs,
         y,
         scaled,
         partial_sq,
@@ -322,14 +333,11 @@ def _launch(
         a.stride(0),
         weight.stride(0),
         residual.stride(0) if residual is not None else 0,
-        norm_partials.shape[0] if norm_partials is not None else 0,
+        num_partials,
         eps,
         workspace,
         counters,
-        ROW_SCALE=norm_partials is not None,
-        GATED=gated,
-        INTO_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
+        **epilogue,
         IS_FP32=a.dtype == torch.float32,
         SPLIT_K=config.split_k,
         BLOCK_M=MAX_ROWS,
@@ -338,52 +346,6 @@ def _launch(
         BLOCK_P=64,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl_launch_options(a.device),
-    )
-    return y, scaled, partial_sq
-
-
-def _launch_one_row(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    n_out: int,
-    norm_partials: torch.Tensor | None,
-    eps: float,
-    gated: bool,
-    residual: torch.Tensor | None,
-    gamma: torch.Tensor | None,
-    config: OneRowConfig,
-    weight_scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_launch` for one row on the row-parallel GEMV; the same outputs, one partial sum per program."""
-    k_in = a.shape[1]
-    num_programs = triton.cdiv(n_out, config.block_n)
-    y, scaled, partial_sq = _outputs(a, n_out, num_programs, residual is not None)
-    if n_out == 0:
-        return y, scaled, partial_sq
-    if k_in == 0:
-        raise ValueError("a linear layer needs at least one input feature")
-    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
-    one_row_linear_kernel[(num_programs,)](
-        *_inputs(a, weight, weight_scale, bias, norm_partials, residual, gamma, partial_sq),
-        y,
-        scaled,
-        partial_sq,
-        n_out,
-        k_in,
-        weight.stride(0),
-        num_partials,
-        eps,
-        ROW_SCALE=norm_partials is not None,
-        GATED=gated,
-        INTO_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=config.block_n,
-        BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
-        # The previous norm's partial sums in one load where they are few (the one-row o projection leaves 256).
-        BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
-        num_warps=config.num_warps,
         **pdl_launch_options(a.device),
     )
     return y, scaled, partial_sq
