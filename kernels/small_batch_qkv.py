@@ -173,10 +173,47 @@ def qkv_rope_store_triton(
     q = torch.empty((num_rows, num_q_heads, head_dim), dtype=a.dtype, device=a.device)
     if num_rows == 0:
         return q
+    # Without the norms the gamma pointers are never read; the weight stands in for them.
+    q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
+    k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
+    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
+    pointers = (
+        a, weight, weight_scale if weight_scale is not None else cos_sin_cache,  # the scales: never read without FP8
+        bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
+        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma,
+    )  # fmt: skip
+    shared = {
+        "HEAD_DIM": head_dim,
+        "HALF": half,
+        "BLOCK_SIZE": k_cache.shape[1],
+        "ROW_SCALE": norm_partials is not None,
+        "HAS_BIAS": bias is not None,
+        "QK_NORM": qk_norm,
+        **pdl_launch_options(a.device),
+    }
     if one_row is not None:
-        return _launch_one_row(a, weight, bias, norm_partials, eps, positions, cos_sin_cache, k_cache, v_cache,
-                               slot_mapping, num_q_heads, num_kv_heads, q_norm, k_norm, weight_scale, one_row, q,
-                               qk_norm)  # fmt: skip
+        # The row GEMV (`one_row_qkv_kernel`): `one_row.block_n` dims of both halves of a head a program, its rows
+        # streamed whole; with a q/k norm the head's programs meet on an arrival counter and the last finishes the
+        # head. Not chosen by default: not yet timed in a decode step (moe-perf-h200.md, ninth pass).
+        if num_rows != 1:
+            raise ValueError(f"a one-row config launches one row, got {num_rows}")
+        if one_row.block_n & (one_row.block_n - 1) or not 1 <= one_row.block_n <= triton.next_power_of_2(half):
+            raise ValueError(f"block_n must be a power of two of at most the half-head {half}, got {one_row.block_n}")
+        num_heads = num_q_heads + 2 * num_kv_heads
+        programs_per_head = triton.cdiv(half, one_row.block_n)
+        # With a q/k norm each head's values meet in the workspace (one fp32 row of head_dim a head).
+        splits = programs_per_head if qk_norm else 1
+        workspace, counters = split_buffers(q, num_heads, splits, head_dim // splits)
+        one_row_qkv_kernel[(num_heads * programs_per_head,)](
+            *pointers, workspace, counters, k_in, weight.stride(0), num_partials, eps, q_eps, k_eps,
+            cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache), **shared,
+            PROGRAMS_PER_HEAD=programs_per_head,
+            BLOCK_N=one_row.block_n,
+            BLOCK_K=min(one_row.block_k, max(16, triton.next_power_of_2(k_in))),
+            BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+            num_warps=one_row.num_warps,
+        )  # fmt: skip
+        return q
     # A q/k norm needs the whole head in one program. Otherwise 32 or 16 of a half: a tensor-core tile is at least 16
     # wide, and lanes past the half are masked.
     if block_n is None:
@@ -193,22 +230,10 @@ def qkv_rope_store_triton(
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     workspace, counters = split_buffers(q, num_tiles, split_k, 2 * MAX_ROWS * block_n)  # a rotary pair's tiles
-    # Without the norms the gamma pointers are never read; the weight stands in for them.
-    q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
-    k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
     qkv_rope_kernel[(num_tiles, split_k)](
-        a, weight, weight_scale if weight_scale is not None else cos_sin_cache,  # the scales: never read without FP8
-        bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
-        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
-        num_rows, k_in, a.stride(0), weight.stride(0), norm_partials.shape[0] if norm_partials is not None else 0,
-        eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache),
-        HEAD_DIM=head_dim,
-        HALF=half,
-        BLOCK_SIZE=k_cache.shape[1],
+        *pointers, workspace, counters, num_rows, k_in, a.stride(0), weight.stride(0), num_partials, eps, q_eps, k_eps,
+        cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache), **shared,
         TILES_PER_HALF=tiles_per_half,
-        ROW_SCALE=norm_partials is not None,
-        HAS_BIAS=bias is not None,
-        QK_NORM=qk_norm,
         IS_FP32=a.dtype == torch.float32,
         SPLIT_K=split_k,
         BLOCK_M=MAX_ROWS,
@@ -217,66 +242,5 @@ def qkv_rope_store_triton(
         BLOCK_P=64,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_launch_options(a.device),
-    )  # fmt: skip
-    return q
-
-
-def _launch_one_row(
-    a: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    norm_partials: torch.Tensor | None,
-    eps: float,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    q_norm: HeadNorm | None,
-    k_norm: HeadNorm | None,
-    weight_scale: torch.Tensor | None,
-    config: OneRowConfig,
-    q: torch.Tensor,
-    qk_norm: bool,
-) -> torch.Tensor:
-    """The one-row launch (`one_row_qkv_kernel`): `config.block_n` dims of both halves of a head a program, its rows
-    streamed whole; with a q/k norm the head's programs meet on an arrival counter and the last finishes the head.
-    Not chosen by default: it has not been measured inside a decode step yet (benchmarks/results/moe-perf-h200.md,
-    ninth pass), so a caller asks for it."""
-    if a.shape[0] != 1:
-        raise ValueError(f"a one-row config launches one row, got {a.shape[0]}")
-    num_heads, head_dim, k_in = num_q_heads + 2 * num_kv_heads, k_cache.shape[-1], a.shape[1]
-    half = head_dim // 2
-    block_n = config.block_n
-    if block_n & (block_n - 1) or not 1 <= block_n <= max(1, triton.next_power_of_2(half)):
-        raise ValueError(f"block_n must be a power of two of at most the half-head {half}, got {block_n}")
-    programs_per_head = triton.cdiv(half, block_n)
-    # With a q/k norm each head's values meet in the workspace (one fp32 row of head_dim a head).
-    splits = programs_per_head if qk_norm else 1
-    workspace, counters = split_buffers(q, num_heads, splits, head_dim // splits)
-    q_gamma, q_eps = (q_norm.gamma, q_norm.eps) if q_norm is not None else (weight, 0.0)
-    k_gamma, k_eps = (k_norm.gamma, k_norm.eps) if k_norm is not None else (weight, 0.0)
-    num_partials = norm_partials.shape[0] if norm_partials is not None else 0
-    one_row_qkv_kernel[(num_heads * programs_per_head,)](
-        a, weight, weight_scale if weight_scale is not None else cos_sin_cache,  # the scales: never read without FP8
-        bias if bias is not None else weight, norm_partials if norm_partials is not None else a,
-        positions, cos_sin_cache, slot_mapping, q, k_cache, v_cache, q_gamma, k_gamma, workspace, counters,
-        k_in, weight.stride(0), num_partials, eps, q_eps, k_eps, cos_sin_cache.stride(0), num_q_heads, num_kv_heads,
-        *cache_strides(v_cache),
-        HEAD_DIM=head_dim,
-        HALF=half,
-        BLOCK_SIZE=k_cache.shape[1],
-        PROGRAMS_PER_HEAD=programs_per_head,
-        ROW_SCALE=norm_partials is not None,
-        HAS_BIAS=bias is not None,
-        QK_NORM=qk_norm,
-        BLOCK_N=block_n,
-        BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
-        BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
-        num_warps=config.num_warps,
-        **pdl_launch_options(a.device),
     )  # fmt: skip
     return q
