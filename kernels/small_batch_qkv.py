@@ -12,6 +12,7 @@ head or pair adjacent dims (GPT-J) keep the separate kernel: `can_fuse_rotary` s
 """
 
 import math
+from typing import Literal
 
 import torch
 import triton
@@ -48,6 +49,20 @@ WHOLE_HEAD_WARPS = 4
 # whole half a program, 256 inputs a step and K split in two, against 14.50 on the defaults (H100, 32 layers' weights
 # in a graph: bench_small_batch_linear.py --sweep --shape llama3-8b-qkv-rope --weight-dtype fp8); inside the decode
 # step (profile_steps.py) it made batch 1 3,743-3,755 us against 3,727 and batch 8 3,891-3,926 against 3,831.
+
+
+# Shapes where one row takes the row GEMV (`one_row_qkv_kernel`) rather than the tiled kernel, by (query heads, KV
+# heads, head_dim, inputs, q/k norm, e4m3 weights): benchmarks/kernels/probe_row_gemv.py prints an entry where a
+# config beats the tiled launch alone; one is added only once the decode step (profile_steps.py) gains from it too,
+# because the tiled launch's defaults above were chosen by the step and not by the kernel alone.
+TUNED_ONE_ROW_QKV_CONFIGS: dict[tuple[int, int, int, int, bool, bool], OneRowConfig] = {}
+
+
+def choose_one_row_qkv_config(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, k_in: int, qk_norm: bool, fp8_weights: bool
+) -> OneRowConfig | None:
+    """The row GEMV's config for a one-row qkv of this shape, or None: the tiled kernel."""
+    return TUNED_ONE_ROW_QKV_CONFIGS.get((num_q_heads, num_kv_heads, head_dim, k_in, qk_norm, fp8_weights))
 
 
 def can_fuse_rotary(head_dim: int, rotary_dim: int, is_neox: bool, has_qk_norm: bool) -> bool:
@@ -150,13 +165,14 @@ def qkv_rope_store_triton(
     num_warps: int | None = None,
     weight_scale: torch.Tensor | None = None,
     block_n: int | None = None,
-    one_row: OneRowConfig | None = None,
+    one_row: OneRowConfig | Literal["tuned", "off"] = "tuned",
 ) -> torch.Tensor:
     """The Triton kernel; same contract as `qkv_rope_store_reference`. split_k: None takes `default_split_k`;
     block_k and num_warps: None take the measured defaults (whole heads: see MIN_PROGRAMS; half heads: the 32 x 256
     tile at 4 warps). block_n: dims of each half a program takes (a power of two of at least 16, at most the half's
     next power of two; None: the half with a q/k norm, which needs whole heads, else 32, or 16 for narrower
-    halves)."""
+    halves). one_row: a `OneRowConfig` launches the row GEMV (one row only); "tuned" does where
+    TUNED_ONE_ROW_QKV_CONFIGS lists a one-row launch's shape and no tiled parameter is given; "off" never does."""
     head_dim = _check(
         a, weight, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, weight_scale
     )
@@ -191,16 +207,20 @@ def qkv_rope_store_triton(
         "QK_NORM": qk_norm,
         **pdl_launch_options(a.device),
     }
-    if one_row is not None:
-        # The row GEMV (`one_row_qkv_kernel`): `one_row.block_n` dims of both halves of a head a program, its rows
-        # streamed whole; with a q/k norm the head's programs meet on an arrival counter and the last finishes the
-        # head. Not chosen by default: not yet timed in a decode step (moe-perf-h200.md, ninth pass).
+    row_config = one_row if isinstance(one_row, OneRowConfig) else None
+    if one_row == "tuned" and num_rows == 1 and (split_k, block_k, num_warps, block_n) == (None, None, None, None):
+        fp8 = weight_scale is not None
+        row_config = choose_one_row_qkv_config(num_q_heads, num_kv_heads, head_dim, k_in, qk_norm, fp8)
+    if row_config is not None:
+        # The row GEMV (`one_row_qkv_kernel`): `block_n` dims of both halves of a head a program, its rows streamed
+        # whole; with a q/k norm the head's programs meet on an arrival counter and the last finishes the head.
         if num_rows != 1:
             raise ValueError(f"a one-row config launches one row, got {num_rows}")
-        if one_row.block_n & (one_row.block_n - 1) or not 1 <= one_row.block_n <= triton.next_power_of_2(half):
-            raise ValueError(f"block_n must be a power of two of at most the half-head {half}, got {one_row.block_n}")
+        row_n = row_config.block_n
+        if row_n & (row_n - 1) or not 1 <= row_n <= triton.next_power_of_2(half):
+            raise ValueError(f"block_n must be a power of two of at most the half-head {half}, got {row_n}")
         num_heads = num_q_heads + 2 * num_kv_heads
-        programs_per_head = triton.cdiv(half, one_row.block_n)
+        programs_per_head = triton.cdiv(half, row_n)
         # With a q/k norm each head's values meet in the workspace (one fp32 row of head_dim a head).
         splits = programs_per_head if qk_norm else 1
         workspace, counters = split_buffers(q, num_heads, splits, head_dim // splits)
@@ -208,10 +228,10 @@ def qkv_rope_store_triton(
             *pointers, workspace, counters, k_in, weight.stride(0), num_partials, eps, q_eps, k_eps,
             cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache), **shared,
             PROGRAMS_PER_HEAD=programs_per_head,
-            BLOCK_N=one_row.block_n,
-            BLOCK_K=min(one_row.block_k, max(16, triton.next_power_of_2(k_in))),
+            BLOCK_N=row_n,
+            BLOCK_K=min(row_config.block_k, max(16, triton.next_power_of_2(k_in))),
             BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
-            num_warps=one_row.num_warps,
+            num_warps=row_config.num_warps,
         )  # fmt: skip
         return q
     # A q/k norm needs the whole head in one program. Otherwise 32 or 16 of a half: a tensor-core tile is at least 16

@@ -5,7 +5,8 @@ engine's kernels took, if every launch keeps enough programs resident. `kernels/
 kernel that does: each program owns a few whole weight rows (no split of K, no partials), thousands of programs.
 `TUNED_ONE_ROW_CONFIGS` routes a shape to it only where this sweep measured it faster, so this script prints, per
 projection of the two benchmark models, the tiled kernel's time, the one-row configs' best few, and the table entry
-to add when one wins.
+to add when one wins (--write-table FILE keeps them for profile_steps.py --one-row-table FILE, where the decode step
+decides).
 
 Each timed graph runs the projection with the epilogue the decode step gives it (o and down into the residual with
 the next norm's input, the router with the row scale, gate/up gated, the fused qkv with its rotary, q/k norm and
@@ -13,6 +14,7 @@ cache write) over enough distinct weight sets to
 pass the L2 (48 layers where they fit in 400 MB), with PDL between launches as the engine launches them.
 
     cd benchmarks/kernels && python probe_row_gemv.py [--shapes qwen3-o qwen3-router ...] [--weight-dtype fp8|bf16]
+        [--write-table FILE]
 
 (Its first run, in 0519273, timed a private copy of the products loop without epilogues: probe-row-gemv-h100.txt.)
 `tests/kernels/test_probe_row_gemv.py` runs its cases small on a CPU (interpreted), to keep the script working.
@@ -25,12 +27,15 @@ import itertools
 import pathlib
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 from common import graph_ms
+from perf import one_row_tables
 
 from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.rotary import build_cos_sin_cache
@@ -44,6 +49,10 @@ from tidal.kernels.small_batch_linear import (
     linear_rows_triton,
 )
 from tidal.kernels.small_batch_qkv import qkv_rope_store_reference, qkv_rope_store_triton
+
+# A config for `Case.run`: None is the engine's choice (the one-row tables, else the tiled kernel), "tiled" the tiled
+# kernel on its defaults, a LaunchConfig the tiled kernel on that tile (not for qkv), a OneRowConfig the row GEMV.
+Config = LaunchConfig | OneRowConfig | Literal["tiled"] | None
 
 
 @dataclass(frozen=True)
@@ -107,18 +116,20 @@ class Case:
             norm = [HeadNorm(torch.rand(head_dim, device=device, dtype=torch.bfloat16) + 0.5, 1e-6) for _ in "qk"]
             self.norms = norm if projection.qk_norm else [None, None]
 
-    def run(self, layer: int, config: LaunchConfig | OneRowConfig | None) -> torch.Tensor:
+    def run(self, layer: int, config: Config) -> torch.Tensor:
         w, scale = self.weights[layer]
         epilogue = self.projection.epilogue
+        if epilogue == "qkv":  # its tiled kernel takes its own defaults
+            one_row = config if isinstance(config, OneRowConfig) else "off" if config == "tiled" else "tuned"
+            return qkv_rope_store_triton(self.a, w, None, self.partials, 1e-6, self.positions, self.cos_sin,
+                                         *self.caches, self.slots, *self.projection.heads[:2], *self.norms,
+                                         weight_scale=scale, one_row=one_row)  # fmt: skip
+        if config == "tiled":
+            config = choose_config(self.projection.n_out, self.projection.k_in, epilogue == "gated", self.fp8)
         if epilogue == "residual":
             return linear_rows_into_residual_triton(self.a, w, self.residual, self.gamma, None, config, scale)[0]
         if epilogue == "plain":
             return linear_rows_triton(self.a, w, config=config, weight_scale=scale)
-        if epilogue == "qkv":  # its tiled kernel takes its own defaults (config None)
-            one_row = config if isinstance(config, OneRowConfig) else None
-            return qkv_rope_store_triton(self.a, w, None, self.partials, 1e-6, self.positions, self.cos_sin,
-                                         *self.caches, self.slots, *self.projection.heads[:2], *self.norms,
-                                         weight_scale=scale, one_row=one_row)  # fmt: skip
         return linear_rows_triton(self.a, w, None, self.partials, 1e-6, gated=epilogue == "gated", config=config,
                                   weight_scale=scale)  # fmt: skip
 
@@ -134,7 +145,7 @@ class Case:
         y = linear_rows_reference(self.a, w, None, partials, 1e-6, gated=epilogue == "gated", weight_scale=scale)
         return (y.float() + self.residual.float()).to(y.dtype) if epilogue == "residual" else y
 
-    def us_per_layer(self, config: LaunchConfig | OneRowConfig | None) -> float:
+    def us_per_layer(self, config: Config) -> float:
         def chain() -> None:
             for layer in range(self.layers):
                 self.run(layer, config)
@@ -143,12 +154,28 @@ class Case:
         return graph_ms(chain) * 1e3 / self.layers
 
 
-def relative_error(case: Case, config: LaunchConfig | OneRowConfig | None) -> float:
+def relative_error(case: Case, config: Config) -> float:
     got, want = case.run(0, config).float(), case.reference().float()
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
-def probe(name: str, fp8: bool, device: torch.device, top: int) -> None:
+class Winners:
+    """The one-row entries a sweep found, per table, and the keys it probed (those it found none for included)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, one_row_tables.Table] = {"linear": {}, "qkv": {}}
+        self.probed: dict[str, set[tuple]] = {"linear": set(), "qkv": set()}
+
+
+def table_key(case: Case) -> tuple[str, tuple]:
+    """(which table, the key) of a case's shape, as the kernels' wrappers look it up."""
+    p = case.projection
+    if p.epilogue == "qkv":
+        return "qkv", (p.heads[0], p.heads[1], p.heads[2], p.k_in, p.qk_norm, case.fp8)
+    return "linear", (p.n_out, p.k_in, p.epilogue == "gated", case.fp8)
+
+
+def probe(name: str, fp8: bool, device: torch.device, top: int, winners: Winners) -> None:
     projection = PROJECTIONS[name]
     case = Case(projection, fp8, device)
     qkv = projection.epilogue == "qkv"
@@ -156,10 +183,10 @@ def probe(name: str, fp8: bool, device: torch.device, top: int) -> None:
     kind = "e4m3" if case.fp8 else "bf16"
     print(f"\n# {name}: {projection.n_out} x {projection.k_in} {kind}, {projection.epilogue}, "
           f"{case.layer_bytes / 1e6:.2f} MB a layer, {case.layers} layers")  # fmt: skip
-    tiled = None if qkv else choose_config(projection.n_out, projection.k_in, gated, case.fp8)
-    tiled_us = case.us_per_layer(tiled)
+    tiled_us = case.us_per_layer("tiled")
     engine_us = case.us_per_layer(None)
-    print(f"{tiled_us:8.2f} us {case.layer_bytes / tiled_us / 1e6:5.2f} TB/s  tiled {tiled or 'qkv defaults'}")
+    tiled = "qkv defaults" if qkv else choose_config(projection.n_out, projection.k_in, gated, case.fp8)
+    print(f"{tiled_us:8.2f} us {case.layer_bytes / tiled_us / 1e6:5.2f} TB/s  tiled {tiled}")
     print(f"{engine_us:8.2f} us {case.layer_bytes / engine_us / 1e6:5.2f} TB/s  the engine's choice today")
     timed = []
     # A qkv program holds a rotary pair's two rows a dim (two accumulators, as gated), at most the half-head's dims.
@@ -171,11 +198,12 @@ def probe(name: str, fp8: bool, device: torch.device, top: int) -> None:
     for us, config, err in timed[:top]:
         print(f"{us:8.2f} us {case.layer_bytes / us / 1e6:5.2f} TB/s  {config} (err {err:.1e})")
     best_us, best, _ = timed[0]
-    if best_us < 0.97 * tiled_us and qkv:
-        print(f"one-row qkv wins: {best}  # {best_us:.2f} us against {tiled_us:.2f}: measure it inside the step")
-    elif best_us < 0.97 * tiled_us:
-        key = (projection.n_out, projection.k_in, gated, case.fp8)
-        print(f"TUNED_ONE_ROW_CONFIGS entry: {key}: {best}  # {best_us:.2f} us against {tiled_us:.2f} tiled")
+    table, key = table_key(case)
+    winners.probed[table].add(key)
+    if best_us < 0.97 * tiled_us:
+        winners.entries[table][key] = best
+        source_table = "TUNED_ONE_ROW_QKV_CONFIGS" if qkv else "TUNED_ONE_ROW_CONFIGS"
+        print(f"{source_table} entry: {key}: {best}  # {best_us:.2f} us against {tiled_us:.2f} tiled; the step decides")
     else:
         print("no entry: the tiled kernel is within 3% or faster")
 
@@ -185,12 +213,21 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=sorted(PROJECTIONS), default=sorted(PROJECTIONS))
     parser.add_argument("--weight-dtype", choices=["fp8", "bf16"], default="fp8")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument(
+        "--write-table", type=pathlib.Path, metavar="FILE",
+        help="merge the entries found into FILE (perf/one_row_tables.py) for profile_steps.py --one-row-table",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}; {args.weight_dtype} weights where the engine quantizes them")
+    winners = Winners()
     for name in args.shapes:
-        probe(name, args.weight_dtype == "fp8", device, args.top)
+        probe(name, args.weight_dtype == "fp8", device, args.top, winners)
         torch.cuda.empty_cache()
+    if args.write_table is not None:
+        for table in ("linear", "qkv"):
+            one_row_tables.merge_into(args.write_table, table, winners.entries[table], winners.probed[table])
+        print(f"\nentries written to {args.write_table}: {one_row_tables.read(args.write_table)}")
 
 
 if __name__ == "__main__":

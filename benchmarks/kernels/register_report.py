@@ -228,7 +228,8 @@ def _qkv(hidden: int, heads: int, kv_heads: int, head_dim: int, qk_norm: bool, o
         _empty(rows, hidden), _empty(n_out, hidden, dtype=weight_dtype), None,
         _empty(hidden // 64, rows, dtype=torch.float32), 1e-6, _empty(rows, dtype=torch.int64),
         _empty(4096, head_dim), _empty(blocks, 16, kv_heads, head_dim), _empty(blocks, 16, kv_heads, head_dim),
-        _empty(rows, dtype=torch.int64), heads, kv_heads, norm, norm, weight_scale=scale, one_row=one_row,
+        _empty(rows, dtype=torch.int64), heads, kv_heads, norm, norm, weight_scale=scale,
+        one_row=one_row or "tuned",
     )  # fmt: skip
 
 

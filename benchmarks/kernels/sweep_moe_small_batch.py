@@ -3,7 +3,7 @@ sort) against the grouped path with its tuned tiles, on a model's expert shape a
 as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
 
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--from-tuned]
-        [--out DIR] [--weight-dtype fp8]
+        [--out DIR] [--weight-dtype fp8] [--row-gemv]
 
 Per token count: the grouped path, the small-batch default config (with --from-tuned the table's entry for the
 count, where it has one), then a coordinate descent over the small-batch config (gate/up load stages, then its tiles
@@ -16,7 +16,8 @@ profile_steps.py with TIDAL_MOE_FUSED_LAYER=0/1, and a --from-tuned entry keeps 
 best per token count, its gain over the grouped path, and the `TUNED_SMALL_BATCH_CONFIGS` entry for
 kernels/_moe_small_batch_config.py (the token counts where the small-batch path wins, from 1 up). --out writes the
 figures as JSON. About 100 configs per token count: the first count compiles each (a few minutes); later counts
-reuse the compiled kernels.
+reuse the compiled kernels. --row-gemv sweeps narrow tiles (1-8 outputs a program, long K steps) instead of the
+usual grids: the shape that keeps enough programs in flight at one token (probe_row_gemv.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ DOWN_TILES = [GemvTiles(n, k, w) for n in (8, 16, 32, 64) for k in (32, 64, 128,
 # e4m3 experts load half the bytes a step: their grids add the twice-as-long K steps.
 FP8_GATE_UP_TILES = [*GATE_UP_TILES, *(GemvTiles(n, 1024, w) for n in (8, 16, 32) for w in (4, 8))]
 FP8_DOWN_TILES = [*DOWN_TILES, *(GemvTiles(n, 512, w) for n in (8, 16, 32) for w in (4, 8))]
+# --row-gemv: the row GEMV's shape (probe_row_gemv.py, step_floor.py): a program owns a few whole output rows of one
+# pair's expert and streams them in long K steps, so one token launches thousands of programs, not a couple of
+# hundred. At most 64 fp32 products a thread per step: gate/up loads two [n, k] tiles, the down pass [pairs, n, k].
+ROW_GEMV_GATE_UP_TILES = [
+    GemvTiles(n, k, w) for n in (1, 2, 4, 8) for k in (1024, 2048) for w in (4, 8) if 2 * n * k <= 64 * 32 * w
+]
+ROW_GEMV_DOWN_TILES = [GemvTiles(n, k, w) for n in (1, 2, 4, 8) for k in (256, 512, 1024) for w in (4, 8)]
 # Software-pipeline depths of the K loops (GemvTiles.stages): 1 is the unpipelined loop.
 STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
@@ -74,7 +82,9 @@ def literal(config: SmallBatchMoeConfig) -> str:
     )
 
 
-def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool):
+def sweep_tokens(
+    tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool, row_gemv: bool
+):
     experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, experts, device="cuda")
@@ -82,6 +92,8 @@ def sweep_tokens(tokens: int, shape: tuple[int, int, int, int], weights: list[Ex
     w13, w2, scales = weights[0]
     fp8 = scales is not None
     gate_up_tiles, down_tiles = (FP8_GATE_UP_TILES, FP8_DOWN_TILES) if fp8 else (GATE_UP_TILES, DOWN_TILES)
+    if row_gemv:
+        gate_up_tiles, down_tiles = ROW_GEMV_GATE_UP_TILES, ROW_GEMV_DOWN_TILES
     expert_bytes = distinct * 3 * hidden * inter * w13.element_size()
 
     def timed(config) -> float:  # a MoeConfig (grouped) or a SmallBatchMoeConfig
@@ -175,11 +187,12 @@ def main() -> None:
     parser.add_argument("--from-tuned", action="store_true", help="start at the table's config for each count")
     parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--row-gemv", action="store_true", help="sweep the row GEMV's narrow tiles instead")
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
-    rows = [sweep_tokens(t, shape, weights, args.from_tuned) for t in sorted(args.tokens)]
+    rows = [sweep_tokens(t, shape, weights, args.from_tuned, args.row_gemv) for t in sorted(args.tokens)]
     table = "TUNED_FP8_SMALL_BATCH_CONFIGS" if args.weight_dtype == "fp8" else "TUNED_SMALL_BATCH_CONFIGS"
     print(f"\n{table} entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))

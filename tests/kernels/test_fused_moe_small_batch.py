@@ -71,6 +71,21 @@ def test_routed_small_batch_matches_reference(device, dtype, tokens, num_experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize(("gate_up_n", "down_n"), [(1, 1), (2, 4)])
+def test_row_gemv_tiles_match_reference(device, dtype, splits, gate_up_n, down_n):
+    """The row GEMV's narrow tiles (sweep_moe_small_batch.py --row-gemv): one to a few outputs a program, K steps
+    past the hidden and expert widths (masked), every pair's K in one step."""
+    tokens, num_experts, top_k, hidden, inter = 1, 16, 8, 64, 48
+    x = torch.randn(tokens, hidden, device=device).to(dtype)
+    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    config = SmallBatchMoeConfig(GemvTiles(gate_up_n, 128, 2), GemvTiles(down_n, 64, 2), down_splits=splits)
+    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=config)
+    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 4, 8])
 def test_experts_repeated_across_tokens(device, dtype, splits):
     """Tokens sharing experts (and one token's pairs in a non-sorted order) with given routing weights."""

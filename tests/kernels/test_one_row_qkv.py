@@ -118,3 +118,25 @@ def test_bad_one_row_configs_are_refused(device):
                               one_row=OneRowConfig(4, 16, 2),
                               **{**args, "positions": torch.tensor([1, 2], device=device),
                                  "slot_mapping": torch.tensor([1, 2], device=device)})  # fmt: skip
+
+
+def test_the_tuned_table_routes_one_row_and_only_one_row(device, monkeypatch):
+    """A TUNED_ONE_ROW_QKV_CONFIGS entry sends a one-row launch of its shape to the row GEMV (the same bits as the
+    explicit config), unless a tiled parameter is given or the table is turned off."""
+    import tidal.kernels.small_batch_qkv as small_batch_qkv
+
+    a, weight, args = _case(4, 2, 32, torch.float32, device, fp8=False, bias=False, normed=True, qk_norm=True)
+    config = OneRowConfig(4, 16, 2)
+
+    def q_of(**extra):
+        caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 2, 32, device=device) for _ in range(2)]
+        return qkv_rope_store_triton(a, weight, k_cache=caches[0], v_cache=caches[1], **args, **extra)
+
+    row_gemv, tiled = q_of(one_row=config), q_of(one_row="off")
+    assert not torch.equal(row_gemv, tiled)  # the two kernels add in different orders, so the test can tell them
+    assert torch.equal(q_of(), tiled)  # an empty table: the tiled kernel
+    monkeypatch.setitem(small_batch_qkv.TUNED_ONE_ROW_QKV_CONFIGS, (4, 2, 32, K_IN, True, False), config)
+    assert torch.equal(q_of(), row_gemv)
+    assert torch.equal(q_of(one_row="off"), tiled)
+    assert torch.equal(q_of(split_k=1), q_of(one_row="off", split_k=1))  # a tiled parameter keeps the tiled kernel
+    assert small_batch_qkv.choose_one_row_qkv_config(4, 2, 32, K_IN, True, True) is None  # e4m3 is its own key

@@ -1,0 +1,85 @@
+"""The one-row tables (`TUNED_ONE_ROW_CONFIGS` for `linear_rows`, `TUNED_ONE_ROW_QKV_CONFIGS` for the fused qkv) as a
+JSON file, so a step benchmark can run the engine on the entries a kernel sweep just printed, before anyone writes
+them into the kernels' source:
+
+    cd benchmarks/kernels && python probe_row_gemv.py --write-table /tmp/one-row.json
+    python benchmarks/profile_steps.py --preset qwen3-30b-a3b --batches 1 --one-row-table /tmp/one-row.json
+
+An entry goes into the source only where the decode step gains from it (a kernel that wins alone can lose inside
+the step, as the qkv defaults in small_batch_qkv.py record). The file holds, per table, [key, [block_n, block_k,
+num_warps]] pairs; `install` replaces a table's entries with the file's, so a file with an empty list turns a table
+off and a table the file does not name keeps the source's entries.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tidal.kernels.small_batch_linear import TUNED_ONE_ROW_CONFIGS, OneRowConfig
+from tidal.kernels.small_batch_qkv import TUNED_ONE_ROW_QKV_CONFIGS
+
+# The engine's tables, read by the kernels' wrappers at each launch (so a change takes effect before graph capture).
+TABLES: dict[str, dict] = {"linear": TUNED_ONE_ROW_CONFIGS, "qkv": TUNED_ONE_ROW_QKV_CONFIGS}
+# Key fields per table: linear (outputs, inputs, gated, e4m3 weights); qkv (query heads, KV heads, head_dim,
+# inputs, q/k norm, e4m3 weights). The file's keys must match them in length and kind.
+KEY_KINDS: dict[str, tuple[type, ...]] = {"linear": (int, int, bool, bool), "qkv": (int, int, int, int, bool, bool)}
+
+Table = dict[tuple, OneRowConfig]
+
+
+def read(path: Path) -> dict[str, Table]:
+    """The tables a file holds; a ValueError names the first malformed entry."""
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict) or not set(raw) <= set(TABLES):
+        raise ValueError(f"{path}: expected an object with keys among {sorted(TABLES)}")
+    tables: dict[str, Table] = {}
+    for name, entries in raw.items():
+        table: Table = {}
+        for entry in entries:
+            key, config = _parse_entry(name, entry)
+            table[key] = config
+        tables[name] = table
+    return tables
+
+
+def _parse_entry(name: str, entry: object) -> tuple[tuple, OneRowConfig]:
+    kinds = KEY_KINDS[name]
+    ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], list)
+    if ok:
+        key, config = entry  # type: ignore[misc]
+        ok = (
+            len(key) == len(kinds)
+            and all(type(value) is kind for value, kind in zip(key, kinds, strict=True))
+            and len(config) == 3
+            and all(type(value) is int and value > 0 for value in config)
+        )
+    if not ok:
+        raise ValueError(f"{name} entry {entry!r}: expected [[{', '.join(k.__name__ for k in kinds)}], "
+                         f"[block_n, block_k, num_warps]]")  # fmt: skip
+    return tuple(key), OneRowConfig(*config)
+
+
+def write(path: Path, tables: dict[str, Table]) -> None:
+    body = {name: [[list(key), [c.block_n, c.block_k, c.num_warps]] for key, c in table.items()]
+            for name, table in tables.items()}  # fmt: skip
+    path.write_text(json.dumps(body, indent=1) + "\n")
+
+
+def merge_into(path: Path, name: str, entries: Table, probed: set[tuple]) -> None:
+    """Writes `entries` into the file's table `name`, first dropping its entries for the `probed` keys (a shape the
+    sweep measured and found no winner for leaves the file without an entry); other tables and keys stay."""
+    tables = read(path) if path.exists() else {}
+    table = {key: config for key, config in tables.get(name, {}).items() if key not in probed}
+    table.update(entries)
+    tables[name] = table
+    write(path, tables)
+
+
+def install(path: Path) -> dict[str, Table]:
+    """Replaces the engine's tables named in the file with the file's entries (in this process); -> what it read."""
+    tables = read(path)
+    for name, table in tables.items():
+        TABLES[name].clear()
+        TABLES[name].update(table)
+    return tables
