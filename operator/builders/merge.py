@@ -13,7 +13,7 @@
 import copy
 from typing import Any
 
-from tidal.operator.api.worker_env import GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
+from tidal.operator.api.worker_env import EXCLUSIVE_ENV_NAMES, GUARDED_ENV_NAMES, RESERVED_ENV_NAMES
 
 WORKER_CONTAINER = "worker"
 SERVE_PORT_NAME = "serve"  # the OpenAI-compatible API (the Services' targetPort)
@@ -110,16 +110,31 @@ def _reassert_worker(merged: dict[str, Any], built: dict[str, Any]) -> None:
     # Guarded variables Tidal leaves unset, and a template may not set either (spec.worker.env is refused them).
     others = [e for e in theirs.get("env", []) if e["name"] not in RESERVED_ENV_NAMES + GUARDED_ENV_NAMES]
     theirs["env"] = copy.deepcopy(reserved) + others
+    _check_exclusive_env(theirs["env"])
     owned = [p for p in mine.get("ports", []) if p.get("name") in OWNED_PORT_NAMES]
     extra = [p for p in theirs.get("ports", []) if p.get("name") not in OWNED_PORT_NAMES]
     theirs["ports"] = copy.deepcopy(owned) + extra
+
+
+def _check_exclusive_env(env: list[dict[str, Any]]) -> None:
+    """The CRD refuses `spec.worker.env` with both of a pair the worker will not start with; the template's worker
+    env (free-form) can add the other one, so the merged env is checked here, before a pod would crash-loop."""
+    names = {e["name"] for e in env}
+    for first, second in EXCLUSIVE_ENV_NAMES:
+        if first in names and second in names:
+            raise PodTemplateError(
+                f"the worker container's env sets both {first} and {second} (spec.worker.env and "
+                f"spec.worker.podTemplate.spec.containers[{WORKER_CONTAINER}].env together): set only one (the "
+                "worker refuses to start with both)"
+            )
 
 
 def apply_pod_template(
     pod: dict[str, Any], template_spec: dict[str, Any], labels: dict[str, str], annotations: dict[str, str]
 ) -> dict[str, Any]:
     """Merge a user's pod template into a pod Tidal built; returns a new pod. Raises PodTemplateError when the
-    template leaves no named containers, no worker container, or a container whose env or ports Tidal cannot read."""
+    template leaves no named containers, no worker container, a container whose env or ports Tidal cannot read, or a
+    worker env with both of a pair the worker refuses (worker_env.EXCLUSIVE_ENV_NAMES)."""
     merged = copy.deepcopy(pod)
     merged["spec"] = merge_values(pod["spec"], template_spec)
     for key in OWNED_POD_FIELDS:

@@ -73,6 +73,20 @@ UNMERGEABLE = {  # the CRD keeps the template free-form, so these reach the oper
         {"containers": [{"name": "worker"}, {"name": "proxy", "image": "p", "env": None, "ports": [8080]}]},
         "containers[proxy].ports must be a list of ports",
     ),
+    "kv-cache-sized-twice": (  # the worker refuses to start with both (exit 2): every pod would crash-loop
+        {
+            "containers": [
+                {
+                    "name": "worker",
+                    "env": [
+                        {"name": "TIDAL_NUM_KV_BLOCKS", "value": "64"},
+                        {"name": "TIDAL_KV_CACHE_BYTES", "value": "1000000"},
+                    ],
+                }
+            ]
+        },
+        "env sets both TIDAL_NUM_KV_BLOCKS and TIDAL_KV_CACHE_BYTES",
+    ),
     "ports-not-maps": (
         {"containers": [{"name": "worker", "ports": [8080]}]},
         "containers[worker].ports must be a list of ports",
@@ -93,6 +107,23 @@ def test_a_template_the_merge_cannot_apply_is_refused_by_the_operator(case):
     assert degraded.status == "True" and degraded.reason == "PodTemplateRefused"
     assert degraded.message.startswith("the operator refuses the pod the spec asks for") and says in degraded.message
     assert _cond(result, "Progressing").reason == "PodTemplateRefused"
+
+
+def test_a_template_adding_the_other_kv_cache_size_to_the_spec_env_is_refused():
+    """spec.worker.env may set one of the pair (the CRD refuses both there); the template's worker env the other."""
+    before, pods, ranks = _running({"worker": RESOURCES})
+    template = {"containers": [{"name": "worker", "env": [{"name": "TIDAL_KV_CACHE_BYTES", "value": "1000000"}]}]}
+    worker = {**RESOURCES, "env": [{"name": "TIDAL_NUM_KV_BLOCKS", "value": "64"}], "podTemplate": {"spec": template}}
+    changed = make_model({"worker": worker}, generation=2).model_copy(update={"status": before.status})
+    result = run(changed, pods, ranks)
+    assert not any(isinstance(a, DeletePod | CreatePod) for a in result.actions)
+    degraded = _cond(result, "Degraded")
+    assert (
+        degraded.reason == "PodTemplateRefused" and "TIDAL_NUM_KV_BLOCKS and TIDAL_KV_CACHE_BYTES" in degraded.message
+    )
+    # One of the pair in either place alone is fine.
+    alone = make_model({"worker": {**worker, "env": []}}, generation=2).model_copy(update={"status": before.status})
+    assert any(isinstance(a, DeletePod | CreatePod) for a in run(alone, pods, ranks).actions)
 
 
 def test_a_running_model_keeps_its_pods_when_the_new_template_is_refused():
