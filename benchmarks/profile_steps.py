@@ -12,7 +12,8 @@ one N-token prompt run eagerly (as the engine runs a prompt step larger than its
 it, its wall time and its kernels' busy time, so a host-bound prefill shows as kernels well under wall, and beside
 it the same step replayed from its CUDA graph where the engine has one (--prefill-graph-tokens, by default the
 engine's 2048; 0 for none); with --one-row-table FILE, the engine runs on the one-row tables a kernel sweep wrote
-(perf/one_row_tables.py) instead of the source's, for the step A/B that decides an entry; with --offline, the
+(perf/tuned_tables.py) instead of the source's, for the step A/B that decides an entry, and with --moe-sweep FILE
+on the small-batch MoE configs a sweep found; with --offline, the
 issue's offline workload step by step: how many steps of each kind, their device time, the host time around them
 and, for a dense model, the sum of their bounds. Nothing is written to disk.
 """
@@ -31,7 +32,7 @@ from typing import get_args
 
 import torch
 import torch.nn.functional as F
-from perf import moe, one_row_tables
+from perf import moe, tuned_tables
 from perf.device import H200_BF16_DENSE_TFLOPS, H200_FP8_DENSE_TFLOPS, ISSUE_COPY_TBS
 from perf.engine_side import (
     DEFAULT_PREFILL_GRAPH_TOKENS,
@@ -259,9 +260,15 @@ def main() -> None:
         "--one-row-table", type=Path, metavar="FILE",
         help="run on the one-row tables in FILE (probe_row_gemv.py --write-table) instead of the source's",
     )  # fmt: skip
+    parser.add_argument(
+        "--moe-sweep", type=Path, metavar="FILE",
+        help="run on the small-batch MoE configs a sweep_moe_small_batch.py --out file found, for its token counts",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.one_row_table is not None:
-        print(f"one-row tables from {args.one_row_table}: {one_row_tables.install(args.one_row_table)}")
+        print(f"one-row tables from {args.one_row_table}: {tuned_tables.install(args.one_row_table)}")
+    if args.moe_sweep is not None:
+        print(f"small-batch MoE configs from {args.moe_sweep}: {tuned_tables.install_moe_sweep(args.moe_sweep)}")
     device = torch.device("cuda:0")
     preset = PRESETS[args.preset]
     workload = default_workload(preset, "cuda", smoke=False)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 from common import graph_ms
-from perf import one_row_tables
+from perf import tuned_tables
 
 from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.rotary import build_cos_sin_cache
@@ -163,7 +163,7 @@ class Winners:
     """The one-row entries a sweep found, per table, and the keys it probed (those it found none for included)."""
 
     def __init__(self) -> None:
-        self.entries: dict[str, one_row_tables.Table] = {"linear": {}, "qkv": {}}
+        self.entries: dict[str, tuned_tables.Table] = {"linear": {}, "qkv": {}}
         self.probed: dict[str, set[tuple]] = {"linear": set(), "qkv": set()}
 
 
@@ -215,7 +215,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument(
         "--write-table", type=pathlib.Path, metavar="FILE",
-        help="merge the entries found into FILE (perf/one_row_tables.py) for profile_steps.py --one-row-table",
+        help="merge the entries found into FILE (perf/tuned_tables.py) for profile_steps.py --one-row-table",
     )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -226,8 +226,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.write_table is not None:
         for table in ("linear", "qkv"):
-            one_row_tables.merge_into(args.write_table, table, winners.entries[table], winners.probed[table])
-        print(f"\nentries written to {args.write_table}: {one_row_tables.read(args.write_table)}")
+            tuned_tables.merge_into(args.write_table, table, winners.entries[table], winners.probed[table])
+        print(f"\nentries written to {args.write_table}: {tuned_tables.read(args.write_table)}")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
         path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-{gpu_tag()}.json"
-        path.write_text(json.dumps({"shape": args.shape, "dims": shape, "rows": rows}, indent=1) + "\n")
+        path.write_text(
+            json.dumps({"shape": args.shape, "dims": shape, "weight_dtype": args.weight_dtype, "rows": rows}, indent=1)
+            + "\n"
+        )
         print(f"wrote {path}")
 
 

@@ -1,14 +1,19 @@
-"""The one-row tables (`TUNED_ONE_ROW_CONFIGS` for `linear_rows`, `TUNED_ONE_ROW_QKV_CONFIGS` for the fused qkv) as a
-JSON file, so a step benchmark can run the engine on the entries a kernel sweep just printed, before anyone writes
-them into the kernels' source:
+"""Kernel tables a sweep just measured, installed in this process, so a step benchmark can run the engine on them
+before anyone writes them into the kernels' source. An entry goes into the source only where the decode step gains
+from it (a kernel that wins alone can lose inside the step, as the qkv defaults in small_batch_qkv.py record).
+
+The one-row tables (`TUNED_ONE_ROW_CONFIGS` for `linear_rows`, `TUNED_ONE_ROW_QKV_CONFIGS` for the fused qkv), as a
+JSON file of [key, [block_n, block_k, num_warps]] pairs per table; `install` replaces a table's entries with the
+file's, so a file with an empty list turns a table off and a table the file does not name keeps the source's:
 
     cd benchmarks/kernels && python probe_row_gemv.py --write-table /tmp/one-row.json
     python benchmarks/profile_steps.py --preset qwen3-30b-a3b --batches 1 --one-row-table /tmp/one-row.json
 
-An entry goes into the source only where the decode step gains from it (a kernel that wins alone can lose inside
-the step, as the qkv defaults in small_batch_qkv.py record). The file holds, per table, [key, [block_n, block_k,
-num_warps]] pairs; `install` replaces a table's entries with the file's, so a file with an empty list turns a table
-off and a table the file does not name keeps the source's entries.
+The small-batch MoE tables, from the JSON that sweep_moe_small_batch.py --out writes: `install_moe_sweep` puts each
+swept token count's best config (where it beat the grouped GEMMs) into the table of its weight dtype:
+
+    cd benchmarks/kernels && python sweep_moe_small_batch.py --weight-dtype fp8 --tokens 1 --from-tuned --out /tmp/s
+    python benchmarks/profile_steps.py ... --moe-sweep /tmp/s/moe-small-batch-sweep-qwen3-30b-a3b-fp8-<gpu>.json
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tidal.kernels._moe_small_batch_config import (
+    TUNED_FP8_SMALL_BATCH_CONFIGS,
+    TUNED_SMALL_BATCH_CONFIGS,
+    GemvTiles,
+    SmallBatchMoeConfig,
+)
 from tidal.kernels.small_batch_linear import TUNED_ONE_ROW_CONFIGS, OneRowConfig
 from tidal.kernels.small_batch_qkv import TUNED_ONE_ROW_QKV_CONFIGS
 
@@ -83,3 +94,22 @@ def install(path: Path) -> dict[str, Table]:
         TABLES[name].clear()
         TABLES[name].update(table)
     return tables
+
+
+def install_moe_sweep(path: Path) -> dict[int, SmallBatchMoeConfig]:
+    """Puts a small-batch MoE sweep's winners into the engine's table for its shape and weight dtype (in this
+    process), replacing the entries of the token counts it swept; -> {token count: config} installed."""
+    sweep = json.loads(path.read_text())
+    dims = tuple(sweep["dims"])
+    table = TUNED_FP8_SMALL_BATCH_CONFIGS if sweep.get("weight_dtype") == "fp8" else TUNED_SMALL_BATCH_CONFIGS
+    won = {}
+    for row in sweep["rows"]:
+        if row["best_ms"] < row["grouped_ms"]:
+            best = row["best"]
+            won[row["tokens"]] = SmallBatchMoeConfig(
+                GemvTiles(**best["gate_up"]), GemvTiles(**best["down"]),
+                **{key: value for key, value in best.items() if key not in ("gate_up", "down")},
+            )  # fmt: skip
+    entries = {up_to: config for up_to, config in table.get(dims, ()) if up_to not in won}
+    table[dims] = tuple(sorted({**entries, **won}.items()))
+    return won
