@@ -4,10 +4,11 @@ The planner keeps no state, and whatever must survive an operator restart lives 
 kept here are hints and clocks a fresh process can do without: back-off streaks, when the current weight roll began
 (for its duration metric), the checksums already read, weight updates the worker refused (which `/state` does
 not report), since when and how many times in a row each rank's `/state` has gone unanswered and its last answer
-(the status holds it through a brief silence), each group's last epoch sent with its answers
+(the status holds it through a brief silence), the `/state` call of each rank that missed its last one (left
+running from one pass to the next), each group's last epoch sent with its answers
 (a fresh process goes by the epochs the workers report), and what the API server said of the pods the model is to
 get (a fresh process asks again). Holding all of it in one `ModelMemory` means a deleted model is forgotten by one
-`forget(key)`, which also stops the reconfigure calls still running for it.
+`forget(key)`, which also stops the reconfigure and `/state` calls still running for it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ class StateAnswer:
     checksum: str | None
 
 
+# A `/state` call that outlives the pass that made it: the rank's answer and when it came (time.monotonic()).
+StateProbe = asyncio.Task[tuple[WorkerState, float]]
+
+
 @dataclass(frozen=True)
 class PodVerdict:
     """What the API server said of one pod manifest (by spec hash): None admits it, else its refusal message."""
@@ -131,6 +136,9 @@ class ModelMemory:
     state_misses: dict[str, Silence] = field(default_factory=dict)
     # pod UID -> its last `/state` answer (the status holds it for a few misses: `facts.HOLD_MISSED_READS`).
     state_answers: dict[str, StateAnswer] = field(default_factory=dict)
+    # pod UID -> the `/state` call of a rank that missed its last one, running until it ends by its own timeout (each
+    # pass waits for it only briefly: `WorkerFleet.observe`); at most one per process.
+    state_probes: dict[str, StateProbe] = field(default_factory=dict)
     # replica -> the last epoch sent to its group.
     epochs: dict[int, EpochFlight] = field(default_factory=dict)
     # spec hash -> the API server's verdict on the pod built with it (a dry run, or a create it refused).
@@ -150,6 +158,8 @@ class ModelMemory:
     def stop(self) -> None:
         for flight in self.epochs.values():
             flight.cancel()
+        for probe in self.state_probes.values():
+            probe.cancel()
 
     def record_pod_verdict(self, spec_hash: str, refusal: str | None) -> None:
         self.pod_verdicts[spec_hash] = PodVerdict(refusal, time.monotonic())
@@ -172,11 +182,13 @@ class ModelMemory:
         }
 
     def keep_checksums_of(self, pod_uids: set[str]) -> None:
-        """Drop the checksums (and `/state` misses and answers) of processes that are gone, so the memory stays as
-        small as the model."""
+        """Drop the checksums (and `/state` misses, answers and calls still running) of processes that are gone, so
+        the memory stays as small as the model."""
         self.checksums = {key: value for key, value in self.checksums.items() if key[0] in pod_uids}
         self.state_misses = {uid: silence for uid, silence in self.state_misses.items() if uid in pod_uids}
         self.state_answers = {uid: answer for uid, answer in self.state_answers.items() if uid in pod_uids}
+        for uid in [uid for uid in self.state_probes if uid not in pod_uids]:
+            self.state_probes.pop(uid).cancel()
 
 
 class ModelMemories:

@@ -17,18 +17,18 @@ from pathlib import PurePosixPath
 import httpx
 from pydantic import SecretStr
 
-from tidal.contract.control_api import GroupHealth, GroupMember, GroupReconfigureRequest
+from tidal.contract.control_api import GroupHealth, GroupMember, GroupReconfigureRequest, WorkerState
 from tidal.contract.error_codes import ErrorCode
 from tidal.operator.metrics import OperatorMetrics
 from tidal.operator.planner.actions import EpochMemberRef, ReconfigureGroup, SleepRank, UpdateWeights, WakeRank
 from tidal.operator.planner.observed import EpochRefusal, RankObservation, UpdateFailure
-from tidal.operator.runtime.memory import EpochFlight, ModelMemory, Silence, StateAnswer, wall_clock
+from tidal.operator.runtime.memory import EpochFlight, ModelMemory, Silence, StateAnswer, StateProbe, wall_clock
 from tidal.operator.runtime.queue import Key
 from tidal.operator.workerclient import STATE_TIMEOUT_S, CallErrorCode, WorkerCallError, WorkerClient
 
 log = logging.getLogger("tidal.operator.workers")
 
-# /state timeout of a rank whose previous /state went unanswered (see `observe`).
+# How long a pass waits for the /state of a rank whose previous /state went unanswered (see `_read_state`).
 SUSPECT_STATE_TIMEOUT_S = 0.05
 
 # Failures that say "not now" rather than "this checkpoint is wrong": the worker's refusals of the moment, and the
@@ -78,6 +78,23 @@ class CallFailure:
         return self.code in TRANSIENT_CODES
 
 
+def _start_probe(client: WorkerClient, timeout_s: float, name: str) -> StateProbe:
+    async def read() -> tuple[WorkerState, float]:
+        state = await client.state(timeout=timeout_s)
+        return state, time.monotonic()
+
+    probe = asyncio.get_running_loop().create_task(read(), name=name)
+    probe.add_done_callback(_retrieve)
+    return probe
+
+
+def _retrieve(probe: StateProbe) -> None:
+    """A probe's failure is read here, whether or not a pass reads it later: one dropped unread and not cancelled (in
+    the detached memory of a model forgotten while its pass ran) must not log "Task exception was never retrieved"."""
+    if not probe.cancelled():
+        probe.exception()
+
+
 class WorkerFleet:
     def __init__(self, http: httpx.AsyncClient, metrics: OperatorMetrics) -> None:
         self._http = http
@@ -89,6 +106,42 @@ class WorkerFleet:
 
     def _client(self, target: Target, port: int, token: SecretStr) -> WorkerClient:
         return WorkerClient(self._http, target.address, target.port if target.port is not None else port, token)
+
+    @staticmethod
+    async def _read_state(
+        memory: ModelMemory, uid: str, client: WorkerClient, timeout_s: float, asked: float
+    ) -> WorkerState:
+        """The rank's `/state` for this pass, or its `WorkerCallError`.
+
+        A rank that missed its last /state is suspect (frozen, or gone): its call must not hold the pass that may send
+        its survivors their epoch. But a rank that stalled once and now answers in a few hundred milliseconds (loading,
+        GIL contention) must get its answers counted, or its silence grows until it is failed and its pod deleted. So
+        the suspect's call runs on its own with the whole timeout (a probe, kept in the memory from one pass to the
+        next), and each pass waits for it only SUSPECT_STATE_TIMEOUT_S: unfinished, it is a miss (the probe goes on);
+        finished, its answer or error is this pass's read.
+
+        An answer taken a pass late came after the previous pass stopped waiting for it, so it went into no earlier
+        decision; but the next pass may come much later (resyncSeconds, when nothing was done). It is used only if it
+        is no older than a direct read's answer may be (`timeout_s`); an older one still shows the rank answers: it is
+        no longer suspect and is asked again, with the whole timeout, like any rank whose last /state was answered."""
+        probe = memory.state_probes.get(uid)
+        if probe is None:
+            if uid not in memory.state_misses:
+                return await client.state(timeout=timeout_s)
+            probe = memory.state_probes[uid] = _start_probe(client, timeout_s, f"state-{uid}")
+        wait = min(timeout_s, SUSPECT_STATE_TIMEOUT_S)
+        done, _ = await asyncio.wait({probe}, timeout=wait)
+        if not done:
+            raise WorkerCallError(CallErrorCode.UNREACHABLE, f"GET /state: no answer in {wait:g} s yet (still asked)")
+        if memory.state_probes.get(uid) is probe:
+            del memory.state_probes[uid]
+        if probe.cancelled():  # the model was forgotten meanwhile (`ModelMemory.stop`)
+            raise WorkerCallError(CallErrorCode.UNREACHABLE, "GET /state: call stopped")
+        state, answered = probe.result()  # raises the probe's WorkerCallError
+        if asked - answered <= timeout_s:
+            return state
+        memory.state_misses.pop(uid, None)
+        return await client.state(timeout=timeout_s)
 
     async def observe(
         self,
@@ -111,13 +164,10 @@ class WorkerFleet:
         async def one(pod: str, target: Target) -> tuple[str, RankObservation]:
             client = self._client(target, port, token)
             asked = time.monotonic()
-            # A rank that missed its last /state is suspect (frozen, or gone): its call must not hold the pass that
-            # may send its survivors their epoch, so it gets a short timeout. A live rank answers in milliseconds;
-            # a miss only extends its silence, and failing takes the whole deadline of misses in a row.
-            suspect = target.uid in memory.state_misses
-            timeout = min(state_timeout_s, SUSPECT_STATE_TIMEOUT_S) if suspect else state_timeout_s
+            # A live rank answers in milliseconds; a miss only extends its silence, and failing takes the whole
+            # deadline of misses in a row.
             try:
-                state = await client.state(timeout=timeout)
+                state = await self._read_state(memory, target.uid, client, state_timeout_s, asked)
             except WorkerCallError as exc:
                 log.debug("%s/%s: state of %s: %s", *key, pod, exc)
                 rejected = exc.code == ErrorCode.UNAUTHORIZED
