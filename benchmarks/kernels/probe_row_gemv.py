@@ -225,7 +225,7 @@ def main() -> None:
         probe(name, args.weight_dtype == "fp8", device, args.top, winners)
         torch.cuda.empty_cache()
     if args.write_table is not None:
-        for table in ("linear", "qkv"):
+        for table in (t for t in ("linear", "qkv") if winners.probed[t]):  # a table not probed stays unnamed
             tuned_tables.merge_into(args.write_table, table, winners.entries[table], winners.probed[table])
         print(f"\nentries written to {args.write_table}: {tuned_tables.read(args.write_table)}")
 
