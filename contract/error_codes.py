@@ -19,7 +19,7 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route exists, the method does not
     UNKNOWN_UPLOAD = "unknown_upload"  # no streamed upload with this id (a newer start replaced it, or it ended)
     BAD_OFFSET = "bad_offset"  # a streamed chunk that does not start where the file's received bytes end
-    BUSY = "busy"  # another operation (sleep, wake, update) is running; try again later
+    BUSY = "busy"  # another operation (sleep, wake, update), or another chunk of the same file, is in progress; retry
     DRAIN_TIMEOUT = "drain_timeout"  # running requests did not finish within drain_timeout_s; nothing changed
     WEIGHTS_UNAVAILABLE = "weights_unavailable"  # dropped by a level-2 sleep and not re-readable, or nothing to hash
     NO_HOST_MEMORY = "no_host_memory"  # a host buffer the operation needs does not fit; nothing changed

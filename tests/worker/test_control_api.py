@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from pydantic import SecretStr
 
@@ -175,7 +179,7 @@ def test_every_code_has_one_status_and_every_refusal_answers_with_its_code():
             assert (error.code, response.status_code) == (code, HTTP_STATUS[code]), response.text
 
 
-def test_an_oversized_chunk_is_a_400(monkeypatch):
+def test_an_oversized_chunk_is_a_400_and_its_offset_is_taken_again(monkeypatch, tmp_path):
     from fastapi.testclient import TestClient
 
     from tidal.worker.control import app as control_app
@@ -183,11 +187,188 @@ def test_an_oversized_chunk_is_a_400(monkeypatch):
     from tidal.worker.lifecycle.manager import LifecycleManager
 
     monkeypatch.setattr(control_app, "MAX_CHUNK_BYTES", 8)
-    app = control_app.build_control_app(LifecycleManager(LifecycleConfig(weights_version="a")), SecretStr(TEST_TOKEN))
+    manager = LifecycleManager(LifecycleConfig(weights_version="a", upload_dir=tmp_path))
+    upload = manager.uploads.start(False)
+    app = control_app.build_control_app(manager, SecretStr(TEST_TOKEN))
+    path = f"/weights/stream/{upload.upload_id}/chunk?file=model.safetensors&offset=0"
     with TestClient(app, headers={"Authorization": f"Bearer {TEST_TOKEN}"}) as client:
-        response = client.post("/weights/stream/abc/chunk?file=model.safetensors&offset=0", content=b"0123456789")
+        response = client.post(path, content=b"0123456789")
         assert response.status_code == 400 and response.json()["code"] == "invalid_request"
         assert "at most 8 bytes" in response.json()["message"]
+        # Nothing was written, and the file is not left held by the refused chunk.
+        assert upload.received == {} and not (upload.directory / "model.safetensors").exists()
+        assert client.post(path, content=b"01234567").json()["received_bytes"] == 8
+    manager.uploads.discard_current()
+
+
+# A chunk's checks come before its body: the client below holds back all but a first piece until it has its answer,
+# so a route that read the body first would wait for it (and the test would fail at its timeout, not hang).
+_ANSWER_TIMEOUT_S = 5.0
+
+
+class _HeldBody:
+    """A chunk's body as a client sends it: a first piece, then the rest only once `release` is set."""
+
+    def __init__(self, first: bytes, rest: bytes) -> None:
+        self.first, self.rest = first, rest
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()  # the server asked for the body
+        self.pieces_taken = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        self.started.set()
+        self.pieces_taken += 1
+        yield self.first
+        await self.release.wait()
+        self.pieces_taken += 1
+        yield self.rest
+
+
+@contextlib.asynccontextmanager
+async def _chunk_client(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any, Any]]:
+    """An in-process control app (no model: chunks need none) with one upload started, and a client to it."""
+    from tidal.worker.control.app import build_control_app
+    from tidal.worker.lifecycle.config import LifecycleConfig
+    from tidal.worker.lifecycle.manager import LifecycleManager
+
+    manager = LifecycleManager(LifecycleConfig(weights_version="a", upload_dir=tmp_path))
+    upload = manager.uploads.start(False)
+    transport = httpx.ASGITransport(app=build_control_app(manager, SecretStr(TEST_TOKEN)))
+    headers = {"Authorization": f"Bearer {TEST_TOKEN}", "Content-Type": "application/octet-stream"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://control", headers=headers) as client:
+        try:
+            yield client, manager, upload
+        finally:
+            manager.uploads.discard_current()
+
+
+def _post_chunk(
+    client: httpx.AsyncClient, upload_id: str, file: str, offset: int, body: Any
+) -> Coroutine[Any, Any, httpx.Response]:
+    url = f"/weights/stream/{upload_id}/chunk"
+    return client.post(url, params={"file": file, "offset": offset}, content=body)
+
+
+@pytest.mark.parametrize(
+    ("target", "file", "offset", "status", "code", "reason"),
+    [
+        ("unknown", "model.safetensors", 0, 404, ErrorCode.UNKNOWN_UPLOAD, "no upload 'not-the-upload' in progress"),
+        ("current", "model.safetensors", 4, 409, ErrorCode.BAD_OFFSET, "chunk at offset 4, but 0 bytes"),
+        ("current", "../model.safetensors", 0, 400, ErrorCode.INVALID_REQUEST, "file"),
+    ],
+)
+def test_a_chunk_that_cannot_be_taken_is_refused_before_its_body_is_read(
+    tmp_path, target, file, offset, status, code, reason
+):
+    async def scenario() -> None:
+        async with _chunk_client(tmp_path) as (client, _, upload):
+            upload_id = upload.upload_id if target == "current" else "not-the-upload"
+            body = _HeldBody(b"0123", b"4567" * 1024)
+            try:
+                response = await asyncio.wait_for(_post_chunk(client, upload_id, file, offset, body), _ANSWER_TIMEOUT_S)
+            finally:
+                body.release.set()
+            assert response.status_code == status, response.text
+            error = ControlError.model_validate(response.json())
+            assert error.code == code and reason in error.message, error
+            assert body.pieces_taken == 0  # not a byte of the body was read
+            assert upload.received == {} and not list(upload.directory.iterdir())
+
+    asyncio.run(scenario())
+
+
+def test_a_second_chunk_of_a_file_while_one_arrives_is_busy_and_other_files_go_on(tmp_path):
+    async def scenario() -> None:
+        async with _chunk_client(tmp_path) as (client, manager, upload):
+            held = _HeldBody(b"0123", b"4567")
+            first = asyncio.create_task(_post_chunk(client, upload.upload_id, "model.safetensors", 0, held))
+            try:
+                await asyncio.wait_for(held.started.wait(), _ANSWER_TIMEOUT_S)  # the first chunk's body is arriving
+                second = await asyncio.wait_for(
+                    _post_chunk(client, upload.upload_id, "model.safetensors", 0, b"abcdefgh"), _ANSWER_TIMEOUT_S
+                )
+                assert second.status_code == 409, second.text
+                error = ControlError.model_validate(second.json())
+                assert error.code == ErrorCode.BUSY and "still arriving" in error.message, error
+                # Another file of the same upload is not held up.
+                index = await asyncio.wait_for(
+                    _post_chunk(client, upload.upload_id, "model.safetensors.index.json", 0, b"{}"), _ANSWER_TIMEOUT_S
+                )
+                assert index.status_code == 200 and index.json()["received_bytes"] == 2, index.text
+            finally:
+                held.release.set()
+            answered = await asyncio.wait_for(first, _ANSWER_TIMEOUT_S)
+            assert answered.status_code == 200 and answered.json()["received_bytes"] == 8, answered.text
+            assert (upload.directory / "model.safetensors").read_bytes() == b"01234567"
+            # Once the first was answered, the file takes chunks again: the next offset, not the same one twice.
+            again = await _post_chunk(client, upload.upload_id, "model.safetensors", 0, b"abcdefgh")
+            assert again.status_code == 409 and again.json()["code"] == ErrorCode.BAD_OFFSET, again.text
+            more = await _post_chunk(client, upload.upload_id, "model.safetensors", 8, b"89")
+            assert more.json()["received_bytes"] == 10, more.text
+            assert manager.uploads.get(upload.upload_id).received == {
+                "model.safetensors": 10,
+                "model.safetensors.index.json": 2,
+            }
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_whose_body_stops_arriving_is_a_408_and_leaves_its_file_free(tmp_path, monkeypatch):
+    from tidal.worker.control import app as control_app
+
+    monkeypatch.setattr(control_app, "CHUNK_IDLE_TIMEOUT_S", 0.2, raising=False)  # raising: for the code before it
+
+    async def scenario() -> None:
+        async with _chunk_client(tmp_path) as (client, _, upload):
+            stalled = _HeldBody(b"0123", b"4567")  # a client gone without closing its connection
+            try:
+                response = await asyncio.wait_for(
+                    _post_chunk(client, upload.upload_id, "model.safetensors", 0, stalled), _ANSWER_TIMEOUT_S
+                )
+                assert response.status_code == 408, response.text
+                error = ControlError.model_validate(response.json())
+                assert error.code == ErrorCode.INVALID_REQUEST and "0.2s" in error.message, error
+                assert upload.received == {} and not (upload.directory / "model.safetensors").exists()
+                # Its resend is taken while the stalled connection still holds back its body.
+                resent = await asyncio.wait_for(
+                    _post_chunk(client, upload.upload_id, "model.safetensors", 0, b"01234567"), _ANSWER_TIMEOUT_S
+                )
+                assert resent.status_code == 200 and resent.json()["received_bytes"] == 8, resent.text
+            finally:
+                stalled.release.set()
+
+    asyncio.run(scenario())
+
+
+def test_a_real_listener_answers_a_refused_chunk_before_its_body_and_keeps_the_connection(tiny_model):
+    with ControlledWorker(model_path=tiny_model("llama"), num_kv_blocks=64) as worker:
+        port = worker.background.servers.listener("control").bound_port
+        body = b"x" * 1_000_000
+        head = (
+            f"POST /weights/stream/not-the-upload/chunk?file=model.safetensors&offset=0 HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {TEST_TOKEN}\r\nContent-Type: application/octet-stream\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=_ANSWER_TIMEOUT_S) as sock:
+            sock.sendall(head + body[:1000])  # the rest is held back until the answer came
+            answer = _one_response(sock)
+            assert answer.startswith(b"HTTP/1.1 404 ") and b'"unknown_upload"' in answer, answer
+            # The client sends the rest anyway (as most do): it is read and dropped, and the connection serves on.
+            sock.sendall(body[1000:])
+            sock.sendall(f"GET /state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TEST_TOKEN}\r\n\r\n".encode())
+            assert _one_response(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def _one_response(sock: socket.socket) -> bytes:
+    """One response with a Content-Length body, read off a connection that stays open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def test_the_architecture_doc_names_codes_with_the_status_they_answer_with():

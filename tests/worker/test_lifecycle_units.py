@@ -14,6 +14,7 @@ import torch
 from tidal.worker.lifecycle.checksum import overall_digest, tensor_digest, weights_digests
 from tidal.worker.lifecycle.errors import (
     BadRequestError,
+    BusyError,
     CollectiveError,
     UploadNotFoundError,
     UploadOffsetError,
@@ -58,6 +59,45 @@ def test_a_chunk_whose_write_failed_part_way_is_written_whole_by_its_retry(tmp_p
     assert upload.received["model.safetensors"] == 40_000  # the offset the retry is sent at
     uploads.write_chunk(upload.upload_id, "model.safetensors", 40_000, data[40_000:])
     assert (upload.directory / "model.safetensors").read_bytes() == data
+
+
+def test_a_chunk_is_checked_and_its_file_held_before_its_body_arrives(tmp_path):
+    uploads = Uploads(tmp_path)
+    upload = uploads.start(False)
+    # The refusals of write_chunk, before any byte: a bad name, no such upload, not the offset expected.
+    with pytest.raises(BadRequestError):
+        uploads.begin_chunk(upload.upload_id, "../escape.safetensors", 0)
+    with pytest.raises(UploadNotFoundError):
+        uploads.begin_chunk("caf\u00e9", "model.safetensors", 0)
+    with pytest.raises(UploadOffsetError, match="offset 3, but 0 bytes"):
+        uploads.begin_chunk(upload.upload_id, "model.safetensors", 3)
+    claim = uploads.begin_chunk(upload.upload_id, "model.safetensors", 0)
+    # While its body arrives, the file takes no other chunk, written or announced; other files do.
+    with pytest.raises(BusyError, match="still arriving"):
+        uploads.begin_chunk(upload.upload_id, "model.safetensors", 0)
+    with pytest.raises(BusyError, match="still arriving"):
+        uploads.write_chunk(upload.upload_id, "model.safetensors", 0, b"abc")
+    uploads.end_chunk(uploads.begin_chunk(upload.upload_id, "config.json", 0))
+    assert upload.received == {}
+    # Its write ends the claim, and the offset is checked again there (the claim's check was an early answer).
+    uploads.write_chunk(upload.upload_id, "model.safetensors", 0, b"abc", claim)
+    assert upload.received == {"model.safetensors": 3}
+    uploads.end_chunk(claim)  # again: no effect
+    given_up = uploads.begin_chunk(upload.upload_id, "model.safetensors", 3)
+    uploads.end_chunk(given_up)  # a body that never arrived whole: nothing written, the offset free again
+    uploads.write_chunk(upload.upload_id, "model.safetensors", 3, b"def")
+    # The write checks the offset again: a claim given up, whose offset another chunk took meanwhile, writes nothing.
+    late = uploads.begin_chunk(upload.upload_id, "model.safetensors", 6)
+    uploads.end_chunk(late)
+    uploads.write_chunk(upload.upload_id, "model.safetensors", 6, b"g")
+    with pytest.raises(UploadOffsetError, match="offset 6, but 7 bytes"):
+        uploads.write_chunk(upload.upload_id, "model.safetensors", 6, b"x", late)
+    # A chunk refused at its write ends its claim too: here its upload was replaced while its body arrived.
+    claim = uploads.begin_chunk(upload.upload_id, "model.safetensors", 7)
+    uploads.start(False)
+    with pytest.raises(UploadNotFoundError):
+        uploads.write_chunk(upload.upload_id, "model.safetensors", 7, b"h", claim)
+    assert upload.arriving == {} and not upload.directory.exists()
 
 
 def test_checksums_depend_on_bytes_dtype_and_shape_only():

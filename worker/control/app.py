@@ -8,6 +8,7 @@ Every route requires the bearer token (401 and no effect otherwise); bodies and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -50,6 +51,9 @@ from tidal.worker.server.openapi_doc import conform_openapi
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_BYTES = 1 << 30
+# A chunk's body must keep arriving: a client gone without closing its connection would otherwise hold its file's
+# claim (and what arrived of its body) for as long as the connection lasts, and each resend would be refused as busy.
+CHUNK_IDLE_TIMEOUT_S = 60.0
 
 # The one place a code becomes an HTTP status; a test fails when a member of ErrorCode has none.
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -187,7 +191,10 @@ def _router(manager: LifecycleManager) -> APIRouter:
 
     @router.post(
         "/weights/stream/{upload_id}/chunk",
-        responses=_refusals(_BAD, ErrorCode.UNKNOWN_UPLOAD, ErrorCode.BAD_OFFSET, _BUSY, _NOT_LOADED),
+        responses={
+            **_refusals(_BAD, ErrorCode.UNKNOWN_UPLOAD, ErrorCode.BAD_OFFSET, _BUSY, _NOT_LOADED),
+            408: {"model": ControlError, "description": "`code`: invalid_request (the body stopped arriving)"},
+        },
         openapi_extra=_RAW_BYTES,
     )
     async def stream_chunk(
@@ -196,12 +203,11 @@ def _router(manager: LifecycleManager) -> APIRouter:
         file: Annotated[str, Query(pattern=FILE_NAME_PATTERN)],
         offset: Annotated[int, Query(ge=0)],
     ) -> StreamChunkResult:
-        data = bytearray()
-        async for piece in request.stream():  # refused at the limit, not after holding the whole body
-            data += piece
-            if len(data) > MAX_CHUNK_BYTES:
-                raise BadRequestError(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
-        upload = await manager.stream_chunk(upload_id, file, offset, data)
+        # Checked before a byte of the body is read: a chunk the upload cannot take is answered at once (the server
+        # drops the rest of its body as it arrives, and a client that sent `Expect: 100-continue` sends none).
+        async with manager.stream_chunk_arriving(upload_id, file, offset) as claim:
+            data = await _read_chunk(request)
+            upload = await manager.stream_chunk(upload_id, file, offset, data, claim)
         return StreamChunkResult(upload_id=upload_id, file=file, received_bytes=upload.received[file])
 
     @router.post(
@@ -241,6 +247,24 @@ def _router(manager: LifecycleManager) -> APIRouter:
         return await manager.reconfigure(body)
 
     return router
+
+
+async def _read_chunk(request: Request) -> bytearray:
+    """A chunk's whole body: refused at MAX_CHUNK_BYTES, not after holding all of it, and with 408 once no byte of
+    it arrived for CHUNK_IDLE_TIMEOUT_S."""
+    data = bytearray()
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(CHUNK_IDLE_TIMEOUT_S) as deadline:
+            async for piece in request.stream():
+                deadline.reschedule(loop.time() + CHUNK_IDLE_TIMEOUT_S)
+                data += piece
+                if len(data) > MAX_CHUNK_BYTES:
+                    raise BadRequestError(f"a chunk may hold at most {MAX_CHUNK_BYTES} bytes")
+    except TimeoutError:
+        message = f"no byte of the chunk arrived for {CHUNK_IDLE_TIMEOUT_S:g}s; nothing was written"
+        raise HTTPException(408, message) from None
+    return data
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -62,7 +62,7 @@ from tidal.worker.lifecycle.membership import GroupMembership
 from tidal.worker.lifecycle.metrics import LifecycleMetrics
 from tidal.worker.lifecycle.residency import ALL_TAGS, Residency
 from tidal.worker.lifecycle.staging import EXTRAS_HINT
-from tidal.worker.lifecycle.uploads import Upload, Uploads
+from tidal.worker.lifecycle.uploads import ChunkClaim, Upload, Uploads
 from tidal.worker.memory.provider import memory_provider
 from tidal.worker.memory.regions import free_cached_device_memory
 from tidal.worker.models.moe_decoder import MoeDecoderForCausalLM
@@ -368,8 +368,22 @@ class LifecycleManager:
         self._loaded()
         return await asyncio.to_thread(self.uploads.start, allow_extra_tensors)
 
-    async def stream_chunk(self, upload_id: str, file_name: str, offset: int, data: bytes | bytearray) -> Upload:
-        return await asyncio.to_thread(self.uploads.write_chunk, upload_id, file_name, offset, data)
+    @contextlib.asynccontextmanager
+    async def stream_chunk_arriving(self, upload_id: str, file_name: str, offset: int) -> AsyncIterator[ChunkClaim]:
+        """For a chunk whose body is still to be read: refuses it at once as its write would (unknown upload, bad file
+        name or offset), or as busy while another chunk of the file arrives; else holds the file for it until the
+        block ends. Write the chunk with `stream_chunk(..., claim)` inside the block."""
+        claim = await asyncio.to_thread(self.uploads.begin_chunk, upload_id, file_name, offset)
+        try:
+            yield claim
+        finally:
+            # Shielded: a request cancelled here must still free its file (the lock may wait for another write).
+            await asyncio.shield(asyncio.to_thread(self.uploads.end_chunk, claim))
+
+    async def stream_chunk(
+        self, upload_id: str, file_name: str, offset: int, data: bytes | bytearray, claim: ChunkClaim | None = None
+    ) -> Upload:
+        return await asyncio.to_thread(self.uploads.write_chunk, upload_id, file_name, offset, data, claim)
 
     async def stream_finish(self, upload_id: str, request: StreamFinishRequest) -> WeightsUpdateResult:
         async with self._exclusive("update") as r:
