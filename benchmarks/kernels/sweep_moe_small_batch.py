@@ -17,7 +17,9 @@ best per token count, its gain over the grouped path, and the `TUNED_SMALL_BATCH
 kernels/_moe_small_batch_config.py (the token counts where the small-batch path wins, from 1 up). --out writes the
 figures as JSON. About 100 configs per token count: the first count compiles each (a few minutes); later counts
 reuse the compiled kernels. --row-gemv sweeps narrow tiles (1-8 outputs a program, long K steps) instead of the
-usual grids: the shape that keeps enough programs in flight at one token (probe_row_gemv.py).
+usual grids, from routing in a launch of its own: the shape that keeps enough programs in flight at one token
+(probe_row_gemv.py), where each of thousands of programs would otherwise redo its token's top-k (folded in, the
+narrow tiles took 27-75 us against 22 for the tuned entry: moe-small-batch-sweep-qwen3-30b-a3b-fp8-row-gemv-h200.txt).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def sweep_tokens(
 
     tuned = small_batch_moe_config(tokens, top_k, experts, hidden, inter, fp8) if from_tuned else None
     start = best = tuned or default_small_batch_config(top_k)
+    if row_gemv:  # thousands of programs: each would redo its token's top-k if routing were folded into gate/up
+        start = best = replace(best, fold_routing=False)
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)

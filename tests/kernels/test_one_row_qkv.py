@@ -140,3 +140,15 @@ def test_the_tuned_table_routes_one_row_and_only_one_row(device, monkeypatch):
     assert torch.equal(q_of(one_row="off"), tiled)
     assert torch.equal(q_of(split_k=1), q_of(one_row="off", split_k=1))  # a tiled parameter keeps the tiled kernel
     assert small_batch_qkv.choose_one_row_qkv_config(4, 2, 32, K_IN, True, True) is None  # e4m3 is its own key
+
+
+def test_each_tuned_entry_fits_its_shape():
+    """An entry's block_n divides the half-head into whole programs (the launch refuses any other), and only the
+    measured shapes are listed: the 8B's qkv keeps the tiled kernel."""
+    import tidal.kernels.small_batch_qkv as small_batch_qkv
+
+    for (heads, kv_heads, head_dim, k_in, qk_norm, fp8), config in small_batch_qkv.TUNED_ONE_ROW_QKV_CONFIGS.items():
+        assert small_batch_qkv.choose_one_row_qkv_config(heads, kv_heads, head_dim, k_in, qk_norm, fp8) == config
+        half = head_dim // 2
+        assert config.block_n & (config.block_n - 1) == 0 and half % config.block_n == 0, config
+    assert small_batch_qkv.choose_one_row_qkv_config(32, 8, 128, 4096, False, True) is None
