@@ -79,8 +79,9 @@ def write(path: Path, tables: dict[str, Table]) -> None:
 
 def merge_into(path: Path, name: str, entries: Table, probed: set[tuple]) -> None:
     """Writes `entries` into the file's table `name`, first dropping its entries for the `probed` keys (a shape the
-    sweep measured and found no winner for leaves the file without an entry); other tables and keys stay."""
-    tables = read(path) if path.exists() else {}
+    sweep measured and found no winner for leaves the file without an entry); other tables and keys stay. A new file
+    starts from the source's tables, so it holds what the engine would run with once the entries are added."""
+    tables = read(path) if path.exists() else {table: dict(entries) for table, entries in TABLES.items()}
     table = {key: config for key, config in tables.get(name, {}).items() if key not in probed}
     table.update(entries)
     tables[name] = table

@@ -26,8 +26,18 @@ from tidal.kernels.small_batch_qkv import choose_one_row_qkv_config  # noqa: E40
 QKV_KEY = (32, 4, 128, 2048, True, True)
 
 
+def test_a_new_file_starts_from_the_source_tables(tmp_path):
+    path = tmp_path / "one-row.json"
+    qkv_key = (8, 8, 64, 512, False, False)  # a shape the source has no entry for
+    tuned_tables.merge_into(path, "qkv", {qkv_key: OneRowConfig(4, 512, 4)}, {qkv_key})
+    tables = tuned_tables.read(path)
+    assert tables["linear"] == TUNED_ONE_ROW_CONFIGS  # installing it changes only what the probe found
+    assert tables["qkv"] == {**tuned_tables.TABLES["qkv"], qkv_key: OneRowConfig(4, 512, 4)}
+
+
 def test_merge_keeps_other_shapes_and_drops_probed_losers(tmp_path):
     path = tmp_path / "one-row.json"
+    tuned_tables.write(path, {})
     tuned_tables.merge_into(path, "linear", {(2048, 4096, False, True): OneRowConfig(8, 2048, 8)}, set())
     tuned_tables.merge_into(path, "linear", {(128, 2048, False, False): OneRowConfig(2, 2048, 8)},
                               {(128, 2048, False, False)})  # fmt: skip
