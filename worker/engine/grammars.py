@@ -8,12 +8,14 @@ The Futures are kept in an LRU keyed by the spec: equal schemas compile once, an
 share the compile in progress (a failed one stays cached too, so repeating a bad schema costs nothing).
 
 A compile cannot be cancelled (xgrammar has no way to stop one), so what bounds the pool's work is the admission
-bound checked before it is submitted (schema_cost.py). `wait` bounds the client's: past MAX_WAIT_S the request is
-refused with a 400 while the compile runs on to its end, holding its thread, and is cached for the next request of
-the same spec. The deadline is a backstop for what the estimate does not cover (an EBNF grammar; a schema it
-misjudges) and for a pool kept busy by many requests: without it a client would wait, holding its connection, for
-as long as the compiles ahead of it take. Compiling in a child process would bound the work too (it can be killed),
-at the price of building the tokenizer's xgrammar form there and sending each compiled grammar back.
+bound checked on the spec before it is submitted (structured_output.py): schema_cost.py estimates a JSON schema, a
+structural tag's schemas, a regex (regex_cost.py) and an EBNF grammar (ebnf_cost.py), and refuses one past its budget
+with a 400 that names the costly part. `wait` bounds the client's: past MAX_WAIT_S the request is refused with a 400
+while the compile runs on to its end, holding its thread, and is cached for the next request of the same spec. The
+deadline is a backstop for what an estimate misjudges and for a pool kept busy by many requests: without it a client
+would wait, holding its connection, for as long as the compiles ahead of it take. Compiling in a child process would
+bound the work too (it can be killed), at the price of building the tokenizer's xgrammar form there and sending each
+compiled grammar back.
 
 xgrammar is imported on first use: a worker that never serves a structured request does not pay for it, nor for
 reading the tokenizer's vocabulary into xgrammar's form (about a second at a 150k vocabulary).
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 # xgrammar's messages start with a time and a C++ source location; the client needs only what follows.
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
-# A request's longest wait for its grammar, queueing included: an admitted JSON schema compiles in well under a
-# second (schema_cost.py), so only a pool kept busy by many compiles, or a costly grammar the estimate missed,
+# A request's longest wait for its grammar, queueing included: an admitted schema, regex or grammar compiles in well
+# under a second (schema_cost.py), so only a pool kept busy by many compiles, or a costly spec the estimate missed,
 # reaches it.
 MAX_WAIT_S = 10.0
 

@@ -55,6 +55,13 @@ def regex_states(pattern: str) -> float:
     return states
 
 
+def class_states(held: str) -> float:
+    """The states of one position of a character class, from what it holds (the text between its brackets)."""
+    if _BROAD.search(held):
+        return BROAD_STATES
+    return LITERAL_STATES if _DIGITS.fullmatch(held) else CLASS_STATES
+
+
 class _Parser:
     def __init__(self, pattern: str) -> None:
         self.text = pattern
@@ -94,10 +101,7 @@ class _Parser:
                 return _Part(BROAD_STATES, 1, False)
             return _Part(CLASS_STATES if escaped.isalpha() and escaped != "d" else LITERAL_STATES, 1, False)
         if char == "[":
-            held = self._skip_class()
-            if _BROAD.search(held):
-                return _Part(BROAD_STATES, 1, False)
-            return _Part(LITERAL_STATES if _DIGITS.fullmatch(held) else CLASS_STATES, 1, False)
+            return _Part(class_states(self._skip_class()), 1, False)
         if char == ".":
             return _Part(BROAD_STATES, 1, False)
         if char == "(":

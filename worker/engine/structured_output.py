@@ -3,7 +3,8 @@ plain data: the key of the compiled-grammar cache and part of the request's Samp
 
 The bounds keep one request from making the grammar compiler (a shared thread pool) or the per-step mask work
 unreasonably large; past them the request is refused with a 400 before anything is compiled. The text's length does
-not bound a compile's time: schema_cost.py estimates that of a JSON schema, a structural tag's schemas and a regex.
+not bound a compile's time: schema_cost.py estimates that of a JSON schema, a structural tag's schemas, a regex and an
+EBNF grammar (ebnf_cost.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tidal.worker.engine.schema_cost import check_json_schema, check_regex, check_structural_tag
+from tidal.worker.engine.schema_cost import check_grammar, check_json_schema, check_regex, check_structural_tag
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema's JSON text, a regex, a grammar, or all choices together
 MAX_CHOICES = 256
@@ -61,6 +62,8 @@ class StructuredOutput(BaseModel):
             check_structural_tag(self.text)
         elif self.kind == "regex":
             check_regex(self.text)
+        elif self.kind == "grammar":
+            check_grammar(self.text)
         return self
 
     @property
