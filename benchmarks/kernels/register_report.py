@@ -285,8 +285,9 @@ def whole_head_256_launches() -> list[Launch]:
 
 
 def one_row_qkv_launches() -> list[Launch]:
-    """The one-row qkv (`one_row_qkv_kernel`, not chosen by default yet) at configs its sweep is likely to pick, on
-    e4m3 weights: Qwen3-30B-A3B's with the q/k norms (several programs a head), the 8B's without."""
+    """The one-row qkv (`one_row_qkv_kernel`) at configs its sweep may pick, on e4m3 weights: Qwen3-30B-A3B's with
+    the q/k norms (several programs a head), the 8B's without. (The configs of TUNED_ONE_ROW_QKV_CONFIGS show in the
+    models' own launches, which take them at one row.)"""
     with recording() as launches:
         for config in (OneRowConfig(4, 1024, 4), OneRowConfig(8, 512, 8), OneRowConfig(16, 1024, 8)):
             _qkv(2048, 32, 4, 128, qk_norm=True, one_row=config, weight_dtype=FP8_E4M3)
