@@ -48,6 +48,8 @@ class EngineStatsLike(Protocol):
     @property
     def num_prefix_cache_hit_tokens(self) -> int: ...
     @property
+    def num_grammar_mask_timeouts(self) -> int: ...
+    @property
     def expert_exchanges(self) -> ExchangeSnapshot | None: ...
 
 
@@ -74,6 +76,11 @@ class _EngineCollector(Collector):
             f"{PREFIX}_prefix_cache_hit_tokens",
             "Prompt tokens whose KV was reused from the prefix cache",
             value=stats.num_prefix_cache_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_grammar_mask_timeouts",
+            "Structured requests ended because their grammar's token mask took longer than grammar_mask_limit_ms",
+            value=stats.num_grammar_mask_timeouts,
         )
         yield from _exchange_metrics(stats.expert_exchanges)
 

@@ -110,10 +110,10 @@ def test_close_ends_the_fill_thread(compiler):
     grammar = compiler.compile(StructuredOutput(kind="regex", text=r"(ab|cd)[0-9]+"))
     masks = GrammarMasks(torch.device("cpu"))
     masks.prepare([new_matcher(grammar)], compiler._vocab_size)
-    assert masks._thread is not None
-    # The one thread these masks started, asked of it: not every "tidal-masks" thread of the process, which may
-    # include those of engines that other tests still hold.
-    fill_thread = masks._thread.submit(threading.current_thread).result()
+    assert masks._threads is not None
+    # A thread these masks started, asked of it: not every "tidal-masks" thread of the process, which may include
+    # those of engines that other tests still hold.
+    fill_thread = masks._threads.submit(threading.current_thread).result()
     assert fill_thread.name.startswith("tidal-masks")
     masks.close()
     assert masks._prepared is None

@@ -53,6 +53,12 @@ class RequestInterruptedError(RuntimeError):
     """A running request was ended on purpose (the worker goes to sleep or changes its weights); says why."""
 
 
+class RequestEndedError(RequestInterruptedError):
+    """The engine ended a running request for a cause of its own (its grammar's token masks took longer than the
+    limit: RequestOutput.error); says why. A RequestInterruptedError, so the server sends the message as an error
+    body, or as an SSE error event once the stream has started."""
+
+
 # Awaited before a request is queued: returns to admit it, or raises (e.g. EngineNotRunningError while asleep).
 AdmissionGate = Callable[[], Awaitable[None]]
 
@@ -396,7 +402,12 @@ class AsyncEngine:
                 admitted.num_running -= 1
                 if admitted.num_running == 0:
                     del self._admitted[out.request_id]
-            deliveries.append((out.request_id, admitted.stream, out if error is None else error))
+            item: _Item = out
+            if error is not None:
+                item = error
+            elif out.error is not None:
+                item = RequestEndedError(out.error)
+            deliveries.append((out.request_id, admitted.stream, item))
         return deliveries
 
     def _deliver_all(self, deliveries: list[_Delivery]) -> None:

@@ -79,6 +79,19 @@ class EngineConfig(BaseModel):
             "Outputs are the same as with False (one step at a time)."
         ),
     )
+    # 50 ms: the slowest masks of admitted grammars that are not ambiguous took up to 31 ms a token at a 152k
+    # vocabulary (three {1,16} letter classes 11 ms, 16 tags 18 ms, `w{1,100}` with a separator 31 ms), a JSON
+    # schema's 20-55 us; the ambiguous shapes the admission estimate cannot see take 0.13-1.4 s
+    # (benchmarks/results/grammar-compile-ebnf.md). A few decode steps' time, once per such request.
+    grammar_mask_limit_ms: float = Field(
+        default=50.0, gt=0.0,
+        description=(
+            "Structured outputs: the longest one request's grammar may take to fill its token mask for one step. "
+            "Every step's sampling waits for all of its rows' masks, so a request past it is ended at once with an "
+            "error naming the cause (an ambiguous grammar makes every mask slow), and the step goes on without "
+            "waiting for the rest of its fill."
+        ),
+    )  # fmt: skip
 
     rank: int = Field(default=0, ge=0, description="This worker's rank in its expert-parallel group.")
     world_size: int = Field(

@@ -92,7 +92,9 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(limits, self.block_manager)
-        self.sampler = Sampler(runner.device, config.seed, frozenset(eos_token_ids))
+        self.sampler = Sampler(
+            runner.device, config.seed, frozenset(eos_token_ids), config.grammar_mask_limit_ms / 1000
+        )
         self._window_decoder = WindowDecoder(tokenizer)
         self._requests: dict[int, EngineRequest] = {}  # seq_id -> the sample it runs
         self._samples: dict[str, list[EngineRequest]] = {}  # request id -> its samples not finished yet
@@ -104,6 +106,10 @@ class LLMEngine:
         self._num_controlled = 0  # live requests with logit edits or penalties (see _sample_batch)
         self._num_logprobs = 0  # live requests asking for logprobs (see _sample_batch)
         self._num_structured = 0  # live samples with a grammar matcher (see step)
+        self._num_grammar_mask_timeouts = 0
+        # Final outputs of requests ended while a step's sampling was queued (a grammar's mask past its limit),
+        # handed out with that step() call's outputs.
+        self._ended_early: list[RequestOutput] = []
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
 
     @classmethod
@@ -237,8 +243,11 @@ class LLMEngine:
         """Drop every request (shutdown, or recovery after a failed step) and the step in flight; -> their final
         outputs. The device is idle when it returns."""
         finals = [out for request_id in list(self._samples) for out in self.abort_request(request_id)]
+        finals += self._ended_early
+        self._ended_early = []
         self._in_flight = None
         self.sampler.discard_prepared_masks()  # prepared for a sampling that will not happen now
+        self.sampler.take_slow_masks()  # their requests are ended above
         self.runner.synchronize()  # nothing may still write the cache (a sleep may release it next)
         return finals
 
@@ -266,6 +275,13 @@ class LLMEngine:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
         async_scheduling the deltas are those of the step launched by the previous call, read while the step
         launched by this one runs on the device."""
+        outputs = self._step()
+        if self._ended_early:
+            outputs += self._ended_early
+            self._ended_early = []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if not self.config.async_scheduling:
             outputs = self.drain()
             launched = self._launch(None)
@@ -348,6 +364,8 @@ class LLMEngine:
             batch = self._sample_batch(forward.pending, forward.seq_ids)
             tokens, logprobs = self.sampler.sample_with_logprobs(forward.logits, batch)
             logprob_rows = batch.logprob_rows
+            if self._num_structured:
+                self._end_slow_grammars()
         samples = SampledTokens(tokens, self.runner.device, logprobs, forward.prompt_logprobs)
         return InFlightStep(forward.scheduled, forward.pending, samples, forward.prompt_positions, logprob_rows)
 
@@ -401,7 +419,11 @@ class LLMEngine:
         logits = self.runner.execute(plan, None)
         launched = self._sample(self._launched_forward(scheduled, plan, pending, logits))
         self.scheduler.commit(launched.scheduled)
-        return self._read(launched)
+        outputs = self._read(launched)
+        if self._ended_early:
+            outputs += self._ended_early
+            self._ended_early = []
+        return outputs
 
     def _retire_length_stops(self, previous: InFlightStep) -> None:
         """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they
@@ -514,6 +536,37 @@ class LLMEngine:
             output = output._replace(prompt_logprobs=request.prompt_logprobs or [None])
         return output
 
+    def _end_slow_grammars(self) -> None:
+        """End the requests whose grammar's mask took longer than the limit in the sampling just queued (all their
+        samples: they share the grammar). Their rows in it are dropped when read, as an abort's are; the final
+        outputs carry the cause, which the async engine delivers to the client as an error."""
+        slow = self.sampler.take_slow_masks()
+        if not slow:
+            return
+        by_matcher = {id(r.matcher): r for r in self._requests.values() if r.matcher is not None}
+        limit_ms = self.config.grammar_mask_limit_ms
+        for matcher, seconds in slow:
+            request = by_matcher.get(id(matcher))
+            if request is None or request.seq.request_id not in self._samples:  # ended already
+                continue
+            seq = request.seq
+            seq.drop_unknown_tokens()  # the token being sampled now is not handed out (nor counted below)
+            spec = seq.params.structured
+            kind = spec.kind.replace("_", " ") if spec is not None else "grammar"
+            message = (
+                f"the request was ended: its {kind}'s token mask took {seconds * 1000:.0f} ms (limit {limit_ms:g} "
+                f"ms) after {seq.num_output_tokens} output tokens, and every step of the batch waits for it; "
+                "simplify the grammar: a repetition whose copies can split the same text in many ways (e.g. "
+                '(w " "?){1,16} with w ::= [a-z]+, or ([a-z] | [a-z] [a-z]){1,100}) makes every mask slow'
+            )
+            log.warning("request %s: %s", seq.request_id, message)
+            self._num_grammar_mask_timeouts += 1
+            for sample in list(self._samples[seq.request_id]):
+                self._forks.drop(sample.seq.seq_id)
+                sample.seq.drop_unknown_tokens()
+                final = self._finish(sample, "abort", new_token_ids=[], new_text="")
+                self._ended_early.append(final._replace(error=message))
+
     def _store_prompt_logprobs(self, step: InFlightStep) -> None:
         """File the step's prompt-position logprobs with their requests (a chunk at a time; kept until sent)."""
         requests = self._requests
@@ -595,6 +648,7 @@ class LLMEngine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_prefix_cache_hit_tokens=self.block_manager.num_prefix_hit_tokens,
+            num_grammar_mask_timeouts=self._num_grammar_mask_timeouts,
             expert_exchanges=self.runner.expert_exchanges(),
         )
 

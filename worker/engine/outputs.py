@@ -37,6 +37,9 @@ class RequestOutput(NamedTuple):
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
     # Once, on the first output of sample 0 of a request that asked: one per prompt token, the first None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Set on a final output (finish_reason "abort") when the engine ended the request for a cause of its own that
+    # the client must be told of (its grammar's masks too slow); the async engine delivers it as an error.
+    error: str | None = None
 
 
 class GenerationResult(BaseModel):
@@ -63,4 +66,5 @@ class EngineStats(BaseModel):
     num_prompt_tokens: int  # since start, prompt tokens of admitted requests
     num_generated_tokens: int  # since start
     num_prefix_cache_hit_tokens: int  # since start
+    num_grammar_mask_timeouts: int = 0  # since start, requests ended because a mask took longer than the limit
     expert_exchanges: ExchangeSnapshot | None = None  # expert parallelism's traffic since the load; else None

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tidal.worker.engine.grammar_masks import GrammarMasks
+from tidal.worker.engine.grammar_masks import DEFAULT_LIMIT_S, GrammarMasks
 from tidal.worker.engine.host_tensors import float32_tensor, int64_tensor, to_device
 from tidal.worker.engine.logit_edits import LogitEdits
 from tidal.worker.engine.logprobs import DeviceLogprobs
@@ -40,13 +40,19 @@ from tidal.worker.engine.truncation import truncate
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        grammar_mask_limit_s: float = DEFAULT_LIMIT_S,
+    ) -> None:
         self.device = device
         self._shared = torch.Generator(device=device).manual_seed(seed)  # requests without a seed
         self._per_request: dict[int, torch.Generator] = {}  # seq_id -> generator of a seeded request
         self._edits = LogitEdits(device, eos_token_ids)
         self._penalties = Penalties(device)
-        self._grammars = GrammarMasks(device)
+        self._grammars = GrammarMasks(device, grammar_mask_limit_s)
 
     def forget(self, seq_id: int) -> None:
         self._per_request.pop(seq_id, None)
@@ -59,6 +65,11 @@ class Sampler:
 
     def discard_prepared_masks(self) -> None:
         self._grammars.discard()
+
+    def take_slow_masks(self) -> list[tuple[Any, float]]:
+        """The grammar matchers whose mask took longer than the limit since the last call, and how long (see
+        GrammarMasks.take_slow): the engine ends their requests."""
+        return self._grammars.take_slow()
 
     def close(self) -> None:
         """End the grammar masks' fill thread (the engine is shutting down)."""

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from tidal.worker.engine.async_engine import EngineNotRunningError, RequestInterruptedError
+from tidal.worker.engine.async_engine import EngineNotRunningError, RequestEndedError, RequestInterruptedError
 from tidal.worker.engine.errors import InvalidGrammarError, PromptTooLongError
 from tidal.worker.metrics import WorkerMetrics
 from tidal.worker.server.errors import ApiError
@@ -79,6 +79,10 @@ class Generation:
             self._account("rejected")
             retry = {"Retry-After": str(round(exc.retry_after_s))} if exc.retry_after_s is not None else None
             raise ApiError(503, str(exc), code=exc.code, headers=retry) from exc
+        except RequestEndedError as exc:  # its grammar's masks are too slow: the request's own doing, not to retry
+            self._engine_done = True
+            self._account("interrupted")
+            raise self._ended(exc) from exc
         except RequestInterruptedError as exc:  # ended before its first token (sleep or weight update, mode abort)
             self._engine_done = True
             self._account("interrupted")
@@ -98,6 +102,10 @@ class Generation:
             raise
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
         self._observe(self._first)
+
+    def _ended(self, exc: RequestEndedError) -> ApiError:
+        """The engine ended the request for its structured output's cost (a 4xx: sent again, it would end again)."""
+        return ApiError(400, str(exc), param=self._grammar_param, code="grammar_too_slow")
 
     @property
     def finish_reason(self) -> str | None:
@@ -127,6 +135,10 @@ class Generation:
         except StopAsyncIteration:
             self._account("error")
             raise ApiError(500, "the engine ended the request without a finish reason") from None
+        except RequestEndedError as exc:  # its grammar's masks are too slow: the request's own doing, not to retry
+            self._engine_done = True
+            self._account("interrupted")
+            raise self._ended(exc) from exc
         except RequestInterruptedError as exc:  # ended on purpose (sleep or weight update, mode abort): say why
             self._engine_done = True
             self._account("interrupted")
