@@ -36,6 +36,9 @@ from tidal.worker.engine.schema_cost import (
     json_schema_cost,
     regex_cost,
 )
+from tidal.worker.testing.sample_grammars import ARITHMETIC_GRAMMAR as ARITHMETIC_EBNF
+from tidal.worker.testing.sample_grammars import JSON_GRAMMAR as JSON_EBNF
+from tidal.worker.testing.sample_grammars import TAGS_GRAMMAR as TAGS_EBNF
 
 
 def obj(properties: dict[str, Any], required: list[str] | None = None, **extra: Any) -> dict[str, Any]:
@@ -61,27 +64,10 @@ def pattern(regex: str) -> dict[str, Any]:
     return {"type": "string", "pattern": regex}
 
 
-# Grammars people send (EBNF, xgrammar's dialect).
-JSON_EBNF = r"""
-root ::= value
-value ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ws (member ("," ws member)*)? "}"
-member ::= string ws ":" ws value ws
-array ::= "[" ws (value ws ("," ws value ws)*)? "]"
-string ::= "\"" ([^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
-number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
-ws ::= [ \t\n]*
-"""
-ARITHMETIC_EBNF = """
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= number | "(" expr ")" | "-" factor
-number ::= [0-9]+ ("." [0-9]+)?
-"""
+# Grammars people send (EBNF, xgrammar's dialect): JSON_EBNF, ARITHMETIC_EBNF and TAGS_EBNF come from
+# tidal.worker.testing.sample_grammars, shared with the estimate's tests.
 CITIES = ["Amsterdam", "Berlin", "Cairo", "Delhi", "Edinburgh", "Florence", "Geneva", "Hanoi", "Istanbul", "Jakarta"]
 CHOICE_EBNF = "root ::= " + " | ".join(f'"{city} {i}"' for i in range(10) for city in CITIES)
-TAGS_EBNF = 'root ::= tag ("," tag){0,15}\ntag ::= [a-z]{1,16}'
 EMAIL_EBNF = 'root ::= [a-z0-9.]{1,16} "@" [a-z]{1,16} "." [a-z]{2,3}'
 
 

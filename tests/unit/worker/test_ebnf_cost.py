@@ -13,27 +13,11 @@ from tidal.worker.engine import schema_cost
 from tidal.worker.engine.regex_cost import MAX_GROUP_DEPTH, MAX_NESTED_REPEAT
 from tidal.worker.engine.schema_cost import COST_BUDGET, CompileCostError
 from tidal.worker.engine.structured_output import StructuredOutput
+from tidal.worker.testing.sample_grammars import ARITHMETIC_GRAMMAR as ARITHMETIC
+from tidal.worker.testing.sample_grammars import JSON_GRAMMAR
+from tidal.worker.testing.sample_grammars import TAGS_GRAMMAR as TAGS
 
-JSON_GRAMMAR = r"""
-root ::= value
-value ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ws (member ("," ws member)*)? "}"
-member ::= string ws ":" ws value ws
-array ::= "[" ws (value ws ("," ws value ws)*)? "]"
-string ::= "\"" ([^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}))* "\""
-number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]+)?
-ws ::= [ \t\n]*  # comments are skipped
-"""
-ARITHMETIC = """
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= number | "(" expr ")" | "-" factor
-number ::= [0-9]+ ("." [0-9]+)?
-"""
 CHOICES = "root ::= " + " | ".join(f'"{city}"' for city in ("yes", "no", "maybe", "Amsterdam", "São Paulo", 'a\\"b'))
-# Up to 16 tags of up to 16 letters: the separator keeps the copies apart (150 ms at 152k tokens).
-TAGS = 'root ::= tag ("," tag){0,15}\ntag ::= [a-z]{1,16}'
 DATE_AND_CODE = 'root ::= [0-9]{4} "-" [0-9]{2} "-" [0-9]{2} " " [A-Z]{2} "-" [0-9]{1,16}'
 
 ORDINARY = [JSON_GRAMMAR, ARITHMETIC, CHOICES, TAGS, DATE_AND_CODE]
