@@ -72,9 +72,12 @@ def test_a_chunk_is_checked_and_its_file_held_before_its_body_arrives(tmp_path):
     with pytest.raises(UploadOffsetError, match="offset 3, but 0 bytes"):
         uploads.begin_chunk(upload.upload_id, "model.safetensors", 3)
     claim = uploads.begin_chunk(upload.upload_id, "model.safetensors", 0)
-    # While its body arrives, the file takes no other chunk, written or announced; other files do.
+    # While its body arrives, the file takes no other chunk, written or announced; other files do; and the upload
+    # cannot be finished (that chunk would be lost).
     with pytest.raises(BusyError, match="still arriving"):
         uploads.begin_chunk(upload.upload_id, "model.safetensors", 0)
+    with pytest.raises(BusyError, match=r"model\.safetensors at offset 0 is still arriving; finish once"):
+        uploads.finish(upload.upload_id)
     with pytest.raises(BusyError, match="still arriving"):
         uploads.write_chunk(upload.upload_id, "model.safetensors", 0, b"abc")
     uploads.end_chunk(uploads.begin_chunk(upload.upload_id, "config.json", 0))

@@ -124,9 +124,17 @@ class Uploads:
                     _release(claim)
 
     def finish(self, upload_id: str) -> Upload:
-        """Detach the upload for applying; the caller removes its directory with `remove()`."""
+        """Detach the upload for applying; the caller removes its directory with `remove()`. Busy while a chunk's
+        body is still arriving: finished now, the upload would lose that chunk (and the file the rest of its
+        bytes), and the checkpoint be refused for a truncated file."""
         with self._lock:
             upload = self.get(upload_id)
+            if upload.arriving:
+                held = next(iter(upload.arriving.values()))
+                raise BusyError(
+                    f"upload {upload_id}: a chunk of {held.file_name} at offset {held.offset} is still arriving; "
+                    "finish once every chunk sent is answered"
+                )
             if not upload.received:
                 raise BadRequestError(f"upload {upload_id} received no files")
             self._current = None
