@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -216,25 +218,34 @@ def test_streamed_and_collective_updates_reach_the_disk_checksum(tiny_model, ver
         tensors = {}
         for path in sorted(version_b.glob("*.safetensors")):
             tensors.update(load_file(path))
-        names = sorted(tensors)
-        specs = [{"name": n, "shape": list(tensors[n].shape), "dtype": "float32"} for n in names]
-        port = _free_port()
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", _TRAINER, str(version_b), str(port), json.dumps(names)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        try:
-            body = {"master_address": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2,
-                    "backend": "gloo", "tensors": specs, "version": "b-broadcast", "timeout_s": 60}  # fmt: skip
-            response = worker.post("/weights/collective", body)
-            assert response.status_code == 200, response.text
-            assert response.json()["checksum"] == disk
-            assert trainer.wait(timeout=60) == 0, trainer.stdout.read()  # type: ignore[union-attr]
-        finally:
-            trainer.kill()
+        response, body = _broadcast_update(worker, version_b, tensors, "b-broadcast")
+        assert response.status_code == 200, response.text
+        assert response.json()["checksum"] == disk
         assert worker.text("Hello") == text_b
-        bad = worker.post("/weights/collective", {**body, "tensors": specs[:-1]})
+        bad = worker.post("/weights/collective", {**body, "tensors": body["tensors"][:-1]})
         assert bad.status_code == 422 and "missing tensors" in bad.json()["message"]
+
+
+def _broadcast_update(
+    worker: ControlledWorker, source: Path, tensors: dict[str, torch.Tensor], version: str
+) -> tuple[Any, dict[str, Any]]:
+    """A collective update (gloo) from a trainer process that broadcasts `source`'s tensors, of the shapes in
+    `tensors`; -> (the worker's answer, the request body). The trainer must end cleanly whatever the worker says."""
+    names = sorted(tensors)
+    specs = [{"name": n, "shape": list(tensors[n].shape), "dtype": "float32"} for n in names]
+    port = _free_port()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(source), str(port), json.dumps(names)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2,
+                "backend": "gloo", "tensors": specs, "version": version, "timeout_s": 60}  # fmt: skip
+        response = worker.post("/weights/collective", body)
+        assert trainer.wait(timeout=60) == 0, trainer.stdout.read()  # type: ignore[union-attr]
+    finally:
+        trainer.kill()
+    return response, body
 
 
 _TRAINER = """
@@ -450,20 +461,7 @@ def test_non_finite_weights_are_refused_on_every_path_and_the_old_ones_serve(
         assert_refused_and_unchanged(worker.post(f"/weights/stream/{upload_id}/finish", {"version": "nan"}))
 
         # Collective: the trainer broadcasts the poisoned tensors; the worker receives them all, then refuses.
-        names = sorted(tensors)
-        specs = [{"name": n, "shape": list(tensors[n].shape), "dtype": "float32"} for n in names]
-        port = _free_port()
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", _TRAINER, str(bad), str(port), json.dumps(names)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        try:
-            body = {"master_address": "127.0.0.1", "master_port": port, "rank": 1, "world_size": 2,
-                    "backend": "gloo", "tensors": specs, "version": "nan", "timeout_s": 60}  # fmt: skip
-            assert_refused_and_unchanged(worker.post("/weights/collective", body))
-            assert trainer.wait(timeout=60) == 0, trainer.stdout.read()  # type: ignore[union-attr]
-        finally:
-            trainer.kill()
+        assert_refused_and_unchanged(_broadcast_update(worker, bad, tensors, "nan")[0])
 
         # The worker is not left busy or unable: a good update goes through.
         assert worker.post("/weights/update", {"source": str(version_b), "version": "b"}).status_code == 200
