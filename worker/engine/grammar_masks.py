@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 
+from tidal.worker.engine.config import EngineConfig
 from tidal.worker.engine.host_tensors import int64_tensor, to_device
 from tidal.worker.engine.sample_batch import SampleBatch
 
 # A step's rows per lane below which a fill adds no lane (a lane costs a submit and a thread's wake-up, ~20 us).
 ROWS_PER_LANE = 16
-DEFAULT_LIMIT_S = 0.05  # EngineConfig.grammar_mask_limit_ms says why
+# The engine passes its config's limit; this default (for a sampler made on its own) is that field's, which says why.
+DEFAULT_LIMIT_S = EngineConfig.model_fields["grammar_mask_limit_ms"].default / 1000
 
 
 class _Lane:

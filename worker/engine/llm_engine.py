@@ -275,11 +275,12 @@ class LLMEngine:
         """Run one scheduled batch; -> a delta for every request that got a token (or finished). With
         async_scheduling the deltas are those of the step launched by the previous call, read while the step
         launched by this one runs on the device."""
-        outputs = self._step()
-        if self._ended_early:
-            outputs += self._ended_early
-            self._ended_early = []
-        return outputs
+        return self._with_ended_early(self._step())
+
+    def _with_ended_early(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs` and the final outputs of requests ended while the step's sampling was queued."""
+        ended, self._ended_early = self._ended_early, []
+        return outputs + ended if ended else outputs
 
     def _step(self) -> list[RequestOutput]:
         if not self.config.async_scheduling:
@@ -419,11 +420,7 @@ class LLMEngine:
         logits = self.runner.execute(plan, None)
         launched = self._sample(self._launched_forward(scheduled, plan, pending, logits))
         self.scheduler.commit(launched.scheduled)
-        outputs = self._read(launched)
-        if self._ended_early:
-            outputs += self._ended_early
-            self._ended_early = []
-        return outputs
+        return self._with_ended_early(self._read(launched))
 
     def _retire_length_stops(self, previous: InFlightStep) -> None:
         """Sequences that end by length once `previous` is read (whatever token it sampled) are known now: they
