@@ -39,6 +39,24 @@ def _row_products(a_ptr, w_ptr, w_stride, k_in, outs, out_mask, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _whole_rows(w_ptr, w_stride, k_in, outs, out_mask, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] the rows `outs` of W whole (BLOCK_K >= K), loaded as one tile: a weights-first program
+    issues this before its wait, so its weight stream runs while the previous kernel still does."""
+    ks = tl.arange(0, BLOCK_K)
+    rows = w_ptr + outs.to(tl.int64)[:, None] * w_stride
+    return tl.load(rows + ks[None, :], mask=out_mask[:, None] & (ks < k_in)[None, :], other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
+
+
+@triton.jit
+def _whole_row_products(w, a_ptr, k_in, BLOCK_K: tl.constexpr):
+    """[BLOCK_N] fp32 w @ a for rows loaded whole by _whole_rows."""
+    ks = tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + ks, mask=ks < k_in, other=0.0)
+    return tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+
+
+@triton.jit
 def _inv_rms(partials_ptr, num_partials, k_in, eps, BLOCK_P: tl.constexpr):
     """1 / rms of the row from the previous kernel's partial sums of squares [num_partials, 1], BLOCK_P a load."""
     sum_sq = tl.zeros([BLOCK_P], tl.float32)
@@ -72,15 +90,21 @@ def one_row_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    WEIGHTS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program p: outputs [p * BLOCK_N, (p + 1) * BLOCK_N) of the row (and their up rows when GATED), then the
     epilogue: FP8 scales, 1 / rms, bias, silu(gate) * up, or the residual sum with h * gamma and this program's sum
-    of h^2 (one partial per program, in program order for the next norm)."""
-    wait_for_previous_kernel(USE_PDL)
+    of h^2 (one partial per program, in program order for the next norm). WEIGHTS_FIRST (BLOCK_K >= K): the rows
+    are loaded whole before the wait for the previous kernel; weights are no kernel's output."""
     pid = tl.program_id(0)
     outs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = outs < n_out
+    if WEIGHTS_FIRST:
+        w_rows = _whole_rows(w_ptr, w_stride, k_in, outs, out_mask, BLOCK_K)
+        if GATED:
+            w_rows_up = _whole_rows(w_ptr + n_out.to(tl.int64) * w_stride, w_stride, k_in, outs, out_mask, BLOCK_K)
+    wait_for_previous_kernel(USE_PDL)
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     # The epilogue's small inputs first, each round trip overlapping the weight stream (as in linear_rows_kernel).
     if ROW_SCALE:
@@ -96,10 +120,15 @@ def one_row_linear_kernel(
     if INTO_RESIDUAL:
         res = tl.load(residual_ptr + outs, mask=out_mask, other=0.0)
         gamma = tl.load(gamma_ptr + outs, mask=out_mask, other=0.0).to(tl.float32)
-    acc = _row_products(a_ptr, w_ptr, w_stride, k_in, outs, out_mask, BLOCK_N, BLOCK_K)
-    if GATED:
-        acc_up = _row_products(a_ptr, w_ptr + n_out.to(tl.int64) * w_stride, w_stride, k_in, outs, out_mask, BLOCK_N,
-                               BLOCK_K)  # fmt: skip
+    if WEIGHTS_FIRST:
+        acc = _whole_row_products(w_rows, a_ptr, k_in, BLOCK_K)
+        if GATED:
+            acc_up = _whole_row_products(w_rows_up, a_ptr, k_in, BLOCK_K)
+    else:
+        acc = _row_products(a_ptr, w_ptr, w_stride, k_in, outs, out_mask, BLOCK_N, BLOCK_K)
+        if GATED:
+            acc_up = _row_products(a_ptr, w_ptr + n_out.to(tl.int64) * w_stride, w_stride, k_in, outs, out_mask,
+                                   BLOCK_N, BLOCK_K)  # fmt: skip
     let_next_kernel_launch(USE_PDL)  # its programs can settle in while this one runs its epilogue
     if W_FP8:
         acc = acc * w_scale
@@ -203,18 +232,23 @@ def one_row_qkv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    WEIGHTS_FIRST: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program p: BLOCK_N dims of both halves of head p // PROGRAMS_PER_HEAD (rotary pairs), their weight rows
-    streamed whole as in one_row_linear_kernel; then the fused qkv's epilogue (qkv_rope_kernel's, on one row).
-    A q/k norm needs the head's every value: with several programs a head, each stores its values to the workspace
-    and counts in on the head's counter, and the last one finishes the whole head."""
-    wait_for_previous_kernel(USE_PDL)
+    streamed whole as in one_row_linear_kernel (WEIGHTS_FIRST: loaded before the wait, as there); then the fused
+    qkv's epilogue (qkv_rope_kernel's, on one row). A q/k norm needs the head's every value: with several programs
+    a head, each stores its values to the workspace and counts in on the head's counter, and the last one finishes
+    the whole head."""
     pid = tl.program_id(0)
     head = pid // PROGRAMS_PER_HEAD
     dims = (pid % PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
     dim_ok = dims < HALF
     outs = head * HEAD_DIM + dims
+    if WEIGHTS_FIRST:
+        w_rows1 = _whole_rows(w_ptr, w_stride, k_in, outs, dim_ok, BLOCK_K)
+        w_rows2 = _whole_rows(w_ptr, w_stride, k_in, outs + HALF, dim_ok, BLOCK_K)
+    wait_for_previous_kernel(USE_PDL)
     W_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     if ROW_SCALE:
         inv_rms = _inv_rms(norm_partials_ptr, num_partials_in, k_in, eps, BLOCK_P)
@@ -226,8 +260,12 @@ def one_row_qkv_kernel(
         bias2 = tl.load(bias_ptr + outs + HALF, mask=dim_ok, other=0.0).to(tl.float32)
     position = tl.load(positions_ptr).to(tl.int64)
     slot = tl.load(slot_ptr).to(tl.int64)
-    x1 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs, dim_ok, BLOCK_N, BLOCK_K)
-    x2 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs + HALF, dim_ok, BLOCK_N, BLOCK_K)
+    if WEIGHTS_FIRST:
+        x1 = _whole_row_products(w_rows1, a_ptr, k_in, BLOCK_K)
+        x2 = _whole_row_products(w_rows2, a_ptr, k_in, BLOCK_K)
+    else:
+        x1 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs, dim_ok, BLOCK_N, BLOCK_K)
+        x2 = _row_products(a_ptr, w_ptr, w_stride, k_in, outs + HALF, dim_ok, BLOCK_N, BLOCK_K)
     let_next_kernel_launch(USE_PDL)
     if W_FP8:
         x1 = x1 * w_scale1

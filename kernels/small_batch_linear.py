@@ -90,14 +90,37 @@ TUNED_FP8_LINEAR_CONFIGS: dict[tuple[int, int, bool], LaunchConfig] = {
 }
 
 
+# A weights-first program holds its whole rows in registers through its wait: at most this many bytes of them a
+# thread (64 registers), so the tile never spills.
+WEIGHTS_FIRST_BYTES_PER_THREAD = 256
+
+
 @dataclass(frozen=True)
 class OneRowConfig:
     """A one-row launch of the row-parallel GEMV (`_one_row_kernels.py`): each program owns `block_n` whole weight
-    rows and streams them `block_k` inputs at a time; no split of K."""
+    rows and streams them `block_k` inputs at a time; no split of K.
+
+    weights_first: each program loads its rows whole, as one tile (block_k is then ignored), before it waits for the
+    previous kernel. Weights are no kernel's output, so where the previous kernel lets this one launch early (decode
+    attention does, at its start), this projection's weight stream overlaps it rather than following it."""
 
     block_n: int
     block_k: int
     num_warps: int
+    weights_first: bool = False
+
+    def launch_block_k(self, k_in: int, rows_per_program: int, weight_itemsize: int) -> int:
+        """BLOCK_K of a launch over K = k_in where each program owns `rows_per_program` weight rows (the gated and
+        qkv kernels hold two sets of block_n); a weights-first tile past its register budget is a ValueError."""
+        whole: int = max(16, triton.next_power_of_2(k_in))
+        if not self.weights_first:
+            return min(self.block_k, whole)
+        per_thread = rows_per_program * whole * weight_itemsize // (32 * self.num_warps)
+        if per_thread > WEIGHTS_FIRST_BYTES_PER_THREAD:
+            raise ValueError(f"a weights-first program of {rows_per_program} rows of {whole} inputs over "
+                             f"{self.num_warps} warps holds {per_thread} bytes of them a thread, over the "
+                             f"{WEIGHTS_FIRST_BYTES_PER_THREAD} that fit its registers")  # fmt: skip
+        return whole
 
 
 # Shapes where one row takes the row-parallel GEMV, measured on an H100 at one row over 48 layers' weights in a
@@ -313,9 +336,10 @@ def _launch(
         one_row_linear_kernel[(num_programs,)](
             *inputs, y, scaled, partial_sq, n_out, k_in, weight.stride(0), num_partials, eps, **epilogue,
             BLOCK_N=config.block_n,
-            BLOCK_K=min(config.block_k, max(16, triton.next_power_of_2(k_in))),
+            BLOCK_K=config.launch_block_k(k_in, config.block_n * (2 if gated else 1), weight.element_size()),
             # The previous norm's partial sums in one load where they are few (the one-row o projection leaves 256).
             BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+            WEIGHTS_FIRST=config.weights_first,
             num_warps=config.num_warps,
             **pdl_launch_options(a.device),
         )  # fmt: skip

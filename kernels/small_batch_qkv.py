@@ -236,8 +236,9 @@ def qkv_rope_store_triton(
             cos_sin_cache.stride(0), num_q_heads, num_kv_heads, *cache_strides(v_cache), **shared,
             PROGRAMS_PER_HEAD=programs_per_head,
             BLOCK_N=row_n,
-            BLOCK_K=min(row_config.block_k, max(16, triton.next_power_of_2(k_in))),
+            BLOCK_K=row_config.launch_block_k(k_in, 2 * row_n, weight.element_size()),
             BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_partials))),
+            WEIGHTS_FIRST=row_config.weights_first,
             num_warps=row_config.num_warps,
         )  # fmt: skip
         return q

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import triton
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
@@ -41,6 +42,7 @@ from tidal.kernels.fp8_linear import quantize_rows
 from tidal.kernels.rotary import build_cos_sin_cache
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import (
+    WEIGHTS_FIRST_BYTES_PER_THREAD,
     LaunchConfig,
     OneRowConfig,
     choose_config,
@@ -79,15 +81,23 @@ PROJECTIONS = {
 LAYER_BYTES_BUDGET = 400 * 2**20
 
 
-def one_row_variants(gated: bool) -> list[OneRowConfig]:
+def one_row_variants(gated: bool, k_in: int, weight_itemsize: int) -> list[OneRowConfig]:
     """Rows a program x inputs a load x warps: at most 64 fp32 products a thread (32 when gated: two accumulators),
-    at least 1,024 weights a load."""
+    at least 1,024 weights a load; then the weights-first programs (whole rows loaded before the wait) whose rows
+    fit their register budget."""
     limit = 32 if gated else 64
-    return [
+    streamed = [
         OneRowConfig(rows, block_k, warps)
         for rows, block_k, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (2, 4, 8))
         if 1024 <= rows * block_k <= limit * 32 * warps
     ]
+    whole = triton.next_power_of_2(k_in)
+    weights_first = [
+        OneRowConfig(rows, whole, warps, weights_first=True)
+        for rows, warps in itertools.product((1, 2, 4, 8, 16), (2, 4, 8))
+        if (2 if gated else 1) * rows * whole * weight_itemsize <= WEIGHTS_FIRST_BYTES_PER_THREAD * 32 * warps
+    ]
+    return streamed + weights_first
 
 
 class Case:
@@ -191,7 +201,8 @@ def probe(name: str, fp8: bool, device: torch.device, top: int, winners: Winners
     timed = []
     # A qkv program holds a rotary pair's two rows a dim (two accumulators, as gated), at most the half-head's dims.
     half = projection.heads[2] // 2
-    variants = [v for v in one_row_variants(gated or qkv) if not qkv or v.block_n <= half]
+    itemsize = 1 if case.fp8 else 2
+    variants = [v for v in one_row_variants(gated or qkv, projection.k_in, itemsize) if not qkv or v.block_n <= half]
     for config in variants:
         timed.append((case.us_per_layer(config), config, relative_error(case, config)))
     timed.sort(key=lambda row: row[0])

@@ -295,6 +295,24 @@ def one_row_qkv_launches() -> list[Launch]:
     return launches
 
 
+def weights_first_launches() -> list[Launch]:
+    """Qwen3-30B-A3B's one-row projections as weights-first programs (`OneRowConfig.weights_first`: whole rows held
+    in registers through the wait), at the tuned tables' tiles: the FP8 o into the residual, the 16-bit router, the
+    FP8 qkv with its q/k norms."""
+    hidden, attention, experts, heads, kv_heads, head_dim = 2048, 4096, 128, 32, 4, 128
+    with recording() as launches:
+        small_batch_linear.linear_rows_into_residual_triton(
+            _empty(1, attention), _empty(hidden, attention, dtype=FP8_E4M3), _empty(1, hidden), _empty(hidden),
+            config=OneRowConfig(8, 2048, 8, weights_first=True), weight_scale=_empty(hidden, dtype=torch.float32),
+        )  # fmt: skip
+        small_batch_linear.linear_rows_triton(_empty(1, hidden), _empty(experts, hidden), None,
+                                              _empty(256, 1, dtype=torch.float32), 1e-6,
+                                              config=OneRowConfig(2, 2048, 8, weights_first=True))  # fmt: skip
+        _qkv(hidden, heads, kv_heads, head_dim, qk_norm=True, one_row=OneRowConfig(2, 1024, 2, weights_first=True),
+             weight_dtype=FP8_E4M3)  # fmt: skip
+    return launches
+
+
 MODELS: dict[str, Callable[[], list[Launch]]] = {
     "qwen3-30b-a3b": qwen3_30b_a3b_launches,
     "llama3-8b": llama3_8b_launches,
@@ -302,6 +320,7 @@ MODELS: dict[str, Callable[[], list[Launch]]] = {
     "qwen3-30b-a3b-fp8-experts": qwen3_30b_a3b_fp8_experts_launches,
     "fp8-projections": fp8_projections_launches,
     "one-row-qkv": one_row_qkv_launches,
+    "weights-first": weights_first_launches,
 }
 
 

@@ -3,8 +3,9 @@ before anyone writes them into the kernels' source. An entry goes into the sourc
 from it (a kernel that wins alone can lose inside the step, as the qkv defaults in small_batch_qkv.py record).
 
 The one-row tables (`TUNED_ONE_ROW_CONFIGS` for `linear_rows`, `TUNED_ONE_ROW_QKV_CONFIGS` for the fused qkv), as a
-JSON file of [key, [block_n, block_k, num_warps]] pairs per table; `install` replaces a table's entries with the
-file's, so a file with an empty list turns a table off and a table the file does not name keeps the source's:
+JSON file of [key, [block_n, block_k, num_warps(, weights_first)]] pairs per table; `install` replaces a table's
+entries with the file's, so a file with an empty list turns a table off and a table the file does not name keeps the
+source's:
 
     cd benchmarks/kernels && python probe_row_gemv.py --write-table /tmp/one-row.json
     python benchmarks/profile_steps.py --preset qwen3-30b-a3b --batches 1 --one-row-table /tmp/one-row.json
@@ -62,18 +63,23 @@ def _parse_entry(name: str, entry: object) -> tuple[tuple, OneRowConfig]:
         ok = (
             len(key) == len(kinds)
             and all(type(value) is kind for value, kind in zip(key, kinds, strict=True))
-            and len(config) == 3
-            and all(type(value) is int and value > 0 for value in config)
+            and len(config) in (3, 4)
+            and all(type(value) is int and value > 0 for value in config[:3])
+            and all(type(value) is bool for value in config[3:])
         )
     if not ok:
         raise ValueError(f"{name} entry {entry!r}: expected [[{', '.join(k.__name__ for k in kinds)}], "
-                         f"[block_n, block_k, num_warps]]")  # fmt: skip
+                         f"[block_n, block_k, num_warps(, weights_first)]]")  # fmt: skip
     return tuple(key), OneRowConfig(*config)
 
 
+def _config_fields(config: OneRowConfig) -> list:
+    fields = [config.block_n, config.block_k, config.num_warps]
+    return [*fields, True] if config.weights_first else fields
+
+
 def write(path: Path, tables: dict[str, Table]) -> None:
-    body = {name: [[list(key), [c.block_n, c.block_k, c.num_warps]] for key, c in table.items()]
-            for name, table in tables.items()}  # fmt: skip
+    body = {name: [[list(key), _config_fields(c)] for key, c in table.items()] for name, table in tables.items()}
     path.write_text(json.dumps(body, indent=1) + "\n")
 
 

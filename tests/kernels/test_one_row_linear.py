@@ -78,6 +78,40 @@ def test_one_row_into_residual_leaves_one_partial_a_program(device, dtype, n_out
     assert_close(normed_next, rms_norm_reference(got_h, gamma, 1e-6), scale=3)
 
 
+# Whole rows loaded before the wait: BLOCK_K is K rounded up (block_k ignored), ragged K masked.
+WEIGHTS_FIRST = OneRowConfig(block_n=4, block_k=32, num_warps=2, weights_first=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("epilogue", ["normed_bias", "gated", "residual"])
+def test_weights_first_equals_the_streamed_kernel(device, fp8, epilogue):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n_out, k_in = 37, 80
+    a, weight, scale = _inputs(2 * n_out if epilogue == "gated" else n_out, k_in, dtype, device, fp8)
+    if epilogue == "residual":
+        residual = torch.randn(1, n_out, dtype=dtype, device=device)
+        gamma = torch.rand(n_out, dtype=dtype, device=device) + 0.5
+        (h, got), (want_h, want) = (linear_rows_into_residual_triton(a, weight, residual, gamma, config=config,
+                                                                     weight_scale=scale)
+                                    for config in (WEIGHTS_FIRST, ONE_ROW))  # fmt: skip
+        torch.testing.assert_close(h, want_h)
+        torch.testing.assert_close(got.partial_sq, want.partial_sq, rtol=1e-5, atol=1e-5)
+        return
+    bias = torch.randn(weight.shape[0], dtype=dtype, device=device)
+    partials = torch.rand(3, 1, device=device) + 20.0
+    got, want = (linear_rows_triton(a, weight, bias, partials, 1e-6, gated=epilogue == "gated", config=config,
+                                    weight_scale=scale) for config in (WEIGHTS_FIRST, ONE_ROW))  # fmt: skip
+    assert got.shape == (1, n_out)
+    assert_close(got, want, scale=1)
+
+
+def test_a_weights_first_tile_past_its_registers_is_refused(device):
+    a = torch.randn(1, 4096, device=device)
+    too_wide = OneRowConfig(block_n=16, block_k=512, num_warps=2, weights_first=True)  # 4 KiB of rows a thread
+    with pytest.raises(ValueError, match="holds 4096 bytes of them a thread, over the 256"):
+        linear_rows_triton(a, torch.randn(16, 4096, device=device), config=too_wide)
+
+
 def test_the_tiled_kernel_and_the_row_gemv_agree(device):
     a, weight, _ = _inputs(40, 96, torch.float32, device, fp8=False)
     tiled = linear_rows_triton(a, weight, config=LaunchConfig(16, 32, 4, 2))

@@ -107,6 +107,20 @@ def test_an_fp8_cache_with_v_tokens_innermost_and_an_unwritten_slot(device, qk_n
         assert (k.float().abs().sum() > 0) == (slot >= 0) and (v.float().abs().sum() > 0) == (slot >= 0)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_weights_first_programs_equal_the_reference(device, fp8):
+    """Whole rows of both halves loaded before the wait (block_k ignored), with the q/k norm over several programs a
+    head and without a norm."""
+    for qk_norm, block_n in ((True, 4), (False, 8)):
+        a, weight, args = _case(4, 2, 32, torch.float32, device, fp8, bias=True, normed=True, qk_norm=qk_norm)
+        caches = [torch.randn(NUM_BLOCKS, BLOCK_SIZE, 2, 32, device=device) for _ in range(2)]
+        config = OneRowConfig(block_n, 16, 2, weights_first=True)
+        (q, k, v), (want_q, want_k, want_v) = _run_both(a, weight, args, caches, config)
+        assert_close(q, want_q, scale=2)
+        assert_close(k, want_k, scale=2)
+        assert_close(v, want_v, scale=2)
+
+
 def test_bad_one_row_configs_are_refused(device):
     a, weight, args = _case(2, 1, 32, torch.float32, device, fp8=False, bias=False, normed=False, qk_norm=False)
     caches = [torch.zeros(NUM_BLOCKS, BLOCK_SIZE, 1, 32, device=device) for _ in range(2)]

@@ -1,6 +1,7 @@
 """The one-row sweep (benchmarks/kernels/probe_row_gemv.py) calls the engine's projections as the decode step does,
 and its reference is theirs: every epilogue, small and interpreted on a CPU, compiled on a GPU."""
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -40,8 +41,13 @@ def test_the_router_and_lm_heads_stay_16_bit_as_the_engine_keeps_them(device):
 
 
 def test_the_variants_fit_the_registers_and_load_enough():
-    for gated in (False, True):
-        variants = probe_row_gemv.one_row_variants(gated)
-        assert variants
+    for gated, itemsize in itertools.product((False, True), (1, 2)):
+        variants = probe_row_gemv.one_row_variants(gated, 4096, itemsize)
+        streamed = [v for v in variants if not v.weights_first]
         limit = 32 if gated else 64
-        assert all(1024 <= v.block_n * v.block_k <= limit * 32 * v.num_warps for v in variants)
+        assert streamed and all(1024 <= v.block_n * v.block_k <= limit * 32 * v.num_warps for v in streamed)
+        # Weights-first programs hold their whole rows: each one the launch would take (its register budget).
+        weights_first = [v for v in variants if v.weights_first]
+        assert weights_first
+        for v in weights_first:
+            v.launch_block_k(4096, v.block_n * (2 if gated else 1), itemsize)

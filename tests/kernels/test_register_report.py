@@ -110,3 +110,45 @@ def test_swapped_fp8_tiles_put_the_widened_weights_in_wgmma_registers() -> None:
     plain, swapped = (line.split() for line in result.stdout.strip().splitlines()[-2:])
     assert plain == ["False", "0", "False"], result.stdout
     assert swapped[0] == "True" and int(swapped[1]) > 0 and swapped[2] == "True", result.stdout
+
+
+WEIGHTS_FIRST_ORDER = """
+import sys
+import triton
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import SM90, ASTSource, bind_sm90, recording, weights_first_launches
+import tidal.kernels.small_batch_linear as small_batch_linear
+from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from register_report import _empty
+
+def weight_loads_around_the_wait(launch):
+    bound = bind_sm90(launch)
+    source = ASTSource(fn=bound.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
+    ptx = triton.compile(source, target=SM90, options=bound.options.__dict__).asm["ptx"].splitlines()
+    (wait,) = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    # The weight loads are the only ones marked evict-first.
+    loads = [i for i, line in enumerate(ptx) if "ld.global" in line and "evict_first" in line]
+    return sum(i < wait for i in loads), sum(i > wait for i in loads)
+
+for launch in weights_first_launches():
+    print(launch.kernel.__name__, *weight_loads_around_the_wait(launch))
+with recording() as launches:  # the same o projection streamed: every weight load after the wait
+    small_batch_linear.linear_rows_into_residual_triton(
+        _empty(1, 4096), _empty(2048, 4096, dtype=FP8_E4M3), _empty(1, 2048), _empty(2048),
+        config=small_batch_linear.OneRowConfig(8, 2048, 8), weight_scale=_empty(2048, dtype=torch.float32))
+print("streamed", *weight_loads_around_the_wait(launches[0]))
+"""
+
+
+@pytest.mark.slow
+def test_weights_first_programs_issue_their_weight_loads_before_the_wait() -> None:
+    """`OneRowConfig.weights_first` pays only if the compiler keeps the whole rows' loads ahead of
+    griddepcontrol.wait; a compiler that sank them to their use would silently make it a plain launch."""
+    result = _run("-c", "import torch\n" + WEIGHTS_FIRST_ORDER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [(kernel, int(before), int(after))
+            for kernel, before, after in (line.split() for line in result.stdout.strip().splitlines())]  # fmt: skip
+    # The o projection and the router, then the qkv: all their weight loads ahead of the wait.
+    assert [kernel for kernel, _, _ in rows[:-1]] == ["one_row_linear_kernel"] * 2 + ["one_row_qkv_kernel"]
+    assert all(before > 0 and after == 0 for _, before, after in rows[:-1]), result.stdout
+    assert rows[-1][0] == "streamed" and rows[-1][1] == 0 and rows[-1][2] > 0, result.stdout

@@ -52,6 +52,15 @@ def test_merge_keeps_other_shapes_and_drops_probed_losers(tmp_path):
     assert tuned_tables.read(path)["linear"] == {(128, 2048, False, False): OneRowConfig(2, 2048, 8)}
 
 
+def test_a_weights_first_entry_round_trips_and_plain_ones_keep_three_fields(tmp_path):
+    path = tmp_path / "one-row.json"
+    o_proj, router = (2048, 4096, False, True), (128, 2048, False, False)
+    tables = {"linear": {o_proj: OneRowConfig(8, 2048, 8, weights_first=True), router: OneRowConfig(2, 2048, 8)}}
+    tuned_tables.write(path, tables)
+    assert json.loads(path.read_text())["linear"] == [[list(o_proj), [8, 2048, 8, True]], [list(router), [2, 2048, 8]]]
+    assert tuned_tables.read(path) == tables
+
+
 def test_install_replaces_only_the_tables_the_file_names(tmp_path):
     saved = dict(TUNED_ONE_ROW_CONFIGS)
     path = tmp_path / "one-row.json"
@@ -78,6 +87,7 @@ def test_install_replaces_only_the_tables_the_file_names(tmp_path):
         ('{"linear": [[[2048, 4096, 0, 1], [8, 2048, 8]]]}', "linear entry"),  # 0/1 are not bools
         ('{"qkv": [[[32, 4, 128, 2048, true, true], [4, 1024]]]}', "block_n, block_k, num_warps"),
         ('{"qkv": [[[32, 4, 128, 2048, true, true], [4, 0, 4]]]}', "qkv entry"),
+        ('{"qkv": [[[32, 4, 128, 2048, true, true], [4, 1024, 4, 1]]]}', r"num_warps\(, weights_first\)"),
     ],
 )
 def test_a_malformed_file_names_its_entry(tmp_path, body, message):
