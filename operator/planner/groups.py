@@ -12,7 +12,11 @@ last epoch this operator process sent (`SentEpoch`; nothing after a restart), an
   with a short grace period, as a frozen process never comes back by itself, so that a replacement is made; a
   restarted one reloads in place.
 - Wanted members: the ranks whose pod runs (with an address) and whose worker is loaded, minus the failed ones; a
-  member of the current epoch that missed a `/state` or two is kept until it counts as silent.
+  member of the current epoch that missed a `/state` or two is kept until it counts as silent. A rank that would
+  join (a replacement, a restarted process, a rank of a group forming) is left out while it serves other weights
+  (version or source) than the ranks it would serve with: a token's experts live on several ranks, so a group on
+  two weights answers it with a mix (the workers' lockstep compares versions only). The roll brings them together
+  (`rollout.py`), then it joins.
 - The next epoch is one above every epoch seen (reported or sent), so a restarted operator never reuses a number;
   its coordinator is the lowest wanted rank that served in the current epoch (it holds the map the new one is planned
   from), else the lowest wanted rank. It is sent when the wanted members differ from those the group serves in or is
@@ -43,6 +47,7 @@ from tidal.operator.planner.actions import (
 )
 from tidal.operator.planner.facts import Facts, RankSlot
 from tidal.operator.planner.observed import SentEpoch
+from tidal.operator.planner.weights import common_weights, served_by
 
 # A member that has not answered /state (answered off its step loop) for the group's collective deadline is failed:
 # the user's own statement of how long a rank may stop answering its peers. Never less than this, as /state is polled
@@ -238,6 +243,36 @@ def wanted_members(slots: list[RankSlot], view: EpochView | None, failures: dict
     return tuple(sorted(out))
 
 
+def _serving_one_weights(
+    slots: list[RankSlot], view: EpochView | None, wanted: tuple[int, ...]
+) -> tuple[tuple[int, ...], str]:
+    """(`wanted` without the ranks that would join serving other weights than the ranks they would serve with; a
+    note when some are left out).
+
+    The ranks that stay are the wanted members of the current epoch that applied one (a new process under a
+    member's name is at epoch 0: it joins); a rank joins only on the weights every one of them reports (one that
+    missed its `/state` says nothing: joiners wait a pass for it). With none staying (the first epoch), the joiners
+    must all serve one weights, or none joins."""
+    by_rank = {s.rank: s for s in slots}
+
+    def stays(rank: int) -> bool:
+        state = by_rank[rank].state
+        return view is not None and rank in view.members and (state is None or state.group_epoch > 0)
+
+    staying = [r for r in wanted if stays(r)]
+    joining = [r for r in wanted if not stays(r)]
+    if staying:
+        held = [by_rank[r].weights for r in staying]
+        apart = [r for r in joining if common_weights([*held, by_rank[r].weights]) is None]
+    else:
+        apart = [] if common_weights([by_rank[r].weights for r in joining]) is not None else joining
+    if not apart:
+        return wanted, ""
+    kept = tuple(r for r in wanted if r not in apart)
+    together = served_by([by_rank[r] for r in wanted])
+    return kept, f"ranks {apart} join once they serve the same weights as the ranks they would serve with ({together})"
+
+
 def _new_processes_back_in(
     slots: list[RankSlot], failures: dict[int, RankFailure], among: list[int] | None
 ) -> dict[int, RankFailure]:
@@ -339,11 +374,12 @@ def decide_group(
         survivors_refused = pending.refused and tuple(pending.members) == wanted
         among = None if survivors_refused else _sent_to(slots, pending)
         wanted = wanted_members(slots, view, _new_processes_back_in(slots, failures, among))
+    wanted, apart = _serving_one_weights(slots, view, wanted)
     if not wanted:
-        return GroupDecision(replica, view, pending, failures, wanted, None, "no rank is loaded", sent)
+        return GroupDecision(replica, view, pending, failures, wanted, None, apart or "no rank is loaded", sent)
     reason, note = _epoch_to_send(slots, view, sent, wanted, facts.ranks_per_replica)
     if reason is None:
-        return GroupDecision(replica, view, pending, failures, wanted, None, note, sent)
+        return GroupDecision(replica, view, pending, failures, wanted, None, note or apart, sent)
     if asleep or any(s.asleep for s in slots if s.rank in wanted):
         return GroupDecision(
             replica, view, pending, failures, wanted, None, "asleep: the epoch waits for the wake", sent

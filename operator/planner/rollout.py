@@ -16,6 +16,12 @@ load (their pods start on the desired weights) the sleepers are updated alone, s
 versions; while an awake rank of the group serves the old weights, they wake on those and the group rolls whole. A
 worker that wakes itself for a request (`wakes_on_request`) does not wait for the operator's wake: its sleeping ranks
 get their update at once, as if the model were to wake.
+
+An expert-parallel group that is not whole and whose loaded ranks serve two weights (a rank replaced on the desired
+weights beside ranks the roll had not reached, or one restarted in place on its pod's older start weights) has its
+ranks behind updated at once, at no further cost to maxUnavailable (it is out of service already): the rank that
+would join waits outside the group until they serve the same weights (`groups.py`), and a group that is not whole is
+otherwise never rolled.
 """
 
 from dataclasses import dataclass
@@ -96,6 +102,14 @@ def plan_rollout(
             # A replica still asleep serves nothing: its update costs no capacity, and it is woken only once it
             # holds the desired weights (`sleep.plan_sleep`, or a request it wakes for), never on the old ones.
             actions += _updates(stale, replica, view)
+            continue
+        if not asleep and not all(s.ready for s in slots) and any(s.loaded and view.serves_desired(s) for s in slots):
+            # An expert-parallel group on two weights: a rank back on the desired ones (a replacement starts on
+            # them) beside ranks behind, or one restarted in place on its pod's older start weights. Its ranks serve
+            # together only on one (`groups.py` keeps the rank that would join out), and a group that is not whole
+            # is never rolled below, so its loaded ranks behind take the desired weights now. The replica is out of
+            # service already (not every rank is ready) and holds its unit of maxUnavailable, as in `pods.py`.
+            actions += _updates([s for s in stale if s.loaded], replica, view)
             continue
         sleeping = [s for s in stale if s.loaded and s.asleep]
         if sleeping and not any(s.loaded and not s.asleep for s in stale):

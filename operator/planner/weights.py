@@ -78,15 +78,25 @@ def _agreement(
         will_load = _serves_nothing_until(slot, new_pod)
         if will_load is None or not will_load.same_as(desired):
             return None, False
-    if not reported:
-        return None, False
-    versions = {w.version for w, _ in reported}
-    sources = {posixpath.normpath(w.source) for w, _ in reported if w.source is not None}
-    if len(versions) != 1 or len(sources) > 1:
+    agreed = common_weights([w for w, _ in reported])
+    if agreed is None:
         return None, False
     if one_checksum and len({s for _, s in reported}) != 1:
         return None, True
-    return Weights(versions.pop(), sources.pop() if sources else None), False
+    return agreed, False
+
+
+def common_weights(weights: list[Weights | None]) -> Weights | None:
+    """The weights all of `weights` name, with the directory any of them knows (None: they differ, one is not
+    known, or there are none). A source not known matches any, as in `Weights.same_as`."""
+    if not weights or any(w is None for w in weights):
+        return None
+    known = [w for w in weights if w is not None]
+    versions = {w.version for w in known}
+    sources = {posixpath.normpath(w.source) for w in known if w.source is not None}
+    if len(versions) != 1 or len(sources) > 1:
+        return None
+    return Weights(versions.pop(), sources.pop() if sources else None)
 
 
 def _served(agreed: Weights | None, desired: Weights, previous: InferenceModelStatus | None) -> Weights | None:

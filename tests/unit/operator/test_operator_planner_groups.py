@@ -3,10 +3,19 @@ epoch, the replacement's return, epochs in flight and refused, a restarted opera
 
 from datetime import timedelta
 
+import pytest
 from operator_fixtures import OPERATOR, T0, TOKEN, all_children, make_model, pod_for, run, with_status, worker
 
+from tidal.operator.api import worker_env as env
 from tidal.operator.api.conditions import find_condition
-from tidal.operator.planner.actions import CreatePod, DeletePod, EmitEvent, ReconfigureGroup, SetServingLabel
+from tidal.operator.planner.actions import (
+    CreatePod,
+    DeletePod,
+    EmitEvent,
+    ReconfigureGroup,
+    SetServingLabel,
+    UpdateWeights,
+)
 from tidal.operator.planner.facts import PlanInput
 from tidal.operator.planner.groups import (
     BROKEN_GRACE_S,
@@ -15,14 +24,14 @@ from tidal.operator.planner.groups import (
     SILENT_IN_BROKEN_GROUP_S,
     silent_after_s,
 )
-from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch
+from tidal.operator.planner.observed import EpochRefusal, RankObservation, SentEpoch, UpdateFailure
 from tidal.operator.planner.plan import plan
 
 N = 4
 
 
-def ep_model(replicas: int = 1):
-    model = make_model({"replicas": replicas})
+def ep_model(replicas: int = 1, **spec):
+    model = make_model({"replicas": replicas, **spec})
     # The CRD still refuses expertParallel above 1 in this branch (the spec side lifts it): set it past validation.
     model.spec = model.spec.model_copy(update={"expert_parallel": N})
     return model
@@ -231,6 +240,109 @@ def test_the_loaded_replacement_gets_the_whole_groups_epoch():
     assert epoch.epoch == 5 and [m.rank for m in epoch.members] == [0, 1, 2, 3] and epoch.coordinator_rank == 0
     pods, ranks = group(model, 4, (0, 1, 3), loaded={0, 1, 3})  # still loading: nothing to send
     assert epochs(plan_with(model, pods, ranks)) == []
+
+
+V2 = {"weights": {"version": "v2", "source": "ckpt/v2"}}
+BASE_DIR, V2_DIR = "/srv/models/tiny-llama", "/srv/models/ckpt/v2"
+
+
+def on(obs: RankObservation, version: str, source: str) -> RankObservation:
+    """`obs` serving `version` from `source`."""
+    state = obs.state.model_copy(update={"weights_version": version, "weights_source": source})
+    return obs.model_copy(update={"state": state, "checksum": f"sum-{version}"})
+
+
+def _updated(result) -> list[tuple[str, str]]:
+    return [(a.pod, a.version) for a in result.actions if isinstance(a, UpdateWeights)]
+
+
+def _start_of(create: CreatePod) -> tuple[str | None, str | None]:
+    values = {e["name"]: e.get("value") for e in create.manifest["spec"]["containers"][0]["env"]}
+    return values.get(env.WEIGHTS_VERSION), values.get(env.WEIGHTS_PATH)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (("base", "tiny-llama"), ("v2", "ckpt/v2")),  # a new version
+        (("v2", "ckpt/v2"), ("v2", "ckpt/v2-fixed")),  # a new source under the same version
+    ],
+)
+def test_a_replacement_on_the_new_weights_joins_only_once_its_group_serves_them(before, after):
+    # The roll had not reached the group (or its update was cut short) when rank 2's pod was lost: the survivors
+    # serve the old weights, and the replacement starts on the desired ones. A token's experts live on several
+    # ranks, so a group on two weights answers it with a mix (the workers' lockstep tells versions apart, not
+    # sources): rank 2 stays out while the survivors take the new weights, then joins.
+    (old, old_dir), (new, new_dir) = [(v, f"/srv/models/{d}") for v, d in (before, after)]
+    spec = {} if old == "base" else {"weights": {"version": old, "source": before[1]}}
+    served = ep_model(**spec)
+    pods, ranks = group(served, 1, range(N))
+    ranks = {name: on(obs, old, old_dir) for name, obs in ranks.items()}
+    model = ep_with_status(ep_model(weights={"version": new, "source": after[1]}), plan_with(served, pods, ranks))
+    lost = plan_with(model, [p for p in pods if p.rank != 2], {k: v for k, v in ranks.items() if k != "tiny-r0-2"})
+    assert [m.rank for m in only_epoch(lost).members] == [0, 1, 3]
+    (created,) = [a for a in lost.actions if isinstance(a, CreatePod)]
+    assert _start_of(created) == (new, new_dir) and _updated(lost) == []
+
+    pods, ranks = group(model, 2, (0, 1, 3), serving_label="true")
+    pods[2] = pod_for(model, 0, 2, pod_ip="10.0.0.3", group_port=7100, serving_label="false", ready=False)
+    for rank in (0, 1, 3):
+        ranks[pods[rank].name] = on(ranks[pods[rank].name], old, old_dir)
+    ranks["tiny-r0-2"] = on(ranks["tiny-r0-2"], new, new_dir)  # loaded, at epoch 0
+    held = plan_with(model, pods, ranks, seconds=30.0)
+    assert epochs(held) == []
+    message = held.status.groups[0].message
+    assert message.startswith("ranks [2] join once they serve the same weights") and "on tiny-r0-2)" in message
+    # Out of service already (not whole), the survivors take the new weights at no cost to maxUnavailable.
+    assert _updated(held) == [("tiny-r0-0", new), ("tiny-r0-1", new), ("tiny-r0-3", new)]
+
+    for rank in (0, 1, 3):
+        ranks[pods[rank].name] = on(ranks[pods[rank].name], new, new_dir)
+    back = plan_with(model, pods, ranks, seconds=40.0)
+    assert [m.rank for m in only_epoch(back).members] == [0, 1, 2, 3] and _updated(back) == []
+
+
+def test_a_rank_restarted_in_place_on_the_weights_its_pod_started_on_is_rolled_before_it_rejoins():
+    # The group rolled to v2 in place; its pods still name base as their start weights, so a crashed worker reloads
+    # base in its pod. Loaded before a pass saw it loading (no replacement then), it takes v2 before it rejoins.
+    base = ep_model()
+    pods, ranks = group(base, 2, range(N))
+    model = ep_with_status(ep_model(**V2), plan_with(base, pods, ranks))
+    for rank in range(N):
+        ranks[pods[rank].name] = on(ranks[pods[rank].name], "v2", V2_DIR)
+    ranks["tiny-r0-1"] = on(rank_worker(1), "base", BASE_DIR)  # a new process at epoch 0
+    pods[1] = pods[1].model_copy(update={"ready": False, "restart_count": 1, "started_at": T0 - timedelta(minutes=5)})
+    assert [m.rank for m in only_epoch(plan_with(model, pods, ranks)).members] == [0, 2, 3]  # the survivors'
+
+    _, survivors = group(model, 3, (0, 2, 3))
+    for rank in (0, 2, 3):
+        ranks[pods[rank].name] = on(survivors[pods[rank].name], "v2", V2_DIR)
+    held = plan_with(model, pods, ranks, seconds=10.0)
+    assert epochs(held) == [] and _updated(held) == [("tiny-r0-1", "v2")]
+    ranks["tiny-r0-1"] = on(rank_worker(1), "v2", V2_DIR)
+    back = plan_with(model, pods, ranks, seconds=20.0)
+    assert [m.rank for m in only_epoch(back).members] == [0, 1, 2, 3] and _updated(back) == []
+
+
+def test_a_replacement_after_a_failed_roll_starts_on_what_its_group_serves_and_joins_at_once():
+    # The roll to v2 is held as failed: the group kept base, and so does the rank that replaces a lost one.
+    base = ep_model()
+    pods, ranks = group(base, 1, range(N))
+    for rank in range(N):
+        ranks[pods[rank].name] = on(ranks[pods[rank].name], "base", BASE_DIR)
+    model = ep_with_status(ep_model(**V2), plan_with(base, pods, ranks))
+    refused = UpdateFailure(version="v2", message="bad_checkpoint: truncated", source=V2_DIR)
+    ranks["tiny-r0-0"] = ranks["tiny-r0-0"].model_copy(update={"update_failure": refused})
+    model = ep_with_status(model, plan_with(model, pods, ranks))
+    assert model.status.weights_rollout is not None and model.status.weights_rollout.failed_version == "v2"
+    lost = plan_with(model, [p for p in pods if p.rank != 2], {k: v for k, v in ranks.items() if k != "tiny-r0-2"})
+    (created,) = [a for a in lost.actions if isinstance(a, CreatePod)]
+    assert _start_of(created) == ("base", BASE_DIR)
+    pods, survivors = group(model, 2, (0, 1, 3))
+    ranks = {name: on(obs, "base", BASE_DIR) for name, obs in survivors.items()}  # rank 2 loaded, at epoch 0
+    pods[2] = pods[2].model_copy(update={"ready": False, "start_version": "base", "start_source": BASE_DIR})
+    back = plan_with(model, pods, ranks, seconds=30.0)
+    assert [m.rank for m in only_epoch(back).members] == [0, 1, 2, 3] and _updated(back) == []
 
 
 def test_no_resend_while_in_flight_and_a_newer_failure_supersedes():
