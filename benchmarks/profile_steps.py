@@ -247,6 +247,7 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 32, 256])
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=10, help="decode steps timed a batch (wall and kernels)")
     parser.add_argument("--gemm", action="store_true")
     parser.add_argument("--offline", action="store_true")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], metavar="TOKENS")
@@ -286,7 +287,7 @@ def main() -> None:
         print(f"engine: {facts}", flush=True)
         shape = model_shape(loaded.model, loaded.hf_config, engine.runner.kv_cache_dtype)
         for batch in args.batches:
-            kernel_table(engine, shape, batch, args.context)
+            kernel_table(engine, shape, batch, args.context, args.iters)
         for prompt_len in args.prefill:
             prefill_table(engine, prompt_len)
         if args.offline:

@@ -130,10 +130,15 @@ class OneRowConfig:
 # (16-bit in every weight mode): 1.62 us against 3.43 for its split-K tile. Inside the FP8 decode step at batch 1
 # (profile_steps.py, profile-steps-qwen3-30b-a3b-h100-one-row-ab.txt) the step took 2,644 us against 2,706: much of
 # the kernels' gain is hidden there, as the o projection's programs wait out decode attention, which lets them
-# launch at its start. Other shapes keep the tiled kernel until measured.
+# launch at its start. So both now load their weights first (`weights_first`), the o at 4 rows a program (512
+# programs): the weight stream runs while attention does. With the qkv's entry likewise, the FP8 step at batch 1,
+# context 160 took 2,290 / 2,292 us against 2,459 / 2,459 with all three streamed after the wait (H100, 200 steps
+# a run; the same tiles weights-first 2,313 / 2,319: profile-steps-qwen3-30b-a3b-h100-one-row-weights-first-ab.txt).
+# Qwen3's bf16 o as a row GEMV (1 row, weights first: 7.79 us alone against 9.19 tiled) gained nothing in the bf16
+# step (3,442 against 3,391 us), so it keeps the tiled kernel. Other shapes keep the tiled kernel until measured.
 TUNED_ONE_ROW_CONFIGS: dict[tuple[int, int, bool, bool], OneRowConfig] = {
-    (2048, 4096, False, True): OneRowConfig(8, 2048, 8),
-    (128, 2048, False, False): OneRowConfig(2, 2048, 8),
+    (2048, 4096, False, True): OneRowConfig(4, 4096, 8, weights_first=True),
+    (128, 2048, False, False): OneRowConfig(2, 2048, 8, weights_first=True),
 }
 
 

@@ -58,10 +58,12 @@ WHOLE_HEAD_WARPS = 4
 # Qwen3-30B-A3B's FP8 qkv (q/k norms) on an H200: alone 6.86 us against 8.64 for the tiled launch, 2 dims of each half a
 # program (32 programs a head meeting on the counter); in the FP8 decode step at batch 1, context 160, the step took
 # 2,237 us against 2,455, and 2,422 again without it (profile-steps-qwen3-30b-a3b-h200-one-row-qkv-ab.txt). Its
-# bf16 qkv: alone 9.22 us against 10.98, the bf16 step 2,819 us against 2,947.
+# bf16 qkv: alone 9.22 us against 10.98, the bf16 step 2,819 us against 2,947. Both load their weights before the
+# wait (`weights_first`), so the rows stream while the previous kernel ends; the FP8 one at 4 dims a program over 4
+# warps (see TUNED_ONE_ROW_CONFIGS for the step's A/B; the bf16 step 3,391 us against 3,441, within its noise).
 TUNED_ONE_ROW_QKV_CONFIGS: dict[tuple[int, int, int, int, bool, bool], OneRowConfig] = {
-    (32, 4, 128, 2048, True, True): OneRowConfig(2, 1024, 2),
-    (32, 4, 128, 2048, True, False): OneRowConfig(2, 1024, 4),
+    (32, 4, 128, 2048, True, True): OneRowConfig(4, 1024, 4, weights_first=True),
+    (32, 4, 128, 2048, True, False): OneRowConfig(2, 1024, 4, weights_first=True),
 }
 
 
