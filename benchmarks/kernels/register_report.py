@@ -286,9 +286,10 @@ def whole_head_256_launches() -> list[Launch]:
 
 def one_row_qkv_launches() -> list[Launch]:
     """The one-row qkv (`one_row_qkv_kernel`) at configs its sweep may pick, on e4m3 weights: Qwen3-30B-A3B's with
-    the q/k norms (several programs a head), the 8B's without. (The configs of TUNED_ONE_ROW_QKV_CONFIGS show in the
-    models' own launches, which take them at one row.)"""
+    the q/k norms (several programs a head), the 8B's without; and Qwen3's as its FP8 table entry launches it
+    (the bf16 entry shows in the model's own launches)."""
     with recording() as launches:
+        _qkv(2048, 32, 4, 128, qk_norm=True, weight_dtype=FP8_E4M3)  # TUNED_ONE_ROW_QKV_CONFIGS at one row
         for config in (OneRowConfig(4, 1024, 4), OneRowConfig(8, 512, 8), OneRowConfig(16, 1024, 8)):
             _qkv(2048, 32, 4, 128, qk_norm=True, one_row=config, weight_dtype=FP8_E4M3)
             _qkv(4096, 32, 8, 128, qk_norm=False, one_row=config, weight_dtype=FP8_E4M3)
@@ -297,8 +298,8 @@ def one_row_qkv_launches() -> list[Launch]:
 
 def weights_first_launches() -> list[Launch]:
     """Qwen3-30B-A3B's one-row projections as weights-first programs (`OneRowConfig.weights_first`: whole rows held
-    in registers through the wait), at the tuned tables' tiles: the FP8 o into the residual, the 16-bit router, the
-    FP8 qkv with its q/k norms."""
+    in registers through the wait), at fixed tiles (the tables' own show in the model's launches, which take them
+    at one row): the FP8 o into the residual, the 16-bit router, the FP8 qkv with its q/k norms."""
     hidden, attention, experts, heads, kv_heads, head_dim = 2048, 4096, 128, 32, 4, 128
     with recording() as launches:
         small_batch_linear.linear_rows_into_residual_triton(
