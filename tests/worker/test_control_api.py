@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import re
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
@@ -336,6 +338,46 @@ def test_a_chunk_whose_body_stops_arriving_is_a_408_and_leaves_its_file_free(tmp
                 assert resent.status_code == 200 and resent.json()["received_bytes"] == 8, resent.text
             finally:
                 stalled.release.set()
+
+    asyncio.run(scenario())
+
+
+def test_a_chunk_cancelled_while_its_claim_waits_for_the_lock_leaves_its_file_free(tmp_path):
+    """The claim is made on a thread that waits for the uploads' lock (a write in progress); a request cancelled
+    meanwhile (its client gone, the server stopping) must not leave the file claimed by a chunk that never comes,
+    or every later chunk of the file is refused as busy."""
+
+    async def scenario() -> None:
+        async with _chunk_client(tmp_path) as (_, manager, upload):
+            claimed = threading.Event()
+            begin_chunk = manager.uploads.begin_chunk
+
+            def begin_and_tell(*args: Any) -> Any:
+                try:
+                    return begin_chunk(*args)
+                finally:
+                    claimed.set()
+
+            manager.uploads.begin_chunk = begin_and_tell
+
+            async def chunk() -> None:
+                async with manager.stream_chunk_arriving(upload.upload_id, "model.safetensors", 0):
+                    raise AssertionError("cancelled before its claim was made")
+
+            with manager.uploads._lock:  # a write of another file in progress
+                request = asyncio.create_task(chunk())
+                await asyncio.sleep(0.2)  # its claim's thread now waits for the lock
+                request.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await request
+            # The thread claims the file once the lock is free; the cancelled request gives the claim back.
+            assert await asyncio.to_thread(claimed.wait, _ANSWER_TIMEOUT_S)
+            deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+            while "model.safetensors" in manager.uploads.get(upload.upload_id).arriving:
+                assert time.monotonic() < deadline, "the cancelled chunk still holds its file"
+                await asyncio.sleep(0.01)
+            await manager.stream_chunk(upload.upload_id, "model.safetensors", 0, b"0123")
+            assert manager.uploads.get(upload.upload_id).received == {"model.safetensors": 4}
 
     asyncio.run(scenario())
 

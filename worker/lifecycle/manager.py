@@ -15,8 +15,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -320,9 +321,12 @@ class LifecycleManager:
         if self.config.asleep_requests == "reject":
             self.engine.fail_queued(self._asleep_error())
         elif self.engine.stats().num_waiting:
-            task = asyncio.get_running_loop().create_task(self._wake_for_queued())
-            self._background.add(task)  # the loop keeps only a weak reference to a task
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._wake_for_queued())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._background.discard)
 
     async def _wake_for_queued(self) -> None:
         """Wake for the requests queued as the sleep began (asleep_requests=wake); if the model cannot wake, they
@@ -373,12 +377,24 @@ class LifecycleManager:
         """For a chunk whose body is still to be read: refuses it at once as its write would (unknown upload, bad file
         name or offset), or as busy while another chunk of the file arrives; else holds the file for it until the
         block ends. Write the chunk with `stream_chunk(..., claim)` inside the block."""
-        claim = await asyncio.to_thread(self.uploads.begin_chunk, upload_id, file_name, offset)
+        begin = asyncio.ensure_future(asyncio.to_thread(self.uploads.begin_chunk, upload_id, file_name, offset))
+        try:
+            claim = await asyncio.shield(begin)
+        except asyncio.CancelledError:
+            # Cancelled while the claim's thread waits for the uploads' lock (a write in progress): the thread runs
+            # on and claims the file, for a chunk that will never come; every later chunk of the file would be busy.
+            self._in_background(self._give_back_claim(begin))
+            raise
         try:
             yield claim
         finally:
             # Shielded: a request cancelled here must still free its file (the lock may wait for another write).
             await asyncio.shield(asyncio.to_thread(self.uploads.end_chunk, claim))
+
+    async def _give_back_claim(self, begin: asyncio.Future[ChunkClaim]) -> None:
+        with contextlib.suppress(Exception):  # refused: nothing was claimed
+            claim = await begin
+            await asyncio.to_thread(self.uploads.end_chunk, claim)
 
     async def stream_chunk(
         self, upload_id: str, file_name: str, offset: int, data: bytes | bytearray, claim: ChunkClaim | None = None
