@@ -102,7 +102,10 @@ class OneRowConfig:
 
     weights_first: each program loads its rows whole, as one tile (block_k is then ignored), before it waits for the
     previous kernel. Weights are no kernel's output, so where the previous kernel lets this one launch early (decode
-    attention does, at its start), this projection's weight stream overlaps it rather than following it."""
+    attention does, right after its own wait), this projection's weight stream overlaps it rather than following it.
+    Loads before the wait see only what kernels before the previous one wrote; weights are written between steps
+    (loads, updates), and a step's first launch (the embedding gather) is not a PDL launch, so those writes are
+    complete before any program of the step starts."""
 
     block_n: int
     block_k: int
