@@ -112,13 +112,18 @@ class OneRowConfig:
     num_warps: int
     weights_first: bool = False
 
+    def held_bytes_per_thread(self, k_in: int, rows_per_program: int, weight_itemsize: int) -> int:
+        """Bytes of weights a thread holds through the wait when weights-first, each program owning
+        `rows_per_program` rows (the gated and qkv kernels hold two sets of block_n) of K = k_in."""
+        whole: int = max(16, triton.next_power_of_2(k_in))
+        return rows_per_program * whole * weight_itemsize // (32 * self.num_warps)
+
     def launch_block_k(self, k_in: int, rows_per_program: int, weight_itemsize: int) -> int:
-        """BLOCK_K of a launch over K = k_in where each program owns `rows_per_program` weight rows (the gated and
-        qkv kernels hold two sets of block_n); a weights-first tile past its register budget is a ValueError."""
+        """BLOCK_K of a launch over K = k_in; a weights-first tile past its register budget is a ValueError."""
         whole: int = max(16, triton.next_power_of_2(k_in))
         if not self.weights_first:
             return min(self.block_k, whole)
-        per_thread = rows_per_program * whole * weight_itemsize // (32 * self.num_warps)
+        per_thread = self.held_bytes_per_thread(k_in, rows_per_program, weight_itemsize)
         if per_thread > WEIGHTS_FIRST_BYTES_PER_THREAD:
             raise ValueError(f"a weights-first program of {rows_per_program} rows of {whole} inputs over "
                              f"{self.num_warps} warps holds {per_thread} bytes of them a thread, over the "

@@ -92,11 +92,15 @@ def one_row_variants(gated: bool, k_in: int, weight_itemsize: int) -> list[OneRo
         if 1024 <= rows * block_k <= limit * 32 * warps
     ]
     whole = triton.next_power_of_2(k_in)
-    weights_first = [
+    candidates = [
         OneRowConfig(rows, whole, warps, weights_first=True)
         for rows, warps in itertools.product((1, 2, 4, 8, 16), (2, 4, 8))
-        if (2 if gated else 1) * rows * whole * weight_itemsize <= WEIGHTS_FIRST_BYTES_PER_THREAD * 32 * warps
     ]
+    held = 2 if gated else 1
+    weights_first = [
+        v for v in candidates
+        if v.held_bytes_per_thread(k_in, held * v.block_n, weight_itemsize) <= WEIGHTS_FIRST_BYTES_PER_THREAD
+    ]  # fmt: skip
     return streamed + weights_first
 
 

@@ -116,10 +116,9 @@ WEIGHTS_FIRST_ORDER = """
 import sys
 import triton
 sys.path.insert(0, "benchmarks/kernels")
-from register_report import SM90, ASTSource, bind_sm90, recording, weights_first_launches
+from register_report import SM90, ASTSource, _empty, bind_sm90, recording, weights_first_launches
 import tidal.kernels.small_batch_linear as small_batch_linear
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
-from register_report import _empty
 
 def weight_loads_around_the_wait(launch):
     bound = bind_sm90(launch)
