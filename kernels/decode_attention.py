@@ -2,6 +2,7 @@
 the Triton wrapper (kernels in `_decode_attention_kernels`) and the dispatching entry point."""
 
 import math
+import os
 
 import torch
 import triton
@@ -27,6 +28,15 @@ TOKENS_INNER_V_STAGES = 2
 # a multiprocessor) it did not win (kernels-h100-attention-fp8-sweep.txt, kernels-h100-attention-fp8-batches.txt).
 MANY_PROGRAMS_PER_SM = 6
 MANY_PROGRAMS_TILE = (32, 2, 1)  # block_n, num_warps, num_stages
+# With TIDAL_DECODE_EARLY_TILE=1, a launch of at most this many programs a multiprocessor reads each split's first
+# tile before waiting for the previous kernel (`decode_split_kernel`'s EARLY_FIRST_TILE): its programs, resident
+# while that kernel finishes, hold the tile through the wait. That takes 202 registers a thread where 128 did
+# (Qwen3's FP8 cache on 4 warps; benchmarks/kernels/register_report.py), two programs a multiprocessor at most, so
+# launches of more keep the plain loop. Off by default until it is timed: its first form (the step's own token read
+# after the tiles) ran Qwen3-30B-A3B's FP8 batch-1 step 1.5% slower on an H100
+# (profile-steps-qwen3-30b-a3b-h100-decode-early-tile.txt); this form issues that token's loads beside q's.
+EARLY_FIRST_TILE_PROGRAMS_PER_SM = 2
+_EARLY_FIRST_TILE_SWITCH = os.environ.get("TIDAL_DECODE_EARLY_TILE", "0") == "1"
 # Splits the in-kernel merge loads per step: [group heads (>= 16), chunk, head_dim] fp32 stays in registers.
 MERGE_CHUNK = 4
 
@@ -88,6 +98,12 @@ def choose_tile(
     return default_tile(head_dim_p2, tokens_inner)
 
 
+def reads_first_tile_early(programs: int, num_splits: int, num_sms: int, switched_on: bool = True) -> bool:
+    """Whether a launch of `programs` (sequence, KV head) pairs, each in `num_splits` splits, reads every split's
+    first tile before its wait; shapes and the switch (TIDAL_DECODE_EARLY_TILE) only."""
+    return switched_on and programs * num_splits <= EARLY_FIRST_TILE_PROGRAMS_PER_SM * num_sms
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -99,11 +115,12 @@ def paged_decode_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    early_first_tile: bool | None = None,
 ) -> torch.Tensor:
     """The Triton kernels; same contract as `paged_decode_attention_reference`. `num_splits` > 1 splits each context
     into that many pieces (split-K); by default it is chosen from the shapes, and so are the tile's `block_n`,
-    `num_warps` and `num_stages` (`choose_tile`; one given keeps the others' defaults). The last split to finish on
-    a (sequence, KV head) merges them, in the same launch."""
+    `num_warps` and `num_stages` (`choose_tile`; one given keeps the others' defaults) and `early_first_tile`
+    (`reads_first_tile_early`). The last split to finish on a (sequence, KV head) merges them, in the same launch."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -129,6 +146,8 @@ def paged_decode_attention_triton(
         num_stages = default_stages if num_stages is None else num_stages
     if block_n < 16 or block_n & (block_n - 1):  # the partial last tile goes 16 tokens at a time
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if early_first_tile is None:
+        early_first_tile = reads_first_tile_early(batch * num_kv_heads, num_splits, num_sms, _EARLY_FIRST_TILE_SWITCH)
     group = num_heads // num_kv_heads
     if num_splits > 1:
         partial = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -165,6 +184,7 @@ def paged_decode_attention_triton(
         NUM_SPLITS=num_splits,
         MERGE_CHUNK=MERGE_CHUNK,
         IS_FP32=q.dtype == torch.float32,
+        EARLY_FIRST_TILE=early_first_tile,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_options(q.device),

@@ -9,7 +9,7 @@ recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_
 Qwen3-30B-A3B's expert kernels at every token count of its table, its projections at one and two rows, the 8B's at one
 row, a whole-head qkv at head_dim 256, the FP8 table's projections on e4m3 weights; and Qwen3-30B-A3B's FP8 experts:
 the small-batch kernels with their scales, the grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8
-tensor cores; compiled here before any GPU has run them). Each recorded launch is bound by Triton's own launcher code
+tensor cores; compiled here before any GPU has run them); and decode attention at both models' heads. Each recorded launch is bound by Triton's own launcher code
 for an sm_90 backend (the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on), compiled for
 sm_90, and ptxas -v (Triton's) reports its resources. A spill moves a tile that should stay in registers to local
 memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake to
@@ -37,6 +37,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import tidal.kernels._moe_config as moe_config
+import tidal.kernels.decode_attention as decode_attention
 import tidal.kernels.fp8_linear as fp8_linear
 import tidal.kernels.fused_moe as fused_moe
 import tidal.kernels.fused_moe_small_batch as moe_small_batch
@@ -44,6 +45,7 @@ import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
 from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS, small_batch_moe_config
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
+from tidal.kernels.kv_layout import new_kv_cache_pair
 from tidal.kernels.moe_expert_scales import ExpertScales
 from tidal.kernels.rotary_store_kv import HeadNorm
 from tidal.kernels.small_batch_linear import NormInput, OneRowConfig
@@ -64,6 +66,7 @@ RECORDED: list[tuple[ModuleType, str]] = [
     (small_batch_linear, "one_row_linear_kernel"),
     (small_batch_qkv, "qkv_rope_kernel"),
     (small_batch_qkv, "one_row_qkv_kernel"),
+    (decode_attention, "decode_split_kernel"),
 ]
 
 
@@ -314,6 +317,33 @@ def weights_first_launches() -> list[Launch]:
     return launches
 
 
+def _decode_attention(batch: int, heads: int, kv_heads: int, cache_dtype: torch.dtype, num_splits: int,
+                      early_first_tile: bool) -> None:  # fmt: skip
+    """One decode attention launch over a 4096-token table of 16-token pages (head_dim 128), the cache in the layout
+    its dtype takes. The splits and the early tile are given as an H100/H200 (132 multiprocessors) chooses them:
+    this machine's CPU count would choose others."""
+    head_dim, block_size, width = 128, 16, 256
+    block_shape = (block_size, kv_heads, head_dim)
+    k_cache, v_cache = new_kv_cache_pair(batch * width, block_shape, cache_dtype, torch.device("cpu"))
+    decode_attention.paged_decode_attention_triton(
+        _empty(batch, heads, head_dim), k_cache, v_cache, _empty(batch, width, dtype=torch.int32),
+        _empty(batch, dtype=torch.int32), head_dim**-0.5, num_splits=num_splits, early_first_tile=early_first_tile,
+    )  # fmt: skip
+
+
+def decode_attention_launches() -> list[Launch]:
+    """Decode attention as the engine launches it on an H100/H200: Qwen3-30B-A3B's heads (32 q, 4 KV) over an FP8
+    cache (V tokens innermost) at one sequence (16 splits, each one's first tile read before the wait as
+    TIDAL_DECODE_EARLY_TILE=1 asks, and not) and at 256 (unsplit, the many-programs tile); the 8B's (32 q, 8 KV)
+    over a bf16 cache at one sequence, its first tiles early."""
+    with recording() as launches:
+        _decode_attention(1, 32, 4, FP8_E4M3, num_splits=16, early_first_tile=True)
+        _decode_attention(1, 32, 4, FP8_E4M3, num_splits=16, early_first_tile=False)  # the default
+        _decode_attention(256, 32, 4, FP8_E4M3, num_splits=1, early_first_tile=False)
+        _decode_attention(1, 32, 8, torch.bfloat16, num_splits=12, early_first_tile=True)
+    return launches
+
+
 MODELS: dict[str, Callable[[], list[Launch]]] = {
     "qwen3-30b-a3b": qwen3_30b_a3b_launches,
     "llama3-8b": llama3_8b_launches,
@@ -322,6 +352,7 @@ MODELS: dict[str, Callable[[], list[Launch]]] = {
     "fp8-projections": fp8_projections_launches,
     "one-row-qkv": one_row_qkv_launches,
     "weights-first": weights_first_launches,
+    "decode-attention": decode_attention_launches,
 }
 
 

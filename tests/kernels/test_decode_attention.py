@@ -5,6 +5,7 @@ import torch
 from paged_kv import make_paged_kv
 from tolerances import DOT_DTYPES, assert_close
 
+import tidal.kernels._decode_attention_kernels as decode_kernels
 from tidal.kernels._split_k import arrival_counters
 from tidal.kernels.decode_attention import (
     MANY_PROGRAMS_TILE,
@@ -13,6 +14,7 @@ from tidal.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_decode_attention_triton,
+    reads_first_tile_early,
 )
 
 CASES = [
@@ -29,15 +31,17 @@ CASES = [
 @pytest.mark.parametrize("num_splits", [1, 3, 6])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("v_tokens_innermost", [False, True])
+@pytest.mark.parametrize("early_first_tile", [False, True])
 def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_kv_heads, head_dim, num_splits,
-                                  dtype, v_tokens_innermost):  # fmt: skip
+                                  dtype, v_tokens_innermost, early_first_tile):  # fmt: skip
     """Unsplit, and split with the merge by the last split (6: more splits than one merge chunk); V in either
-    layout (kernels/kv_layout.py), the odd block size's without the runs a power of two gives."""
+    layout (kernels/kv_layout.py), the odd block size's without the runs a power of two gives; each split's first
+    tile read in the loop or before the wait, the newest token then on its own."""
     kv = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, v_tokens_innermost)
     q = torch.randn(len(seq_lens), num_heads, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, early_first_tile=early_first_tile)
     assert_close(got, paged_decode_attention_reference(*args))
     assert torch.all(got[torch.tensor(seq_lens) == 0] == 0)
 
@@ -46,15 +50,56 @@ def test_decode_matches_reference(device, seq_lens, block_size, num_heads, num_k
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("block_n", [None, MANY_PROGRAMS_TILE[0]])
-def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermost, block_size, num_splits, block_n):
+@pytest.mark.parametrize("early_first_tile", [False, True])
+def test_the_engines_tile_width_with_long_partial_tails(device, v_tokens_innermost, block_size, num_splits, block_n,
+                                                        early_first_tile):  # fmt: skip
     """The tile widths the engine launches (64 tokens at head_dim 128, 32 over many programs): whole tiles unmasked,
-    then tails of up to 63 tokens 16 at a time, with pages smaller than, equal to and larger than those 16."""
+    then tails of up to 63 tokens 16 at a time, with pages smaller than, equal to and larger than those 16; the
+    first tile read before the wait or not."""
     seq_lens = [64 + 40, 128 + 17, 63, 64, 1, 200]
     kv = make_paged_kv(seq_lens, block_size, 2, 128, torch.float32, device, v_tokens_innermost)
     q = torch.randn(len(seq_lens), 4, 128, device=device)
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 128**-0.5)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=block_n)
+    got = paged_decode_attention_triton(
+        *args, num_splits=num_splits, block_n=block_n, early_first_tile=early_first_tile
+    )
     assert_close(got, paged_decode_attention_reference(*args))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="swaps the wait of the interpreted kernel")
+@pytest.mark.parametrize("v_tokens_innermost", [False, True])
+@pytest.mark.parametrize(
+    ("seq_len", "num_splits"),
+    [(1, 1), (9, 1), (16, 1), (17, 1), (47, 1), (48, 1), (9, 3)],  # the newest first, inside, last of a tile, later
+)
+def test_the_step_s_own_token_is_read_after_the_wait(monkeypatch, v_tokens_innermost, seq_len, num_splits):
+    """With the first tile read before the wait, the token the previous kernel stores (position seq_len - 1) must
+    be read only after it. Here the wait is where that store lands: until then the slot holds NaN, which any read
+    of it before would carry into the output. One sequence and KV head, so the only split with tokens runs first
+    (the interpreter runs programs one by one, and a later program's early reads would see the store)."""
+    kv = make_paged_kv([seq_len], 16, 1, 64, torch.float32, "cpu", v_tokens_innermost)
+    q = torch.randn(1, 4, 64)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    expected = paged_decode_attention_reference(*args)
+    page, slot = int(kv.block_tables[0, (seq_len - 1) // 16]), (seq_len - 1) % 16
+    stored = kv.k_cache[page, slot].clone(), kv.v_cache[page, slot].clone()
+    kv.k_cache[page, slot], kv.v_cache[page, slot] = float("nan"), float("nan")
+
+    def the_previous_kernel_finishes(use_pdl):
+        kv.k_cache[page, slot], kv.v_cache[page, slot] = stored
+
+    monkeypatch.setattr(decode_kernels, "wait_for_previous_kernel", the_previous_kernel_finishes)
+    got = paged_decode_attention_triton(*args, num_splits=num_splits, block_n=16, early_first_tile=True)
+    assert_close(got, expected)
+
+
+def test_the_first_tile_is_read_early_only_in_launches_of_few_programs():
+    assert reads_first_tile_early(programs=4, num_splits=16, num_sms=132)  # Qwen3-30B-A3B at one sequence
+    assert reads_first_tile_early(programs=8, num_splits=16, num_sms=132)  # the 8B at one sequence
+    assert not reads_first_tile_early(programs=8 * 4, num_splits=13, num_sms=132)  # 416 programs: ~3 a multiprocessor
+    assert not reads_first_tile_early(programs=256 * 4, num_splits=1, num_sms=132)
+    # Off unless TIDAL_DECODE_EARLY_TILE=1: its first form was measured slower, this one is not yet timed.
+    assert not reads_first_tile_early(programs=4, num_splits=16, num_sms=132, switched_on=False)
 
 
 def test_tiles_narrower_than_16_tokens_are_refused():

@@ -151,3 +151,33 @@ def test_weights_first_programs_issue_their_weight_loads_before_the_wait() -> No
     assert [kernel for kernel, _, _ in rows[:-1]] == ["one_row_linear_kernel"] * 2 + ["one_row_qkv_kernel"]
     assert all(before > 0 and after == 0 for _, before, after in rows[:-1]), result.stdout
     assert rows[-1][0] == "streamed" and rows[-1][1] == 0 and rows[-1][2] > 0, result.stdout
+
+
+EARLY_TILE_ORDER = """
+import sys
+import triton
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import SM90, ASTSource, bind_sm90, decode_attention_launches
+
+for launch in decode_attention_launches():
+    bound = bind_sm90(launch)
+    source = ASTSource(fn=bound.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
+    ptx = triton.compile(source, target=SM90, options=bound.options.__dict__).asm["ptx"].splitlines()
+    (wait,) = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    loads = [i for i, line in enumerate(ptx) if "ld.global" in line]
+    print(int(bound.constants["EARLY_FIRST_TILE"]), sum(i < wait for i in loads), sum(i > wait for i in loads))
+"""
+
+
+@pytest.mark.slow
+def test_decode_attention_reads_its_first_tile_before_the_wait_only_where_asked() -> None:
+    """EARLY_FIRST_TILE pays only if the compiler keeps the first tile's loads ahead of griddepcontrol.wait. A tile
+    of 64 tokens x 128 dims on 4 warps is 64 bytes of K and 64 of V a thread: at least 8 loads of 16 bytes, beside
+    the table's; the plain launch reads nothing before the wait."""
+    result = _run("-c", EARLY_TILE_ORDER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [tuple(map(int, line.split())) for line in result.stdout.strip().splitlines()]
+    # Qwen3's FP8 cache at one sequence (early, plain), at 256 (plain); the 8B's bf16 cache at one sequence (early).
+    assert [early for early, _, _ in rows] == [1, 0, 0, 1], result.stdout
+    assert all(before >= 8 and after > 0 for early, before, after in rows if early), result.stdout
+    assert [before for early, before, _ in rows if not early] == [0, 0], result.stdout
