@@ -24,10 +24,10 @@ def checkpoint_files(directory: Path) -> list[Path]:
     # exists(), not is_file(): an index or file that is there but not a regular file (a FIFO) is refused when it
     # is read (see header.regular_file_size), rather than silently passed over for other files.
     index = directory / INDEX_FILE
-    if index.exists():
+    if _exists(index):
         return _shards(index)
     single = directory / SINGLE_FILE
-    if single.exists():
+    if _exists(single):
         return [single]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -67,10 +67,20 @@ def _shards(index: Path) -> list[Path]:
     files = [index.parent / name for name in sorted(names)]
     if not files:
         raise CheckpointError([f"{index} lists no tensors"])
-    missing = [str(f) for f in files if not f.exists()]
+    missing = [str(f) for f in files if not _exists(f)]
     if missing:
         raise CheckpointFilesMissingError([f"{index} lists shards that are missing: {some_of(missing)}"])
     return files
+
+
+def _exists(path: Path) -> bool:
+    """Path.exists(), with CheckpointError where the file system cannot look the name up: exists() answers False
+    only for "not there", and raises OSError for a name it cannot even search for (a shard name an index gives
+    longer than NAME_MAX, a directory deep enough that a file in it passes PATH_MAX: ENAMETOOLONG)."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise CheckpointError([f"{str(path)[:200]}: {exc.strerror}"]) from exc
 
 
 def _weight_map(index: Path) -> dict[str, object]:

@@ -69,7 +69,8 @@ class StoredTensor:
 
 
 def read_header(path: Path) -> list[StoredTensor]:
-    """Every tensor of one file, or CheckpointError naming every entry that is malformed or lies past the end."""
+    """Every tensor of one file, or CheckpointError naming every entry that is malformed, lies past the end or
+    shares bytes with another."""
     header, data_start, size = _header_json(path)
     tensors: list[StoredTensor] = []
     problems: list[str] = []
@@ -81,6 +82,7 @@ def read_header(path: Path) -> list[StoredTensor]:
             problems.append(parsed)
         else:
             tensors.append(parsed)
+    problems += _shared_bytes(path, tensors)
     if problems:
         raise CheckpointError(problems)
     return tensors
@@ -133,6 +135,20 @@ def _parse_entry(path: Path, name: str, entry: object, data_start: int, size: in
     if data_start + end > size:
         return f"{where} lies past the end of the file (truncated?)"
     return StoredTensor(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _shared_bytes(path: Path, tensors: list[StoredTensor]) -> list[str]:
+    """A problem for each tensor whose bytes begin inside an earlier one's. The format gives every tensor bytes of its
+    own (safetensors refuses a header that does not): two entries over the same bytes are a corrupt or forged header,
+    and read, one tensor would be served another's values. Empty tensors own no bytes, and may share an offset."""
+    problems = []
+    furthest: StoredTensor | None = None  # of the tensors before, the one whose bytes reach furthest
+    for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: (t.start, t.name)):
+        if furthest is not None and tensor.start < furthest.start + furthest.nbytes:
+            problems.append(f"{path.name}: {tensor.name} shares bytes with {furthest.name}")
+        if furthest is None or tensor.start + tensor.nbytes > furthest.start + furthest.nbytes:
+            furthest = tensor
+    return problems
 
 
 def _is_list_of_naturals(value: object) -> TypeGuard[list[int]]:

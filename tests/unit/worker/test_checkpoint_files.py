@@ -89,6 +89,29 @@ def test_every_malformed_entry_is_named_at_once(tmp_path):
     assert "past the end of the file (truncated?)" in by_name["past_end"]
 
 
+@pytest.mark.parametrize(
+    ("offsets", "sharing"),
+    [
+        ({"a": (0, 8), "b": (4, 12)}, ["b shares bytes with a"]),
+        ({"a": (0, 8), "b": (0, 8)}, ["b shares bytes with a"]),  # one tensor's bytes named twice
+        ({"a": (0, 12), "b": (4, 8), "c": (8, 12)}, ["b shares bytes with a", "c shares bytes with a"]),
+    ],
+    ids=["overlapping", "same", "nested"],
+)
+def test_entries_that_share_bytes_are_refused(tmp_path, offsets, sharing):
+    # Each tensor owns its bytes (safetensors refuses such a header too): read, one would serve another's values.
+    header = {name: entry(shape=((end - begin) // 4,), offsets=(begin, end)) for name, (begin, end) in offsets.items()}
+    with pytest.raises(CheckpointError) as err:
+        read_header(raw_file(tmp_path / "m.safetensors", header, data=b"\0" * 12))
+    assert err.value.problems == [f"m.safetensors: {problem}" for problem in sharing]
+
+
+def test_empty_tensors_may_share_an_offset(tmp_path):
+    header = {"a": entry(), "e": entry(shape=(0,), offsets=(8, 8)), "f": entry(shape=(0, 3), offsets=(8, 8))}
+    path = raw_file(tmp_path / "m.safetensors", header, data=b"\0" * 8)
+    assert {t.name for t in read_header(path)} == {"a", "e", "f"}
+
+
 def test_a_truncated_file_is_refused_from_its_header(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(16)}, path)
@@ -166,6 +189,8 @@ def test_missing_directories_weights_and_shards_are_missing_files(tmp_path):
         ({"weight_map": {"w": "../outside.safetensors"}}, "not a plain file name: ../outside.safetensors"),
         ({"weight_map": {"w": "/abs/outside.safetensors"}}, "not a plain file name"),
         ({"weight_map": {"w": 5, "v": [1]}}, r"not a plain file name: 5, \[1\]"),
+        # A plain name, but longer than a file system allows: looking it up raises ENAMETOOLONG, not "missing".
+        ({"weight_map": {"w": "x" * 300 + ".safetensors"}}, "File name too long"),
     ],
 )
 def test_a_malformed_index_is_a_clear_problem(tmp_path, index, words):
@@ -174,6 +199,17 @@ def test_a_malformed_index_is_a_clear_problem(tmp_path, index, words):
     with pytest.raises(CheckpointError, match=words) as err:
         checkpoint_files(directory)
     assert not isinstance(err.value, CheckpointFilesMissingError)
+
+
+def test_a_directory_too_deep_to_look_up_its_files_is_a_clear_problem(tmp_path):
+    # The directory itself can be looked up, but not a file in it: the path would pass PATH_MAX (ENAMETOOLONG).
+    length = os.pathconf(tmp_path, "PC_PATH_MAX") - 20  # the directory's, in components of at most 200 bytes
+    directory = tmp_path
+    while len(str(directory)) < length:
+        directory /= "d" * min(200, length - len(str(directory)))
+    directory.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="File name too long"):
+        checkpoint_files(directory)
 
 
 def nested(value: object, depth: int) -> object:
