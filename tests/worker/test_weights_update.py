@@ -32,6 +32,7 @@ from tidal.contract.control_api import (
 from tidal.worker.checkpoint import reader
 from tidal.worker.engine.sampling_params import SamplingParams
 from tidal.worker.lifecycle.errors import (
+    BusyError,
     CheckpointRejectedError,
     CollectiveError,
     DrainTimeoutError,
@@ -293,6 +294,40 @@ def test_a_streamed_update_that_times_out_draining_can_be_finished_again(tiny_mo
             assert finished.version == "b" and manager.version == "b"
             assert not upload.directory.exists()
             await running.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_finish_while_a_chunk_is_written_is_busy_at_once_and_the_loop_goes_on(tiny_model, version_b):
+    # The event loop serves the OpenAI API too: a finish must not wait on it for another call's hold on the uploads,
+    # a chunk's write, which lasts as long as the spool volume takes (for good, if it stalls).
+    model_dir = tiny_model("llama")
+
+    async def scenario() -> None:
+        async with running_manager(model_dir) as manager:
+            upload = await manager.stream_start(False)
+            for path in sorted(version_b.glob("model*")):
+                await manager.stream_chunk(upload.upload_id, path.name, 0, path.read_bytes())
+            writing, written = threading.Event(), threading.Event()
+
+            def write_slowly() -> None:
+                with manager.uploads._lock:  # a chunk's write in progress
+                    writing.set()
+                    written.wait(2.0)
+
+            writer = threading.Thread(target=write_slowly)
+            writer.start()
+            writing.wait()
+            start = time.monotonic()
+            try:
+                with pytest.raises(BusyError, match="being written"):
+                    await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="b"))
+                assert time.monotonic() - start < 1.0 and manager.version == "a"
+            finally:
+                written.set()
+                writer.join()
+            finished = await manager.stream_finish(upload.upload_id, StreamFinishRequest(version="b"))
+            assert finished.version == "b" == manager.version and not upload.directory.exists()
 
     asyncio.run(scenario())
 

@@ -126,8 +126,12 @@ class Uploads:
     def finish(self, upload_id: str) -> Upload:
         """Detach the upload for applying; the caller removes its directory with `remove()`. Busy while a chunk's
         body is still arriving: finished now, the upload would lose that chunk (and the file the rest of its
-        bytes), and the checkpoint be refused for a truncated file."""
-        with self._lock:
+        bytes), and the checkpoint be refused for a truncated file. Busy too while another call holds the uploads
+        (a chunk being written), at once: the caller is the event loop, which must not wait out a write that takes
+        as long as the spool volume does (for good, if it stalls)."""
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("a chunk is being written (or an upload started); finish once every chunk sent is answered")
+        try:
             upload = self.get(upload_id)
             if upload.arriving:
                 held = next(iter(upload.arriving.values()))
@@ -139,6 +143,8 @@ class Uploads:
                 raise BadRequestError(f"upload {upload_id} received no files")
             self._current = None
             return upload
+        finally:
+            self._lock.release()
 
     def reattach(self, upload: Upload) -> bool:
         """Make a finished upload current again, so that a failed finish the caller may retry (a drain timeout)
