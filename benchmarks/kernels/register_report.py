@@ -4,16 +4,16 @@ a machine with no GPU.
     python benchmarks/kernels/register_report.py [--model ...]   # exit status 1 if one spills
 
 Each wrapper runs on CPU tensors of the model's shapes (allocated, never touched) with its Triton kernels swapped for
-recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`,
-`TUNED_LINEAR_CONFIGS`, their FP8 tables and the qkv defaults, with their constexprs) is captured without running:
-Qwen3-30B-A3B's expert kernels at every token count of its table, its projections at one and two rows, the 8B's at one
-row, a whole-head qkv at head_dim 256, the FP8 table's projections on e4m3 weights; and Qwen3-30B-A3B's FP8 experts:
-the small-batch kernels with their scales, the grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8
-tensor cores; compiled here before any GPU has run them); and decode attention at both models' heads. Each recorded launch is bound by Triton's own launcher code
-for an sm_90 backend (the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on), compiled for
-sm_90, and ptxas -v (Triton's) reports its resources. A spill moves a tile that should stay in registers to local
-memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a mistake to
-catch before device time goes on it (tests/kernels/test_register_report.py runs this on every push).
+recorders, so the launch the engine would make (the tuned tiles of `TUNED_SMALL_BATCH_CONFIGS`, `TUNED_LINEAR_CONFIGS`,
+their FP8 tables and the qkv defaults, with their constexprs) is captured without running: Qwen3-30B-A3B's expert
+kernels at every token count of its table, its projections at one and two rows, the 8B's at one row, a whole-head qkv at
+head_dim 256, the FP8 table's projections on e4m3 weights; and Qwen3-30B-A3B's FP8 experts: the small-batch kernels with
+their scales, the grouped GEMMs W8A16 at decode counts and W8A8 at prefill counts (FP8 tensor cores; compiled here
+before any GPU has run them); and decode attention at both models' heads. Each recorded launch is bound by Triton's own
+launcher code for an sm_90 backend (the constants it makes of integers equal to 1, its 16-divisibility hints, PDL on),
+compiled for sm_90, and ptxas -v (Triton's) reports its resources. A spill moves a tile that should stay in registers to
+local memory: on these bandwidth-bound kernels that costs more than the tile saves, and a config that spills is a
+mistake to catch before device time goes on it (tests/kernels/test_register_report.py runs this on every push).
 """
 
 from __future__ import annotations
