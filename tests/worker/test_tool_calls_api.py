@@ -162,6 +162,14 @@ def test_a_conversation_replaying_a_call_and_its_result(client):
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "must be unique"),
+        # A call's arguments are an object: forced to be an array, the call came back as plain text.
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+                "tool_choice": "required",
+            },
+            "parameters must be a JSON schema of type object",
+        ),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "cannot be combined",

@@ -56,6 +56,10 @@ def test_a_named_choice_forces_that_tool_alone():
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "should match pattern"),
         ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "should match pattern"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "valid dictionary"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "parameters must be a JSON schema of type object",
+        ),
         ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "'function'"),
         ({"tool_choice": "required"}, "tool_choice required needs tools"),
         ({"tool_choice": "auto", "tools": []}, "tool_choice auto needs tools"),

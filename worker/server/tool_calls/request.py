@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
@@ -22,6 +22,15 @@ class FunctionDefinition(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_parameters(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        # A call's arguments are a JSON object (every family's format, and OpenAI's): forced to be anything else, the
+        # call could not be read back and came back as plain text. A schema that names no type is taken as it is.
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON schema of type object, got type {parameters['type']!r}")
+        return parameters
 
     @property
     def parameters_schema(self) -> dict[str, Any]:
