@@ -23,7 +23,10 @@ class ToolCallFormat:
     name: str
     markers: tuple[str, ...]  # start a region wherever they appear
     leading: tuple[str, ...]  # start a region only as the output's first non-blank text
-    scan: Callable[[str], RegionScan]
+    # A region's calls and the text after them; from 0, or from the `end` of an earlier scan of a shorter prefix of
+    # the region that read calls (a stream's: only the calls after those are read again).
+    scan: Callable[[str, int], RegionScan]
+    ends_with: str  # the last character of a call's text: a streamed piece without it completes no call
     # The xgrammar structural-tag format that admits only calls of these tools (one, or several if parallel).
     forced: Callable[[ForcedTools, bool], dict[str, Any]]
 
@@ -50,7 +53,7 @@ def parse_output(fmt: ToolCallFormat, text: str) -> ParsedOutput:
     start = region_start(fmt, text)
     if start is None:
         return ParsedOutput(content=text, calls=[])
-    scan = fmt.scan(text[start:])
+    scan = fmt.scan(text[start:], 0)
     if not scan.calls:
         return ParsedOutput(content=text, calls=[])
     content = text[:start] + (scan.rest if scan.rest.strip() else "")

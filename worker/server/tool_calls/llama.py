@@ -12,12 +12,18 @@ PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
 
 
-def scan(region: str) -> RegionScan:
+_ARGUMENTS = ("parameters", "arguments")
+
+
+def scan(region: str, start: int = 0) -> RegionScan:
+    if start:  # just after a call read before
+        calls, end, _ = read_calls(region, start, _ARGUMENTS, SEPARATOR, after_call=True)
+        return RegionScan(calls, region[end:], end)
     pos = skip_space(region, 0)
     if region.startswith(PYTHON_TAG, pos):
         pos += len(PYTHON_TAG)
-    calls, done = read_calls(region, pos, ("parameters", "arguments"), SEPARATOR)
-    return RegionScan(calls, region[done:] if calls else region)
+    calls, end, _ = read_calls(region, pos, _ARGUMENTS, SEPARATOR)
+    return RegionScan(calls, region[end:], end) if calls else RegionScan([], region)
 
 
 def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
@@ -25,4 +31,4 @@ def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
     return tags_with_separator(tags, f"{SEPARATOR} ", parallel)
 
 
-FORMAT = ToolCallFormat(name="llama", markers=(PYTHON_TAG,), leading=("{",), scan=scan, forced=forced)
+FORMAT = ToolCallFormat(name="llama", markers=(PYTHON_TAG,), leading=("{",), scan=scan, ends_with="}", forced=forced)

@@ -14,14 +14,20 @@ from tidal.worker.server.tool_calls.format import ForcedTools, ToolCallFormat, t
 MARKER = "[TOOL_CALLS]"
 
 
-def scan(region: str) -> RegionScan:
+_ARGUMENTS = ("arguments", "parameters")
+
+
+def scan(region: str, start: int = 0) -> RegionScan:
+    if start:  # just after a call read before
+        calls, end, closed = read_calls(region, start, _ARGUMENTS, ",", closer="]", after_call=True)
+        return RegionScan(calls, region[end:], end, closed)
     pos = skip_space(region, 0)
     if region.startswith(MARKER, pos):
         pos = skip_space(region, pos + len(MARKER))
     if not region.startswith("[", pos):
         return RegionScan([], region)
-    calls, done = read_calls(region, pos + 1, ("arguments", "parameters"), ",", closer="]")
-    return RegionScan(calls, region[done:] if calls else region)
+    calls, end, closed = read_calls(region, pos + 1, _ARGUMENTS, ",", closer="]")
+    return RegionScan(calls, region[end:], end, closed) if calls else RegionScan([], region)
 
 
 def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
@@ -34,4 +40,4 @@ def _text(value: str) -> dict[str, Any]:
     return {"type": "const_string", "value": value}
 
 
-FORMAT = ToolCallFormat(name="mistral", markers=(MARKER,), leading=("[",), scan=scan, forced=forced)
+FORMAT = ToolCallFormat(name="mistral", markers=(MARKER,), leading=("[",), scan=scan, ends_with="}", forced=forced)

@@ -13,9 +13,9 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
 
-def scan(region: str) -> RegionScan:
+def scan(region: str, start: int = 0) -> RegionScan:
     calls: list[ToolCall] = []
-    done = 0  # end of the last complete call
+    done = start  # end of the last complete call (`start`: one read before, or the region's start)
     while True:
         pos = skip_space(region, done)
         if not region.startswith(OPEN, pos):
@@ -31,7 +31,7 @@ def scan(region: str) -> RegionScan:
             break
         calls.append(call)
         done = close + len(CLOSE)
-    return RegionScan(calls, region[done:])
+    return RegionScan(calls, region[done:], done)
 
 
 def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
@@ -39,4 +39,4 @@ def forced(tools: ForcedTools, parallel: bool) -> dict[str, Any]:
     return tags_with_separator(tags, "\n", parallel)
 
 
-FORMAT = ToolCallFormat(name="qwen", markers=(OPEN,), leading=(), scan=scan, forced=forced)
+FORMAT = ToolCallFormat(name="qwen", markers=(OPEN,), leading=(), scan=scan, ends_with=CLOSE[-1], forced=forced)
