@@ -181,3 +181,40 @@ def test_decode_attention_reads_its_first_tile_before_the_wait_only_where_asked(
     assert [early for early, _, _ in rows] == [1, 0, 0, 1], result.stdout
     assert all(before >= 8 and after > 0 for early, before, after in rows if early), result.stdout
     assert [before for early, before, _ in rows if not early] == [0, 0], result.stdout
+
+
+MOE_DOWN_WEIGHTS_FIRST_ORDER = """
+import sys
+import triton
+sys.path.insert(0, "benchmarks/kernels")
+from register_report import SM90, ASTSource, bind_sm90, moe_down_weights_first_launches
+
+for launch in moe_down_weights_first_launches():
+    bound = bind_sm90(launch)
+    source = ASTSource(fn=bound.kernel, signature=bound.signature, constexprs=bound.constexprs, attrs=bound.attrs)
+    ptx = triton.compile(source, target=SM90, options=bound.options.__dict__).asm["ptx"].splitlines()
+    (wait,) = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+    (signal,) = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+    # The expert weights are the only loads marked evict-first in the down pass; gate/up streams through cp.async.
+    weights = [i for i, line in enumerate(ptx) if "ld.global" in line and "evict_first" in line]
+    loads = [i for i, line in enumerate(ptx) if "ld.global" in line or "cp.async" in line]
+    first_after_wait = min(i for i in loads if i > wait)
+    print(launch.kernel.__name__, sum(i < wait for i in weights), sum(i > wait for i in weights),
+          int(signal < first_after_wait))
+"""
+
+
+@pytest.mark.slow
+def test_a_weights_first_down_pass_loads_its_rows_before_the_wait_and_gate_up_lets_it_in() -> None:
+    """`SmallBatchMoeConfig.down_weights_first` pays only if the down pass's rows are loaded ahead of
+    griddepcontrol.wait and the gate/up kernel lets it launch before its own weight stream (not after its K loop,
+    as it does otherwise): a compiler that moved either would silently make it the plain pair of launches."""
+    result = _run("-c", MOE_DOWN_WEIGHTS_FIRST_ORDER)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line.split() for line in result.stdout.strip().splitlines()]
+    rows = [(kernel, int(before), int(after), int(early)) for kernel, before, after, early in lines]
+    assert [kernel for kernel, *_ in rows] == ["pair_gate_up_kernel", "token_down_kernel"] * 6, result.stdout
+    downs = [row for row in rows if row[0] == "token_down_kernel"]
+    # 8-16 KB of rows a program over 128-256 threads: at least 4 loads of 16 bytes each, none after the wait.
+    assert all(before >= 4 and after == 0 for _, before, after, _ in downs), result.stdout
+    assert all(early == 1 for kernel, _, _, early in rows if kernel == "pair_gate_up_kernel"), result.stdout
