@@ -15,12 +15,10 @@ def route_token(
     TOP_K_P2: tl.constexpr,
     EXPERTS_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    CACHE: tl.constexpr,
 ):
-    """One token's routing: (weights [TOP_K_P2] fp32, expert ids [TOP_K_P2] int32), slots past TOP_K unused.
-    CACHE: the logits' load cache modifier (".cg" where a kernel reads them before its wait)."""
+    """One token's routing: (weights [TOP_K_P2] fp32, expert ids [TOP_K_P2] int32), slots past TOP_K unused."""
     experts = tl.arange(0, EXPERTS_P2)
-    logits = tl.load(logits_row_ptr + experts, mask=experts < num_experts, other=float("-inf"), cache_modifier=CACHE)
+    logits = tl.load(logits_row_ptr + experts, mask=experts < num_experts, other=float("-inf"))
     logits = logits.to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
@@ -41,30 +39,6 @@ def route_token(
 
 
 @triton.jit
-def _expert_ranks(logits_row_ptr, num_experts, EXPERTS_P2: tl.constexpr, CACHE: tl.constexpr):
-    """(rank [EXPERTS_P2] int32, probabilities [EXPERTS_P2] fp32) of every expert of one token, up to 128 of them:
-    an expert's rank is how many come before it, by a higher logit or an equal one at a lower id (softmax keeps the
-    order; only logits so close that their probabilities round equal may order differently from `route_token`,
-    which compares probabilities). A few reductions instead of the ~2k of picking the top k one by one; the
-    comparison runs RANK_CHUNK experts at a time to keep the [E, chunk] tile in registers."""
-    RANK_CHUNK: tl.constexpr = 32
-    experts = tl.arange(0, EXPERTS_P2)
-    logits = tl.load(logits_row_ptr + experts, mask=experts < num_experts, other=float("-inf"),
-                     cache_modifier=CACHE).to(tl.float32)  # fmt: skip
-    rank = tl.zeros([EXPERTS_P2], tl.int32)  # 0 for the most probable
-    for first in tl.static_range(0, EXPERTS_P2, RANK_CHUNK):
-        others = first + tl.arange(0, RANK_CHUNK)
-        theirs = tl.load(logits_row_ptr + others, mask=others < num_experts, other=float("-inf"),
-                         cache_modifier=CACHE).to(tl.float32)  # fmt: skip
-        before = (theirs[None, :] > logits[:, None]) | (
-            (theirs[None, :] == logits[:, None]) & (others[None, :] < experts[:, None])
-        )  # [EXPERTS_P2, RANK_CHUNK]
-        rank += tl.sum(before.to(tl.int32), axis=1)
-    probs = tl.exp(logits - tl.max(logits, axis=0))
-    return rank, probs / tl.sum(probs, axis=0)  # 0 for padding experts
-
-
-@triton.jit
 def route_token_slot(
     logits_row_ptr,
     num_experts,
@@ -75,60 +49,37 @@ def route_token_slot(
     RENORMALIZE: tl.constexpr,
 ):
     """(weight fp32, expert int32) of one slot of one token's routing, for a kernel that routes before its first
-    load: by rank (`_expert_ranks`) up to 128 experts, by `route_token` beyond."""
+    load. Up to 128 experts it ranks all of them at once: an expert's rank is how many come before it, by a higher
+    logit or an equal one at a lower id (softmax keeps the order; only logits so close that their probabilities
+    round equal may order differently from `route_token`, which compares probabilities). That is a few reductions
+    instead of the ~2k of picking the top k one by one; the comparison runs RANK_CHUNK experts at a time to keep
+    the [E, chunk] tile in registers."""
+    RANK_CHUNK: tl.constexpr = 32
     if EXPERTS_P2 <= 128:
-        rank, probs = _expert_ranks(logits_row_ptr, num_experts, EXPERTS_P2, "")
+        experts = tl.arange(0, EXPERTS_P2)
+        valid = experts < num_experts
+        logits = tl.load(logits_row_ptr + experts, mask=valid, other=float("-inf")).to(tl.float32)
+        rank = tl.zeros([EXPERTS_P2], tl.int32)  # 0 for the most probable
+        for first in tl.static_range(0, EXPERTS_P2, RANK_CHUNK):
+            others = first + tl.arange(0, RANK_CHUNK)
+            theirs = tl.load(logits_row_ptr + others, mask=others < num_experts, other=float("-inf")).to(tl.float32)
+            before = (theirs[None, :] > logits[:, None]) | (
+                (theirs[None, :] == logits[:, None]) & (others[None, :] < experts[:, None])
+            )  # [EXPERTS_P2, RANK_CHUNK]
+            rank += tl.sum(before.to(tl.int32), axis=1)
+        probs = tl.exp(logits - tl.max(logits, axis=0))
+        probs = probs / tl.sum(probs, axis=0)  # [EXPERTS_P2], 0 for padding experts
         here = rank == slot
         weight = tl.sum(tl.where(here, probs, 0.0), axis=0)
-        expert = tl.sum(tl.where(here, tl.arange(0, EXPERTS_P2), 0), axis=0)
+        expert = tl.sum(tl.where(here, experts, 0), axis=0)
         if RENORMALIZE:
             weight = weight / tl.sum(tl.where(rank < TOP_K, probs, 0.0), axis=0)
     else:
-        chosen_w, chosen_id = route_token(logits_row_ptr, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE, "")
+        chosen_w, chosen_id = route_token(logits_row_ptr, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE)
         here = tl.arange(0, TOP_K_P2) == slot
         weight = tl.sum(tl.where(here, chosen_w, 0.0), axis=0)
         expert = tl.sum(tl.where(here, chosen_id, 0), axis=0)
     return weight, expert
-
-
-@triton.jit
-def route_token_slots(
-    logits_row_ptr,
-    num_experts,
-    first_slot,  # the first of the token's top-k slots wanted; slots first_slot + [0, COUNT) (< TOP_K)
-    COUNT: tl.constexpr,
-    COUNT_P2: tl.constexpr,
-    TOP_K: tl.constexpr,
-    TOP_K_P2: tl.constexpr,
-    EXPERTS_P2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """(weights [COUNT_P2] fp32, experts [COUNT_P2] int32, zero past COUNT) of consecutive slots of one token's
-    routing, chosen as `route_token_slot` chooses each (the same ranks: a kernel routing a slot agrees with one
-    routing several). One 1-D reduction a slot, as there: an [slots, experts] comparison took every register a
-    thread has. For a kernel that routes before its wait: the logits are read from L2 (.cg), never a stale L1
-    line."""
-    lanes = tl.arange(0, COUNT_P2)
-    weights = tl.zeros([COUNT_P2], tl.float32)
-    experts = tl.zeros([COUNT_P2], tl.int32)
-    if EXPERTS_P2 <= 128:
-        rank, probs = _expert_ranks(logits_row_ptr, num_experts, EXPERTS_P2, ".cg")
-        ids = tl.arange(0, EXPERTS_P2)
-        for j in tl.static_range(COUNT):
-            here = rank == first_slot + j
-            weights = tl.where(lanes == j, tl.sum(tl.where(here, probs, 0.0), axis=0), weights)
-            experts = tl.where(lanes == j, tl.sum(tl.where(here, ids, 0), axis=0), experts)
-        if RENORMALIZE:
-            weights = weights / tl.sum(tl.where(rank < TOP_K, probs, 0.0), axis=0)
-    else:
-        chosen_w, chosen_id = route_token(logits_row_ptr, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE,
-                                          ".cg")  # fmt: skip
-        top = tl.arange(0, TOP_K_P2)
-        for j in tl.static_range(COUNT):
-            here = top == first_slot + j
-            weights = tl.where(lanes == j, tl.sum(tl.where(here, chosen_w, 0.0), axis=0), weights)
-            experts = tl.where(lanes == j, tl.sum(tl.where(here, chosen_id, 0), axis=0), experts)
-    return weights, experts
 
 
 @triton.jit
@@ -145,7 +96,7 @@ def topk_softmax_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     chosen_w, chosen_id = route_token(
-        logits_ptr + token * logits_stride, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE, ""
+        logits_ptr + token * logits_stride, num_experts, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE
     )
     slots = tl.arange(0, TOP_K_P2)
     tl.store(weights_ptr + token * TOP_K + slots, chosen_w, mask=slots < TOP_K)

@@ -44,13 +44,6 @@ class SmallBatchMoeConfig:
     # (cuBLAS projections and RMSNorm launches) around the same expert kernels: which is faster depends on how well
     # the small-batch projections serve the model's attention shapes at this count.
     fuse_into_layer: bool = True
-    # The down pass's programs load their pairs' rows of W2 whole before they wait for the gate/up kernel, which lets
-    # them launch right after its own wait instead of after its K loop: the two weight streams run together, each
-    # kernel with its own registers (one launch of both roles took the union: moe-perf-h200.md, seventh pass). Each
-    # down program routes its pairs itself from the router's logits when routing is folded (the gate/up kernel's ids
-    # are its output, not readable before the wait). Needs the whole width in one tile: block_k >= I, within
-    # `WEIGHTS_FIRST_BYTES_PER_THREAD` (checked at launch).
-    down_weights_first: bool = False
 
 
 # Elements of W2 a down-pass program loads per step of its K loop (its pairs x BLOCK_N x BLOCK_K): 16 KB of bf16,

@@ -18,11 +18,6 @@ small_batch_linear.NormInput) and scales its products by each token's 1/rms; wit
 writes the layer's output adds it to the residual stream and writes the next norm's NormInput instead. A decoder
 layer's MoE then needs no RMSNorm launch before or after it (`fused_moe_small_batch.small_batch_moe_into_residual`).
 
-With WEIGHTS_FIRST (`SmallBatchMoeConfig.down_weights_first`) the down kernel's programs route their own pairs
-(from the router's logits, by the same ranks as the gate/up kernel) and load their rows of W2 whole before they
-wait, and the gate/up kernel lets them launch right after its own wait: the two kernels' weight streams overlap,
-each kernel keeping its own register budget, and only the intermediate is read after the wait.
-
 With W_SCALED the weights are e4m3 (moe_expert_scales.py), read as they are (half the bytes), widened to fp32 like
 16-bit ones, and each output column's sum multiplied by its scale after the K loop.
 
@@ -33,7 +28,7 @@ chose run at about the same time and the second read tends to come from L2.
 import triton
 import triton.language as tl
 
-from tidal.kernels._moe_routing_kernels import route_token_slot, route_token_slots
+from tidal.kernels._moe_routing_kernels import route_token_slot
 from tidal.kernels._triton_utils import arrives_last, let_next_kernel_launch, wait_for_previous_kernel
 
 
@@ -118,11 +113,9 @@ def pair_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     STAGES: tl.constexpr,  # software-pipeline depth of the K loop (GemvTiles.stages)
-    LET_DOWN_IN: tl.constexpr,  # the down pass loads its weights first: let it launch now, not after the K loop
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    let_next_kernel_launch(USE_PDL and LET_DOWN_IN)
     pair = tl.program_id(0)
     n_tile = tl.program_id(1)
     token = (pair // TOP_K).to(tl.int64)
@@ -161,7 +154,7 @@ def pair_gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    let_next_kernel_launch(USE_PDL and not LET_DOWN_IN)
+    let_next_kernel_launch(USE_PDL)
     if W_SCALED:
         scale_ptrs = w13_scale_ptr + expert.to(tl.int64) * (2 * inter_size) + cols
         gate = gate * tl.load(scale_ptrs, mask=col_ok, other=0.0)
@@ -178,9 +171,8 @@ def token_down_kernel(
     inter_ptr,  # [T * TOP_K, I]
     w2_ptr,  # [E, H, I]
     w2_scale_ptr,  # W_SCALED: [E, H] fp32
-    weights_ptr,  # [T * TOP_K] fp32 routing weights (unless ROUTE)
-    ids_ptr,  # [T * TOP_K] int32 experts (unless ROUTE)
-    logits_ptr,  # ROUTE: [T, E] router logits
+    weights_ptr,  # [T * TOP_K] fp32 routing weights
+    ids_ptr,  # [T * TOP_K] int32 experts
     out_ptr,  # [T, H] in the output dtype
     residual_ptr,  # INTO_RESIDUAL: [T, H], and the next norm's gamma [H], h * gamma [T, H] and sums of h^2
     gamma_ptr,  # [H-tiles, T] out; out_ptr gets residual + output
@@ -191,17 +183,9 @@ def token_down_kernel(
     num_tokens,
     hidden_size,
     inter_size,
-    num_experts,
-    logits_stride,
-    TOP_K: tl.constexpr,
-    TOP_K_P2: tl.constexpr,
-    EXPERTS_P2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     PAIRS: tl.constexpr,  # pairs per program: TOP_K // SPLITS
     PAIRS_P2: tl.constexpr,
     SPLITS: tl.constexpr,
-    ROUTE: tl.constexpr,  # route the program's pairs from the logits (as pair_gate_up_kernel does) rather than read
-    WEIGHTS_FIRST: tl.constexpr,  # BLOCK_K >= I: the pairs' rows loaded whole before the wait
     INTO_RESIDUAL: tl.constexpr,
     W_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -210,32 +194,15 @@ def token_down_kernel(
     USE_PDL: tl.constexpr,
 ):
     """All PAIRS experts' tiles are loaded in one step of the K loop ([PAIRS, BLOCK_N, BLOCK_K]): a token's pairs
-    stream side by side, so even one token keeps many loads in flight without a second launch.
-
-    WEIGHTS_FIRST: the program learns its pairs' experts before its wait (ROUTE: from the router's logits; else the
-    routing the caller passed) and loads their rows of W2 whole, so the weight stream runs while the gate/up kernel
-    still does (it lets this kernel in right after its own wait); only the intermediate is read after the wait. What
-    a program reads before its wait was written by kernels before the previous one (the router, a top-k launch, the
-    residual's projection), complete by then: the previous kernel's programs each waited for theirs before letting
-    this one launch. Those loads go to L2 (.cg), never a stale L1 line."""
-    if not WEIGHTS_FIRST:
-        wait_for_previous_kernel(USE_PDL)
+    stream side by side, so even one token keeps many loads in flight without a second launch."""
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0)  # token * SPLITS + split
     h_tile = tl.program_id(1)
-    token = (row // SPLITS).to(tl.int64)
     slots = tl.arange(0, PAIRS_P2)
     slot_ok = slots < PAIRS
     pairs = row * PAIRS + slots  # [PAIRS_P2]
-    if ROUTE:
-        weights, experts = route_token_slots(logits_ptr + token * logits_stride, num_experts, (row % SPLITS) * PAIRS,
-                                             PAIRS, PAIRS_P2, TOP_K, TOP_K_P2, EXPERTS_P2, RENORMALIZE)  # fmt: skip
-        experts = experts.to(tl.int64)
-    elif WEIGHTS_FIRST:
-        experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0, cache_modifier=".cg").to(tl.int64)
-        weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0, cache_modifier=".cg")
-    else:
-        experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
-        weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
+    experts = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)
+    weights = tl.load(weights_ptr + pairs, mask=slot_ok, other=0.0)
     cols = h_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
     ks = tl.arange(0, BLOCK_K)
@@ -243,37 +210,22 @@ def token_down_kernel(
     w_rows = experts[:, None] * hidden_size + cols[None, :].to(tl.int64)  # [PAIRS_P2, BLOCK_N]
     w_ptrs = w2_ptr + w_rows[:, :, None] * inter_size + ks[None, None, :]  # [PAIRS_P2, BLOCK_N, BLOCK_K]
     w_tile_ok = (slot_ok[:, None] & col_ok[None, :])[:, :, None]
-    if WEIGHTS_FIRST:
-        w_whole = tl.load(w_ptrs, mask=w_tile_ok & (ks < inter_size)[None, None, :], other=0.0,
-                          eviction_policy="evict_first")  # fmt: skip
-        # The epilogue's inputs too: the residual stream was written before the previous kernel ran.
-        if INTO_RESIDUAL:
-            res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
-            res = res.to(tl.float32)
-            gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if W_SCALED:
-            w_scale = tl.load(w2_scale_ptr + w_rows, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
-        wait_for_previous_kernel(USE_PDL)
-        a = tl.load(a_ptrs, mask=slot_ok[:, None] & (ks < inter_size)[None, :], other=0.0).to(tl.float32)
-        acc = tl.sum(w_whole.to(tl.float32) * a[:, None, :], axis=2)
-    else:
-        if INTO_RESIDUAL:
-            # Before the K loop, so these loads' round trip overlaps the weight stream instead of following it.
-            res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
-            gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
-        for k in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
-            k_ok = k + ks < inter_size
-            a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[:, None, :], axis=2)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if W_SCALED:
-            w_scale = tl.load(w2_scale_ptr + w_rows, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+    token = (row // SPLITS).to(tl.int64)
+    if INTO_RESIDUAL:
+        # Before the K loop, so these loads' round trip overlaps the weight stream instead of following it.
+        res = tl.load(residual_ptr + token * hidden_size + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([PAIRS_P2, BLOCK_N], tl.float32)
+    for k in tl.range(0, inter_size, BLOCK_K, num_stages=STAGES):
+        k_ok = k + ks < inter_size
+        a = tl.load(a_ptrs, mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=w_tile_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     let_next_kernel_launch(USE_PDL)
     if W_SCALED:
-        acc *= w_scale  # [PAIRS_P2, BLOCK_N]
+        acc *= tl.load(w2_scale_ptr + w_rows, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)  # [PAIRS_P2, N]
     total = tl.sum(acc * weights[:, None], axis=0)  # [BLOCK_N]: the weighted sum over the pairs, a fixed order
     writes = True
     if SPLITS > 1:

@@ -20,12 +20,12 @@ import torch
 import triton
 
 from tidal.kernels._device import pdl_launch_options
-from tidal.kernels._moe_small_batch_config import GemvTiles, SmallBatchMoeConfig, down_splits, fit_tiles
+from tidal.kernels._moe_small_batch_config import SmallBatchMoeConfig, down_splits, fit_tiles
 from tidal.kernels._moe_small_batch_kernels import pair_gate_up_kernel, token_down_kernel
 from tidal.kernels._split_k import split_buffers
 from tidal.kernels._validate import check_contiguous, check_dtype, check_shape
 from tidal.kernels.moe_expert_scales import ExpertScales
-from tidal.kernels.small_batch_linear import WEIGHTS_FIRST_BYTES_PER_THREAD, NormInput
+from tidal.kernels.small_batch_linear import NormInput
 
 # Partial sums of h^2 a program adds per step when it scales by 1/rms (the o projection writes up to H / 16 of them).
 _BLOCK_P = 64
@@ -63,22 +63,10 @@ def _gate_up(
         hidden_size, inter, num_experts, logits.stride(0), num_tokens, partials.shape[0] if norm else 0, eps,
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), EXPERTS_P2=triton.next_power_of_2(num_experts),
         RENORMALIZE=renormalize, ROUTE=route is not None, ROW_SCALE=norm is not None, W_SCALED=scale is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, STAGES=tiles.stages,
-        LET_DOWN_IN=config.down_weights_first, num_warps=tiles.num_warps, **pdl_launch_options(hidden.device),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_P=_BLOCK_P, STAGES=tiles.stages, num_warps=tiles.num_warps,
+        **pdl_launch_options(hidden.device),
     )  # fmt: skip
     return intermediate
-
-
-def weights_first_block_k(tiles: GemvTiles, pairs: int, inter: int, weight_itemsize: int) -> int:
-    """BLOCK_K of a weights-first down pass over experts of width `inter`, `pairs` of them a program: the whole
-    width, a ValueError where those rows would not fit a thread's register budget."""
-    whole: int = max(16, triton.next_power_of_2(inter))
-    per_thread = triton.next_power_of_2(pairs) * tiles.block_n * whole * weight_itemsize // (32 * tiles.num_warps)
-    if per_thread > WEIGHTS_FIRST_BYTES_PER_THREAD:
-        raise ValueError(f"a weights-first down program of {pairs} pairs x {tiles.block_n} rows of {whole} inputs "
-                         f"over {tiles.num_warps} warps holds {per_thread} bytes of them a thread, over the "
-                         f"{WEIGHTS_FIRST_BYTES_PER_THREAD} that fit its registers")  # fmt: skip
-    return whole
 
 
 def _down(
@@ -89,38 +77,27 @@ def _down(
     out: torch.Tensor,
     top_k: int,
     config: SmallBatchMoeConfig,
-    route: tuple[torch.Tensor, bool] | None,
     into: _IntoResidual | None = None,
     scale: torch.Tensor | None = None,
 ) -> NormInput:
     """Writes the output [T, H] into `out`, or with `into` residual + output; -> with `into` the next norm's input
-    over that sum (h * gamma [T, H], sums of h^2 over each H-tile [tiles, T]), else empty tensors. `route` (router
-    logits, renormalize): the gate/up kernel routed, so its weights/ids are its output; a weights-first down pass
-    then routes its pairs itself, before its wait."""
+    over that sum (h * gamma [T, H], sums of h^2 over each H-tile [tiles, T]), else empty tensors."""
     num_tokens, hidden_size = out.shape
-    num_experts, _, inter = w2.shape
+    inter = w2.shape[2]
     tiles = fit_tiles(config.down, hidden_size, inter)
     splits = down_splits(config, top_k)
-    block_k = tiles.block_k
-    if config.down_weights_first:
-        block_k = weights_first_block_k(tiles, top_k // splits, inter, w2.element_size())
     h_tiles = triton.cdiv(hidden_size, tiles.block_n)
     workspace, counters = split_buffers(weights, num_tokens * h_tiles, splits, tiles.block_n)
     # The launch writes the next norm's input too: one partial sum per H-tile.
     scaled = torch.empty((num_tokens, hidden_size) if into else (0, 0), dtype=out.dtype, device=out.device)
     partial_sq = torch.empty((h_tiles if into else 0, num_tokens), dtype=torch.float32, device=out.device)
     residual, gamma = into if into is not None else (out, out)  # unused without `into`
-    routes = config.down_weights_first and route is not None
-    logits, renormalize = route if routes and route is not None else (weights, False)  # logits unused unless routes
     token_down_kernel[(num_tokens * splits, h_tiles)](
-        intermediate, w2, scale if scale is not None else weights, weights, ids, logits, out, residual, gamma,
-        scaled, partial_sq, workspace, counters, num_tokens, hidden_size, inter, num_experts,
-        logits.stride(0) if routes else 0, TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k),
-        EXPERTS_P2=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, PAIRS=top_k // splits,
-        PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits, ROUTE=routes,
-        WEIGHTS_FIRST=config.down_weights_first, INTO_RESIDUAL=into is not None, W_SCALED=scale is not None,
-        BLOCK_N=tiles.block_n, BLOCK_K=block_k, STAGES=tiles.stages, num_warps=tiles.num_warps,
-        **pdl_launch_options(out.device),
+        intermediate, w2, scale if scale is not None else weights, weights, ids, out, residual, gamma, scaled,
+        partial_sq, workspace, counters, num_tokens, hidden_size, inter, PAIRS=top_k // splits,
+        PAIRS_P2=triton.next_power_of_2(top_k // splits), SPLITS=splits, INTO_RESIDUAL=into is not None,
+        W_SCALED=scale is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
+        num_warps=tiles.num_warps, **pdl_launch_options(out.device),
     )  # fmt: skip
     return NormInput(scaled, partial_sq)
 
@@ -158,9 +135,8 @@ def small_batch_moe_routed(
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens * top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(num_tokens * top_k, dtype=torch.int32, device=hidden.device)
-    route = (logits, renormalize)
-    intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, scale=_scale(scales, 0))
-    _down(intermediate, w2, weights, ids, out, top_k, config, route, scale=_scale(scales, 1))
+    intermediate = _gate_up(hidden, w13, top_k, config, (logits, renormalize), weights, ids, scale=_scale(scales, 0))
+    _down(intermediate, w2, weights, ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -185,7 +161,7 @@ def small_batch_moe_experts(
     if num_tokens == 0:
         return out
     intermediate = _gate_up(hidden, w13, top_k, config, None, topk_weights, topk_ids, scale=_scale(scales, 0))
-    _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config, None, scale=_scale(scales, 1))
+    _down(intermediate, w2, topk_weights, topk_ids, out, top_k, config, scale=_scale(scales, 1))
     return out
 
 
@@ -239,6 +215,7 @@ def small_batch_moe_into_residual(
     else:
         weights, ids, route = routing.weights, routing.ids, None
     intermediate = _gate_up(hidden, w13, top_k, config, route, weights, ids, (x.partial_sq, eps), _scale(scales, 0))
-    into = _IntoResidual(residual, next_gamma)
-    next_input = _down(intermediate, w2, weights, ids, out, top_k, config, route, into, _scale(scales, 1))
+    next_input = _down(
+        intermediate, w2, weights, ids, out, top_k, config, _IntoResidual(residual, next_gamma), _scale(scales, 1)
+    )
     return out, next_input

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -43,7 +43,7 @@ import tidal.kernels.fused_moe as fused_moe
 import tidal.kernels.fused_moe_small_batch as moe_small_batch
 import tidal.kernels.small_batch_linear as small_batch_linear
 import tidal.kernels.small_batch_qkv as small_batch_qkv
-from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS, GemvTiles, small_batch_moe_config
+from tidal.kernels._moe_small_batch_config import TUNED_SMALL_BATCH_CONFIGS, small_batch_moe_config
 from tidal.kernels.kv_cache_dtype import FP8_E4M3
 from tidal.kernels.kv_layout import new_kv_cache_pair
 from tidal.kernels.moe_expert_scales import ExpertScales
@@ -317,35 +317,6 @@ def weights_first_launches() -> list[Launch]:
     return launches
 
 
-# Down-pass tiles a weights-first sweep may take at one token (sweep_moe_small_batch.py --down-weights-first): 8 or
-# 16 rows a program of the whole 768-wide experts, one pair (8 splits) or two, at 4 or 8 warps.
-DOWN_WEIGHTS_FIRST_TILES = [(GemvTiles(8, 1024, 4), 8), (GemvTiles(16, 1024, 8), 8), (GemvTiles(8, 1024, 8), 4)]
-
-
-def moe_down_weights_first_launches() -> list[Launch]:
-    """Qwen3-30B-A3B's MoE at one token with the down pass weights-first (`SmallBatchMoeConfig.down_weights_first`:
-    each program routes its pairs and holds their rows whole through the wait), FP8 experts and bf16, in the
-    decoder's form: the gate/up kernel of the table's entry (letting the down pass in after its wait) and the down
-    tiles a sweep may pick."""
-    hidden, experts, top_k, inter = 2048, 128, 8, 768
-    residual, gamma = _empty(1, hidden), _empty(hidden)
-    norm = NormInput(_empty(1, hidden), _empty(256, 1, dtype=torch.float32))
-    logits = _empty(1, experts, dtype=torch.float32)
-    with recording() as launches:
-        for fp8 in (True, False):
-            dtype = FP8_E4M3 if fp8 else torch.bfloat16
-            w13, w2 = _empty(experts, 2 * inter, hidden, dtype=dtype), _empty(experts, hidden, inter, dtype=dtype)
-            scales = ExpertScales(_empty(experts, 2 * inter, dtype=torch.float32),
-                                  _empty(experts, hidden, dtype=torch.float32)) if fp8 else None  # fmt: skip
-            entry = small_batch_moe_config(1, top_k, experts, hidden, inter, fp8_experts=fp8)
-            assert entry is not None
-            for down, splits in DOWN_WEIGHTS_FIRST_TILES:
-                config = replace(entry, down=down, down_splits=splits, down_weights_first=True)
-                fused_moe.fused_moe_into_residual_triton(norm, 1e-6, w13, w2, logits, top_k, True, residual, gamma,
-                                                         config, scales)  # fmt: skip
-    return launches
-
-
 def _decode_attention(batch: int, heads: int, kv_heads: int, cache_dtype: torch.dtype, num_splits: int,
                       early_first_tile: bool) -> None:  # fmt: skip
     """One decode attention launch over a 4096-token table of 16-token pages (head_dim 128), the cache in the layout
@@ -382,7 +353,6 @@ MODELS: dict[str, Callable[[], list[Launch]]] = {
     "one-row-qkv": one_row_qkv_launches,
     "weights-first": weights_first_launches,
     "decode-attention": decode_attention_launches,
-    "moe-down-weights-first": moe_down_weights_first_launches,
 }
 
 

@@ -3,7 +3,7 @@ sort) against the grouped path with its tuned tiles, on a model's expert shape a
 as CUDA graphs (as the engine runs them), routing included, every weight copy in turn so L2 never holds a layer.
 
     python benchmarks/kernels/sweep_moe_small_batch.py --shape qwen3-30b-a3b [--tokens 1 2 4 8] [--from-tuned]
-        [--out DIR] [--weight-dtype fp8] [--row-gemv] [--down-weights-first]
+        [--out DIR] [--weight-dtype fp8] [--row-gemv]
 
 Per token count: the grouped path, the small-batch default config (with --from-tuned the table's entry for the
 count, where it has one), then a coordinate descent over the small-batch config (gate/up load stages, then its tiles
@@ -20,8 +20,6 @@ reuse the compiled kernels. --row-gemv sweeps narrow tiles (1-8 outputs a progra
 usual grids, from routing in a launch of its own: the shape that keeps enough programs in flight at one token
 (probe_row_gemv.py), where each of thousands of programs would otherwise redo its token's top-k (folded in, the
 narrow tiles took 27-75 us against 22 for the tuned entry: moe-small-batch-sweep-qwen3-30b-a3b-fp8-row-gemv-h200.txt).
---down-weights-first sweeps only configs whose down pass holds its rows whole and loads them before its wait
-(`SmallBatchMoeConfig.down_weights_first`): its tiles and splits, then the gate/up kernel's load stages.
 """
 
 from __future__ import annotations
@@ -61,9 +59,6 @@ ROW_GEMV_GATE_UP_TILES = [
     GemvTiles(n, k, w) for n in (1, 2, 4, 8) for k in (1024, 2048) for w in (4, 8) if 2 * n * k <= 64 * 32 * w
 ]
 ROW_GEMV_DOWN_TILES = [GemvTiles(n, k, w) for n in (1, 2, 4) for k in (256, 512, 1024) for w in (4, 8)]
-# --down-weights-first: down programs hold their pairs' rows whole (block_k is the expert width, whatever the tile
-# says), so only the rows a program owns and its warps vary; configs past the register budget are skipped.
-WHOLE_ROW_DOWN_TILES = [GemvTiles(n, 1024, w) for n in (4, 8, 16, 32) for w in (2, 4, 8)]
 # Software-pipeline depths of the K loops (GemvTiles.stages): 1 is the unpipelined loop.
 STAGES = (1, 2, 3, 4, 6)
 H200_TBS = 4.8  # the H200's nominal HBM3e bandwidth; the copy ceiling measured by bench_kernels is ~4.3
@@ -73,9 +68,7 @@ def describe(config: SmallBatchMoeConfig) -> str:
     g, d = config.gate_up, config.down
     gate_up = f"gu(n{g.block_n} k{g.block_k} w{g.num_warps} st{g.stages})"
     routing = "" if config.fold_routing else " topk-launch"
-    down = f"dn(whole n{d.block_n} w{d.num_warps})" if config.down_weights_first else (
-        f"dn(n{d.block_n} k{d.block_k} w{d.num_warps} st{d.stages})")  # fmt: skip
-    return f"{gate_up} {down} s{config.down_splits}{routing}"
+    return f"{gate_up} dn(n{d.block_n} k{d.block_k} w{d.num_warps} st{d.stages}) s{config.down_splits}{routing}"
 
 
 def literal(config: SmallBatchMoeConfig) -> str:
@@ -87,18 +80,12 @@ def literal(config: SmallBatchMoeConfig) -> str:
         # Not swept here (the decoder's A/B decides it), but carried from a --from-tuned start so the printed entry
         # keeps the table's choice.
         + ("" if config.fuse_into_layer else ", fuse_into_layer=False")
-        + (", down_weights_first=True" if config.down_weights_first else "")
         + ")"
     )
 
 
 def sweep_tokens(
-    tokens: int,
-    shape: tuple[int, int, int, int],
-    weights: list[ExpertCopy],
-    from_tuned: bool,
-    row_gemv: bool,
-    down_weights_first: bool = False,
+    tokens: int, shape: tuple[int, int, int, int], weights: list[ExpertCopy], from_tuned: bool, row_gemv: bool
 ):
     experts, top_k, hidden, inter = shape
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -138,7 +125,7 @@ def sweep_tokens(
         tried.add(key)
         try:
             results[key] = (config, timed(config))
-        except (OutOfResources, ValueError) as error:  # pipeline buffers past shared memory, rows past registers
+        except OutOfResources as error:  # pipeline buffers past shared memory
             print(f"T{tokens:<3} {key:<58} skipped: {error}", flush=True)
             return
         report(key, results[key][1])
@@ -153,29 +140,19 @@ def sweep_tokens(
     start = best = tuned or default_small_batch_config(top_k)
     if row_gemv:  # thousands of programs: each would redo its token's top-k if routing were folded into gate/up
         start = best = replace(best, fold_routing=False)
-    if down_weights_first:
-        start = best = replace(best, down=GemvTiles(8, 1024, 4), down_weights_first=True)
-        down_tiles = WHOLE_ROW_DOWN_TILES
     try_config(best)
     err = relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want)
     print(f"T{tokens:<3} small-batch vs grouped output: relative error {err:.2e}", flush=True)
     # The row GEMV's K loop is one or two steps, so its pipeline depth hardly matters: its sweep keeps the start's.
     stages = () if row_gemv else STAGES
-    if down_weights_first:
-        # The down pass's tiles and splits together (whole rows: no K loop to pipeline), then the gate/up kernel's
-        # stages, which now share the machine with them; its tiles stay the start's (a plain sweep chooses those).
-        best = best_of(replace(best, down_splits=s, down=t) for s in (8, 4, 2, 1) if top_k % s == 0 for t in down_tiles)
-        best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in STAGES)
-        stages, gate_up_tiles, down_tiles = (), [], []
     best = best_of(replace(best, gate_up=replace(best.gate_up, stages=s)) for s in stages)
     best = best_of(replace(best, gate_up=replace(t, stages=best.gate_up.stages)) for t in gate_up_tiles)
     best = best_of(replace(best, down=replace(best.down, stages=s)) for s in stages)
     best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
     best = best_of(replace(best, down_splits=s) for s in (1, 2, 4, 8) if top_k % s == 0)
-    if best.down_splits > 1 and down_tiles:  # fewer pairs side by side: the down tiles again
+    if best.down_splits > 1:  # fewer pairs side by side: the down tiles again
         best = best_of(replace(best, down=replace(t, stages=best.down.stages)) for t in down_tiles)
-    # A top-k launch of its own instead (a weights-first down pass then reads its ids before the wait).
-    best = best_of([replace(best, fold_routing=not best.fold_routing)])
+    best = best_of([replace(best, fold_routing=not best.fold_routing)])  # a top-k launch of its own instead
     best_ms = results[describe(best)][1]
     err = max(err, relative_error(fused_moe_triton(x, w13, w2, logits, top_k, True, best, scales), want))
     tbs = expert_bytes / (best_ms * 1e-3) / 1e12
@@ -217,26 +194,18 @@ def main() -> None:
     parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto", help="fp8: e4m3 experts")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--row-gemv", action="store_true", help="sweep the row GEMV's narrow tiles instead")
-    parser.add_argument(
-        "--down-weights-first", action="store_true",
-        help="only configs whose down pass loads its rows before the wait (SmallBatchMoeConfig.down_weights_first)",
-    )  # fmt: skip
     args = parser.parse_args()
     os.environ.pop("TIDAL_MOE_SMALL_BATCH", None)  # each call passes its config; the switch must not interfere
     shape = SHAPES[args.shape]
     weights = expert_weight_copies(args.shape, shape, args.weight_dtype)
-    rows = [
-        sweep_tokens(t, shape, weights, args.from_tuned, args.row_gemv, args.down_weights_first)
-        for t in sorted(args.tokens)
-    ]
+    rows = [sweep_tokens(t, shape, weights, args.from_tuned, args.row_gemv) for t in sorted(args.tokens)]
     table = "TUNED_FP8_SMALL_BATCH_CONFIGS" if args.weight_dtype == "fp8" else "TUNED_SMALL_BATCH_CONFIGS"
     print(f"\n{table} entry (kernels/_moe_small_batch_config.py):")
     print(table_entry(shape, rows))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         fp8 = "-fp8" if args.weight_dtype == "fp8" else ""
-        early = "-down-weights-first" if args.down_weights_first else ""
-        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}{early}-{gpu_tag()}.json"
+        path = args.out / f"moe-small-batch-sweep-{args.shape}{fp8}-{gpu_tag()}.json"
         path.write_text(
             json.dumps({"shape": args.shape, "dims": shape, "weight_dtype": args.weight_dtype, "rows": rows}, indent=1)
             + "\n"

@@ -97,19 +97,6 @@ def test_small_batch_matches_reference(device, dtype, splits, fold_routing):
     assert_close(got, fused_moe_reference(x, q13, q2, logits, top_k, True, scales), scale=2.0)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_weights_first_down_pass_scales_e4m3_rows(device, splits):
-    """A weights-first down pass loads its rows' scales before the wait too: each to its own expert and channel."""
-    torch.manual_seed(4)
-    tokens, num_experts, top_k, hidden, inter = 1, 12, 4, 48, 40
-    x = torch.randn(tokens, hidden, device=device).to(torch.bfloat16)
-    q13, q2, scales = _fp8_experts(num_experts, hidden, inter, device)
-    logits = torch.randn(tokens, num_experts, device=device)
-    config = SmallBatchMoeConfig(SMALL.gate_up, SMALL.down, down_splits=splits, down_weights_first=True)
-    got = fused_moe_triton(x, q13, q2, logits, top_k, True, config=config, scales=scales)
-    assert_close(got, fused_moe_reference(x, q13, q2, logits, top_k, True, scales), scale=2.0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_batch_into_residual_matches_reference(device, dtype):
     torch.manual_seed(3)

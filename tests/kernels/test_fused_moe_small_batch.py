@@ -4,14 +4,10 @@ choice between it and the grouped GEMMs.
 Its kernels use no tl.dot, so bf16 is checked on CPU too (the interpreter's bf16 tl.dot is what keeps the grouped
 path's bf16 tests on the GPU, see tolerances.py)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 from tolerances import assert_close
 
-import tidal.kernels._moe_small_batch_kernels as small_batch_kernels
-import tidal.kernels.fused_moe_small_batch as small_batch
 import tidal.worker.layers.moe as moe_layer
 from tidal.kernels._moe_small_batch_config import (
     DEFAULT_MAX_EXPERT_WIDTH,
@@ -215,76 +211,6 @@ def test_the_moe_layer_takes_the_small_batch_path(device, monkeypatch):
     with torch.no_grad():
         assert_close(layer(x), want)
     assert calls == [1]
-
-
-# A weights-first down pass holds each program's rows of W2 whole (the whole expert width in one tile).
-WHOLE_ROWS = SmallBatchMoeConfig(TINY.gate_up, GemvTiles(16, 64, 4), down_weights_first=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 2, 8])
-@pytest.mark.parametrize(
-    ("tokens", "num_experts", "top_k", "hidden", "inter"),
-    [(1, 16, 8, 64, 48), (3, 8, 2, 48, 40), (2, 130, 8, 32, 16)],  # past 128 experts: top k one by one
-)
-def test_weights_first_down_pass_gives_the_bits_of_one_k_step(device, dtype, splits, tokens, num_experts, top_k,
-                                                              hidden, inter):  # fmt: skip
-    """The down pass routing its own pairs before the wait (from the logits, as gate/up routes) and holding their
-    rows whole: the same bits as the plain pass over the same tile in one K step, routed by the gate/up kernel; in
-    the decoder's form too, and from routing given by the caller (ids read before the wait)."""
-    x = torch.randn(tokens, hidden, device=device).to(dtype)
-    w13, w2 = _weights(num_experts, hidden, inter, dtype, device)
-    logits = torch.randn(tokens, num_experts, device=device)
-    early = replace(WHOLE_ROWS, down_splits=splits)
-    plain = replace(early, down_weights_first=False)
-    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=early)
-    assert torch.equal(got, fused_moe_triton(x, w13, w2, logits, top_k, True, config=plain))
-    assert_close(got, fused_moe_reference(x, w13, w2, logits, top_k, True), scale=2.0)
-    weights, ids = topk_route_triton(logits, top_k, True)
-    given = fused_moe_experts_triton(x, w13, w2, weights, ids, config=early)
-    assert torch.equal(given, fused_moe_experts_triton(x, w13, w2, weights, ids, config=plain))
-    h = torch.randn(tokens, hidden, device=device).to(dtype)
-    gamma, residual = torch.rand(hidden, device=device).add(0.5).to(dtype), torch.randn_like(h)
-    norm = _norm_input(h, gamma, num_partials=2)
-    into = (norm, 1e-6, w13, w2, logits, top_k, False, residual, gamma)
-    early_h, early_next = fused_moe_into_residual_triton(*into, early)
-    plain_h, plain_next = fused_moe_into_residual_triton(*into, plain)
-    assert torch.equal(early_h, plain_h) and torch.equal(early_next.scaled, plain_next.scaled)
-    assert torch.equal(early_next.partial_sq, plain_next.partial_sq)
-
-
-def test_a_weights_first_down_pass_reads_the_intermediate_after_the_wait(monkeypatch):
-    """Only the gate/up kernel's output (the intermediate) must wait: here the wait is where it lands, and until
-    then it holds NaN, which any read before would carry into the output. The first program runs first (the
-    interpreter runs them one by one), so its reads before the wait see the NaN."""
-    tokens, num_experts, top_k, hidden, inter = 1, 16, 8, 64, 48
-    x = torch.randn(tokens, hidden)
-    w13, w2 = _weights(num_experts, hidden, inter, torch.float32, "cpu")
-    logits = torch.randn(tokens, num_experts)
-    want = fused_moe_reference(x, w13, w2, logits, top_k, True)
-    real_gate_up = small_batch._gate_up
-
-    def gate_up_finishing_at_the_wait(*args, **kwargs):
-        intermediate = real_gate_up(*args, **kwargs)
-        finished = intermediate.clone()
-        intermediate.fill_(float("nan"))
-
-        def the_gate_up_kernel_finishes(use_pdl):
-            intermediate.copy_(finished)
-
-        monkeypatch.setattr(small_batch_kernels, "wait_for_previous_kernel", the_gate_up_kernel_finishes)
-        return intermediate
-
-    monkeypatch.setattr(small_batch, "_gate_up", gate_up_finishing_at_the_wait)
-    got = fused_moe_triton(x, w13, w2, logits, top_k, True, config=replace(WHOLE_ROWS, down_splits=8))
-    assert_close(got, want, scale=2.0)
-
-
-def test_a_weights_first_down_pass_must_fit_its_rows_in_registers():
-    x, logits = torch.randn(1, 64), torch.randn(1, 16)
-    w13, w2 = _weights(16, 64, 1024, torch.float32, "cpu")  # 1024 fp32 inputs of 16 rows over 4 warps: 512 B
-    with pytest.raises(ValueError, match="holds 512 bytes of them a thread, over the 256"):
-        fused_moe_triton(x, w13, w2, logits, 8, True, config=replace(WHOLE_ROWS, down_splits=8))
 
 
 def _norm_input(h: torch.Tensor, gamma: torch.Tensor, num_partials: int) -> NormInput:

@@ -102,9 +102,7 @@ def test_a_moe_sweep_replaces_only_the_counts_it_won(tmp_path, monkeypatch):
     monkeypatch.setitem(TUNED_FP8_SMALL_BATCH_CONFIGS, dims, TUNED_FP8_SMALL_BATCH_CONFIGS[dims])
     monkeypatch.setitem(TUNED_SMALL_BATCH_CONFIGS, dims, TUNED_SMALL_BATCH_CONFIGS[dims])
     bf16_before = TUNED_SMALL_BATCH_CONFIGS[dims]
-    row_gemv = SmallBatchMoeConfig(
-        GemvTiles(2, 2048, 8, 3), GemvTiles(4, 1024, 4), down_splits=8, down_weights_first=True
-    )
+    row_gemv = SmallBatchMoeConfig(GemvTiles(2, 2048, 8, 3), GemvTiles(4, 1024, 4), down_splits=8)
     grouped_wins = SmallBatchMoeConfig(GemvTiles(1, 1024, 4), GemvTiles(1, 256, 4))
     rows = [
         {"tokens": 1, "best": dataclasses.asdict(row_gemv), "best_ms": 0.020, "grouped_ms": 0.043},
