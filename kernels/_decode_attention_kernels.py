@@ -115,14 +115,21 @@ def _accumulate(acc, m, denom, q, k, v, tok_ok, scale_log2, MASKED: tl.constexpr
     scores = scores * scale_log2
     if MASKED:
         scores = tl.where(tok_ok[None, :], scores, float("-inf"))
+    m_new, alpha, p, denom = _softmax_step(m, denom, scores, MAY_BE_EMPTY)
+    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
+    return acc, m_new, denom
+
+
+@triton.jit
+def _softmax_step(m, denom, scores, MAY_BE_EMPTY: tl.constexpr):
+    """The online softmax's step over scores [GROUP_P2, N] (log2 domain) from the running max m and denominator:
+    -> (the new max, alpha rescaling the old state, the probabilities p [GROUP_P2, N], the new denominator)."""
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    # An empty tile's scores are all -inf: shifting by -inf would make -inf - -inf, NaN.
+    # Where every score so far is -inf (an empty tile), shifting by -inf would make -inf - -inf, NaN.
     m_shift = tl.where(m_new > float("-inf"), m_new, 0.0) if MAY_BE_EMPTY else m_new
     alpha = tl.exp2(m - m_shift)
     p = tl.exp2(scores - m_shift[:, None])
-    denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v, IS_FP32)
-    return acc, m_new, denom
+    return m_new, alpha, p, denom * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -163,12 +170,8 @@ def _accumulate_one(acc, m, denom, q, k, v, here, scale_log2):
     was). Products and sums in fp32, of the same values the tiles' dot takes (q in the cache's compute type)."""
     score = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale_log2  # [GROUP_P2]
     score = tl.where(here, score, float("-inf"))
-    m_new = tl.maximum(m, score)
-    m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # no token yet and none here: -inf - -inf would be NaN
-    alpha = tl.exp2(m - m_shift)
-    p = tl.exp2(score - m_shift)
-    denom = denom * alpha + p
-    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+    m_new, alpha, p, denom = _softmax_step(m, denom, score[:, None], True)  # no token yet and none here: may be empty
+    acc = acc * alpha[:, None] + p * v.to(tl.float32)  # [GROUP_P2, 1] x [1, HD_P2]
     return acc, m_new, denom
 
 
