@@ -28,15 +28,15 @@ TOKENS_INNER_V_STAGES = 2
 # a multiprocessor) it did not win (kernels-h100-attention-fp8-sweep.txt, kernels-h100-attention-fp8-batches.txt).
 MANY_PROGRAMS_PER_SM = 6
 MANY_PROGRAMS_TILE = (32, 2, 1)  # block_n, num_warps, num_stages
-# With TIDAL_DECODE_EARLY_TILE=1, a launch of at most this many programs a multiprocessor reads each split's first
-# tile before waiting for the previous kernel (`decode_split_kernel`'s EARLY_FIRST_TILE): its programs, resident
-# while that kernel finishes, hold the tile through the wait. That takes 202 registers a thread where 128 did
-# (Qwen3's FP8 cache on 4 warps; benchmarks/kernels/register_report.py), two programs a multiprocessor at most, so
-# launches of more keep the plain loop. Off by default until it is timed: its first form (the step's own token read
-# after the tiles) ran Qwen3-30B-A3B's FP8 batch-1 step 1.5% slower on an H100
-# (profile-steps-qwen3-30b-a3b-h100-decode-early-tile.txt); this form issues that token's loads beside q's.
+# A launch of at most this many programs a multiprocessor reads each split's first tile before waiting for the
+# previous kernel (`decode_split_kernel`'s EARLY_FIRST_TILE): its programs, resident while that kernel finishes, hold
+# the tile through the wait. That takes 202 registers a thread where 128 did (Qwen3's FP8 cache on 4 warps;
+# benchmarks/kernels/register_report.py), two programs a multiprocessor at most, so launches of more keep the plain
+# loop. Qwen3-30B-A3B's FP8 batch-1 step on an H100 took 2,251 / 2,243 / 2,244 us with it against 2,282 / 2,281 /
+# 2,273 / 2,272 without (profile-steps-qwen3-30b-a3b-h100-decode-early-tile-second-form.txt); its first form, which
+# read the step's own token after the tiles, had been 1.5% slower. TIDAL_DECODE_EARLY_TILE=0 turns it off (A/B).
 EARLY_FIRST_TILE_PROGRAMS_PER_SM = 2
-_EARLY_FIRST_TILE_SWITCH = os.environ.get("TIDAL_DECODE_EARLY_TILE", "0") == "1"
+_EARLY_FIRST_TILE_SWITCH = os.environ.get("TIDAL_DECODE_EARLY_TILE", "1") != "0"
 # Splits the in-kernel merge loads per step: [group heads (>= 16), chunk, head_dim] fp32 stays in registers.
 MERGE_CHUNK = 4
 

@@ -333,12 +333,12 @@ def _decode_attention(batch: int, heads: int, kv_heads: int, cache_dtype: torch.
 
 def decode_attention_launches() -> list[Launch]:
     """Decode attention as the engine launches it on an H100/H200: Qwen3-30B-A3B's heads (32 q, 4 KV) over an FP8
-    cache (V tokens innermost) at one sequence (16 splits, each one's first tile read before the wait as
-    TIDAL_DECODE_EARLY_TILE=1 asks, and not) and at 256 (unsplit, the many-programs tile); the 8B's (32 q, 8 KV)
-    over a bf16 cache at one sequence, its first tiles early."""
+    cache (V tokens innermost) at one sequence (16 splits, each one's first tile read before the wait as the engine
+    launches it, and not, as TIDAL_DECODE_EARLY_TILE=0 asks) and at 256 (unsplit, the many-programs tile); the
+    8B's (32 q, 8 KV) over a bf16 cache at one sequence, its first tiles early."""
     with recording() as launches:
         _decode_attention(1, 32, 4, FP8_E4M3, num_splits=16, early_first_tile=True)
-        _decode_attention(1, 32, 4, FP8_E4M3, num_splits=16, early_first_tile=False)  # the default
+        _decode_attention(1, 32, 4, FP8_E4M3, num_splits=16, early_first_tile=False)  # TIDAL_DECODE_EARLY_TILE=0
         _decode_attention(256, 32, 4, FP8_E4M3, num_splits=1, early_first_tile=False)
         _decode_attention(1, 32, 8, torch.bfloat16, num_splits=12, early_first_tile=True)
     return launches
